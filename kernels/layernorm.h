@@ -1,0 +1,50 @@
+/*
+ * kernels/layernorm.h - LayerNorm / RMSNorm over the last dimension.
+ *
+ * The input is viewed as rows x cols with contiguous rows (the op layer makes
+ * it so). weight and bias are [cols] in the input dtype, or NULL. Statistics
+ * (mean, rstd; [rows]) are fp32, or fp64 for fp64 input. Math and the
+ * guarantees it gives are in layernorm_math.h.
+ */
+#ifndef NG_KERNELS_LAYERNORM_H
+#define NG_KERNELS_LAYERNORM_H
+
+#include "kernels/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ng_layernorm_args {
+    ng_dtype dtype;      /* of x, y, weight, bias, dy, dx, dweight, dbias */
+    int64_t rows, cols;
+    int rms;             /* 1: RMSNorm (no mean, no bias) */
+    double eps;          /* >= 0 */
+    const void *x;       /* [rows, cols] */
+    const void *weight;  /* [cols] or NULL */
+    const void *bias;    /* [cols] or NULL; ignored for RMSNorm */
+    void *mean;          /* [rows], fp32 (fp64 for fp64); unused (may be NULL) for RMSNorm */
+    void *rstd;          /* [rows], fp32 (fp64 for fp64) */
+    /* forward */
+    void *y;             /* [rows, cols] */
+    /* backward */
+    const void *dy;      /* [rows, cols] */
+    void *dx;            /* [rows, cols] or NULL */
+    void *dweight;       /* [cols] or NULL */
+    void *dbias;         /* [cols] or NULL */
+} ng_layernorm_args;
+
+/* CPU. par may be NULL (serial). */
+ng_status ng_layernorm_fwd(const ng_layernorm_args *a, ng_parallel_fn par);
+ng_status ng_layernorm_bwd(const ng_layernorm_args *a, ng_parallel_fn par);
+
+/* CUDA launchers (kernels/layernorm.cu); stream is a cudaStream_t. fp64 is
+ * not supported on CUDA (NG_ERR_DTYPE). */
+ng_status ng_layernorm_fwd_cuda(const ng_layernorm_args *a, void *stream);
+ng_status ng_layernorm_bwd_cuda(const ng_layernorm_args *a, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* NG_KERNELS_LAYERNORM_H */
