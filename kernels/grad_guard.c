@@ -41,34 +41,42 @@ typedef void (*gg_apply_fn)(void *x, int64_t n, float cf, double cd);
 
 /* ---- block bodies (inlined into each ISA's wrapper) ------------------------ */
 
-/* Fold n fp32 values into *o. */
+/* Exact NaN / Inf counts of n fp32 values (run only on a sub-block whose
+ * fast loop saw a non-finite value, so its cost does not matter). */
+GG_INLINE void gg_count_f32(const float *restrict x, int64_t n, ng_gg_partial *o) {
+    for (int64_t i = 0; i < n; i++) {
+        o->nan_count += ng_gg_isnan_f(x[i]);
+        o->inf_count += ng_gg_isinf_f(x[i]);
+    }
+}
+
+/* Fold n fp32 values into *o. The hot loop carries only the norm and a
+ * sentinel z = sum(x * 0), which is NaN exactly when some x is NaN or Inf;
+ * the exact counts come from a rescan of the (cache-resident) sub-block. */
 GG_INLINE void gg_reduce_f32_body(const float *restrict x, int64_t n, float s, ng_gg_norm p,
                                   ng_gg_partial *o) {
-    int32_t nan = 0, inf = 0;
+    float z = 0.0f;
     if (p == NG_GG_NORM_2) {
         double acc = 0.0;
-#pragma omp simd reduction(+ : acc, nan, inf)
+#pragma omp simd reduction(+ : acc, z)
         for (int64_t i = 0; i < n; i++) {
             float v = x[i];
             acc += ng_gg_sq(ng_gg_unscale(v, s));
-            nan += ng_gg_isnan_f(v);
-            inf += ng_gg_isinf_f(v);
+            z += v * 0.0f;
         }
         o->norm += acc;
     } else {
         float m = 0.0f;
-#pragma omp simd reduction(max : m) reduction(+ : nan, inf)
+#pragma omp simd reduction(max : m) reduction(+ : z)
         for (int64_t i = 0; i < n; i++) {
             float v = x[i];
             float a = ng_gg_absf(ng_gg_unscale(v, s));
             m = a > m ? a : m;
-            nan += ng_gg_isnan_f(v);
-            inf += ng_gg_isinf_f(v);
+            z += v * 0.0f;
         }
         o->norm = ng_gg_combine(o->norm, (double)m, NG_GG_NORM_INF);
     }
-    o->nan_count += nan;
-    o->inf_count += inf;
+    if (z != 0.0f) gg_count_f32(x, n, o);
 }
 
 GG_INLINE void gg_reduce_f64_body(const double *restrict x, int64_t n, float s, ng_gg_norm p,
