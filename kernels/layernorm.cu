@@ -1,0 +1,230 @@
+/*
+ * kernels/layernorm.cu - CUDA LayerNorm / RMSNorm, forward and backward.
+ *
+ * Same arithmetic as the CPU kernel (layernorm_math.h): shifted two-pass
+ * fp32 statistics, rstd = 0 when var + eps == 0, NaN for a non-finite row,
+ * scaled recomputation when a finite row's sum of squares overflows fp32.
+ *
+ * Launch math:
+ *   forward / dx: one block per row (grid.x = rows, capped at 65535 per
+ *     launch and looped), NG_LN_THREADS threads striding over the columns;
+ *     block reductions by warp shuffle, then one value per warp in shared
+ *     memory. Rows are re-read from global memory for each pass; at the
+ *     widths LayerNorm sees (<= 16K) the row stays in L1/L2.
+ *   dweight / dbias: grid.x = ceil(cols / 32) blocks of 32 x 8 threads; lane x
+ *     owns a column, the 8 y-threads stride over rows (coalesced across x),
+ *     and the 8 partials are summed in a fixed order in shared memory, so the
+ *     result is deterministic without atomics.
+ * Element type is a run-time argument (warp-uniform switch in ng_load_f32);
+ * the kernels are memory-bound, so the conversions are free.
+ */
+#include <cuda_runtime.h>
+
+#include "kernels/layernorm.h"
+#include "kernels/layernorm_math.h"
+
+#define NG_LN_THREADS 256
+#define NG_LN_MAX_GRID 65535
+
+/* Sum over the block; every thread gets the result. `red` holds 32 floats. */
+static __device__ float block_sum(float v, float *red) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int nwarps = (blockDim.x + 31) / 32;
+    __syncthreads(); /* red may still be read from the previous call */
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (int w = 0; w < nwarps; w++) s += red[w]; /* fixed order: deterministic */
+    return s;
+}
+
+static __device__ float block_max(float v, float *red) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float u = __shfl_xor_sync(0xffffffffu, v, o);
+        v = (u > v || u != u) ? u : v; /* NaN wins */
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int nwarps = (blockDim.x + 31) / 32;
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float m = red[0];
+    for (int w = 1; w < nwarps; w++) m = (red[w] > m || red[w] != red[w]) ? red[w] : m;
+    return m;
+}
+
+/* Statistics of one row: mean (shift + md) and rstd. */
+static __device__ void row_stats(const void *x, ng_dtype t, int64_t base, int64_t n, float eps,
+                                 int rms, float *red, float *mean_out, float *rstd_out) {
+    const float inv_n = 1.0f / (float)n;
+    const float shift = rms ? 0.0f : ng_load_f32(x, t, base);
+    float s = 0.0f;
+    if (!rms) {
+        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += ng_load_f32(x, t, base + i) - shift;
+        s = block_sum(s, red);
+    }
+    const float md = s * inv_n;
+    float v = 0.0f;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        float d = (ng_load_f32(x, t, base + i) - shift) - md;
+        v += d * d;
+    }
+    v = block_sum(v, red);
+    float rstd = ng_ln_rstd_f32(v * inv_n, eps);
+    if (v == INFINITY) { /* rare: finite row whose squares overflow, or a row with Inf */
+        float amax = 0.0f;
+        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+            float d = fabsf((ng_load_f32(x, t, base + i) - shift) - md);
+            amax = (d > amax || d != d) ? d : amax;
+        }
+        amax = block_max(amax, red);
+        if (amax > 0.0f && amax < INFINITY) {
+            float vs = 0.0f;
+            for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+                float d = ((ng_load_f32(x, t, base + i) - shift) - md) / amax;
+                vs += d * d;
+            }
+            vs = block_sum(vs, red);
+            rstd = ng_ln_rstd_scaled_f32(vs * inv_n, amax, eps);
+        }
+    }
+    *mean_out = shift + md;
+    *rstd_out = rstd;
+}
+
+static __global__ void ln_fwd_kernel(ng_layernorm_args a, int64_t row0) {
+    __shared__ float red[32];
+    const int64_t r = row0 + blockIdx.x;
+    if (r >= a.rows) return;
+    const int64_t n = a.cols, base = r * n;
+    float mean, rstd;
+    row_stats(a.x, a.dtype, base, n, (float)a.eps, a.rms, red, &mean, &rstd);
+    if (threadIdx.x == 0) {
+        if (!a.rms) ((float *)a.mean)[r] = mean;
+        ((float *)a.rstd)[r] = rstd;
+    }
+    const float shift = a.rms ? 0.0f : ng_load_f32(a.x, a.dtype, base);
+    const float md = mean - shift;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        float o = ((ng_load_f32(a.x, a.dtype, base + i) - shift) - md) * rstd;
+        if (a.weight) o *= ng_load_f32(a.weight, a.dtype, i);
+        if (a.bias && !a.rms) o += ng_load_f32(a.bias, a.dtype, i);
+        ng_store_f32(a.y, a.dtype, base + i, o);
+    }
+}
+
+static __global__ void ln_bwd_dx_kernel(ng_layernorm_args a, int64_t row0) {
+    __shared__ float red[32];
+    const int64_t r = row0 + blockIdx.x;
+    if (r >= a.rows) return;
+    const int64_t n = a.cols, base = r * n;
+    const float mean = a.rms ? 0.0f : ((const float *)a.mean)[r];
+    const float rstd = ((const float *)a.rstd)[r];
+    float sg = 0.0f, sgx = 0.0f;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        float g = ng_load_f32(a.dy, a.dtype, base + i);
+        if (a.weight) g *= ng_load_f32(a.weight, a.dtype, i);
+        sg += g;
+        sgx += g * ((ng_load_f32(a.x, a.dtype, base + i) - mean) * rstd);
+    }
+    sg = block_sum(sg, red);
+    sgx = block_sum(sgx, red);
+    const float inv_n = 1.0f / (float)n;
+    const float ca = a.rms ? 0.0f : sg * inv_n, cb = sgx * inv_n;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        float g = ng_load_f32(a.dy, a.dtype, base + i);
+        if (a.weight) g *= ng_load_f32(a.weight, a.dtype, i);
+        float xhat = (ng_load_f32(a.x, a.dtype, base + i) - mean) * rstd;
+        ng_store_f32(a.dx, a.dtype, base + i, ng_ln_dx_f32(g, xhat, rstd, ca, cb));
+    }
+}
+
+static __global__ void ln_bwd_params_kernel(ng_layernorm_args a) {
+    __shared__ float sw[8][33], sb[8][33];
+    const int64_t j = (int64_t)blockIdx.x * 32 + threadIdx.x;
+    float accw = 0.0f, accb = 0.0f;
+    if (j < a.cols) {
+        for (int64_t r = threadIdx.y; r < a.rows; r += 8) {
+            const float dy = ng_load_f32(a.dy, a.dtype, r * a.cols + j);
+            const float mean = a.rms ? 0.0f : ((const float *)a.mean)[r];
+            const float rstd = ((const float *)a.rstd)[r];
+            accw += dy * ((ng_load_f32(a.x, a.dtype, r * a.cols + j) - mean) * rstd);
+            accb += dy;
+        }
+    }
+    sw[threadIdx.y][threadIdx.x] = accw;
+    sb[threadIdx.y][threadIdx.x] = accb;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < a.cols) {
+        float w = 0.0f, b = 0.0f;
+        for (int k = 0; k < 8; k++) {
+            w += sw[k][threadIdx.x];
+            b += sb[k][threadIdx.x];
+        }
+        if (a.dweight) ng_store_f32(a.dweight, a.dtype, j, w);
+        if (a.dbias) ng_store_f32(a.dbias, a.dtype, j, b);
+    }
+}
+
+static int threads_for(int64_t cols) {
+    /* enough threads for ~4 elements each, a multiple of 32, 32..1024 */
+    int64_t t = NG_CEIL_DIV(cols, (int64_t)4);
+    t = NG_CEIL_DIV(t, (int64_t)32) * 32;
+    return (int)NG_MAX((int64_t)32, NG_MIN((int64_t)NG_LN_THREADS * 4, t));
+}
+
+static ng_status check(const ng_layernorm_args *a) {
+    if (a->dtype == NG_F64) return NG_ERR_DTYPE;
+    if (a->rows < 0 || a->cols < 0 || !(a->eps >= 0.0)) return NG_ERR_INVALID_ARG;
+    return NG_OK;
+}
+
+static ng_status launch_status(void) {
+    return cudaGetLastError() == cudaSuccess ? NG_OK : NG_ERR_CUDA;
+}
+
+/* Statistics of empty rows (cols == 0): mean 0, rstd of eps; nothing else. */
+static __global__ void ln_empty_rows_kernel(ng_layernorm_args a) {
+    const int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= a.rows) return;
+    if (!a.rms) ((float *)a.mean)[r] = 0.0f;
+    ((float *)a.rstd)[r] = ng_ln_rstd_f32(0.0f, (float)a.eps);
+}
+
+extern "C" ng_status ng_layernorm_fwd_cuda(const ng_layernorm_args *a, void *stream) {
+    NG_TRY(check(a));
+    cudaStream_t s = (cudaStream_t)stream;
+    if (a->rows == 0) return NG_OK;
+    if (a->cols == 0) {
+        ln_empty_rows_kernel<<<(unsigned)NG_CEIL_DIV(a->rows, (int64_t)256), 256, 0, s>>>(*a);
+        return launch_status();
+    }
+    const int threads = threads_for(a->cols);
+    for (int64_t r0 = 0; r0 < a->rows; r0 += NG_LN_MAX_GRID) {
+        const unsigned blocks = (unsigned)NG_MIN(a->rows - r0, (int64_t)NG_LN_MAX_GRID);
+        ln_fwd_kernel<<<blocks, threads, 0, s>>>(*a, r0);
+        NG_TRY(launch_status());
+    }
+    return NG_OK;
+}
+
+extern "C" ng_status ng_layernorm_bwd_cuda(const ng_layernorm_args *a, void *stream) {
+    NG_TRY(check(a));
+    cudaStream_t s = (cudaStream_t)stream;
+    if (a->cols == 0) return NG_OK;
+    if (a->rows > 0 && a->dx) {
+        const int threads = threads_for(a->cols);
+        for (int64_t r0 = 0; r0 < a->rows; r0 += NG_LN_MAX_GRID) {
+            const unsigned blocks = (unsigned)NG_MIN(a->rows - r0, (int64_t)NG_LN_MAX_GRID);
+            ln_bwd_dx_kernel<<<blocks, threads, 0, s>>>(*a, r0);
+            NG_TRY(launch_status());
+        }
+    }
+    if (a->dweight || a->dbias) {
+        /* also runs for rows == 0, writing zeros */
+        ln_bwd_params_kernel<<<(unsigned)NG_CEIL_DIV(a->cols, (int64_t)32), dim3(32, 8), 0, s>>>(*a);
+        NG_TRY(launch_status());
+    }
+    return NG_OK;
+}

@@ -1,0 +1,188 @@
+/*
+ * ops/layernorm.c - torch.ops.nanguard.stable_layernorm and its backward.
+ *
+ * Schemas (no `Tensor?`: optional weight / bias are overloads):
+ *   stable_layernorm(Tensor input, float eps, bool rms) -> (Tensor out, Tensor mean, Tensor rstd)
+ *   stable_layernorm.weight(input, weight, eps, rms)
+ *   stable_layernorm.bias(input, bias, eps, rms)            LayerNorm only
+ *   stable_layernorm.weight_bias(input, weight, bias, eps, rms)
+ *   stable_layernorm_backward(grad_out, input, mean, rstd, rms, with_bias)
+ *       -> (Tensor grad_input, Tensor grad_bias)
+ *   stable_layernorm_backward.weight(grad_out, input, weight, mean, rstd, rms, with_bias)
+ *       -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)
+ *
+ * Normalization is over the last dimension; mean / rstd have the leading
+ * shape and are fp32 (fp64 for fp64 input). For RMSNorm mean is all zeros.
+ * grad_bias is [cols] when with_bias is true and [0] otherwise.
+ * Non-contiguous inputs are copied to contiguous ones; outputs are contiguous.
+ */
+#include <math.h>
+
+#include "kernels/layernorm.h"
+#include "ops/ops.h"
+
+#define LN_OP "nanguard::stable_layernorm"
+#define LN_BWD_OP "nanguard::stable_layernorm_backward"
+
+/* Check the input and an optional [cols] parameter of the same dtype/device. */
+static void check_param(ng_frame *f, const ng_tensor *x, const ng_tensor *p, const char *name) {
+    ng_check_same_device(f, x, "input", p, name);
+    ng_check_same_dtype(f, x, "input", p, name);
+    if (p->ndim != 1 || p->sizes[0] != x->sizes[x->ndim - 1])
+        ng_fail(f, "%s must have shape [%lld] (the last dimension of input), got %lld dims", name,
+                (long long)x->sizes[x->ndim - 1], (long long)p->ndim);
+}
+
+static void check_input(ng_frame *f, ng_tensor *x, double eps) {
+    ng_check_device_dtype(f, x, "input");
+    if (x->ndim < 1) ng_fail(f, "input must have at least one dimension");
+    if (!(eps >= 0.0) || eps == (double)INFINITY)
+        ng_fail(f, "eps must be a finite number >= 0, got %g", eps);
+}
+
+static ng_dtype stat_dtype(ng_dtype t) { return t == NG_F64 ? NG_F64 : NG_F32; }
+
+/* Number of rows: the product of the leading dimensions (even when cols == 0). */
+static int64_t leading_rows(const ng_tensor *x) {
+    int64_t rows = 1;
+    for (int64_t d = 0; d + 1 < x->ndim; d++) rows *= x->sizes[d];
+    return rows;
+}
+
+/* Shared body of the four forward overloads. */
+static void ln_forward(StableIValue *stack, int has_w, int has_b) {
+    ng_frame f;
+    ng_frame_init(&f, LN_OP);
+    uint64_t i = 0;
+    ng_tensor x, w = {0}, b = {0};
+    ng_view(&f, ng_arg_tensor(&f, stack, i++), "input", &x);
+    if (has_w) ng_view(&f, ng_arg_tensor(&f, stack, i++), "weight", &w);
+    if (has_b) ng_view(&f, ng_arg_tensor(&f, stack, i++), "bias", &b);
+    double eps = ng_arg_double(stack, i++);
+    int rms = ng_arg_bool(stack, i++);
+    check_input(&f, &x, eps);
+    if (has_w) check_param(&f, &x, &w, "weight");
+    if (has_b) {
+        if (rms) ng_fail(&f, "bias is not supported with rms=True (RMSNorm has no bias)");
+        check_param(&f, &x, &b, "bias");
+    }
+    ng_make_contiguous(&f, &x);
+    if (has_w) ng_make_contiguous(&f, &w);
+    if (has_b) ng_make_contiguous(&f, &b);
+    ng_device_guard(&f, &x);
+
+    const int64_t cols = x.sizes[x.ndim - 1];
+    const int64_t rows = leading_rows(&x);
+    AtenTensorHandle y = ng_empty_like(&f, &x);
+    AtenTensorHandle mean = ng_empty(&f, x.ndim - 1, x.sizes, stat_dtype(x.dtype), x.device_type,
+                                     x.device_index);
+    AtenTensorHandle rstd = ng_empty(&f, x.ndim - 1, x.sizes, stat_dtype(x.dtype), x.device_type,
+                                     x.device_index);
+    ng_tensor yv, mv, rv;
+    ng_view(&f, y, "out", &yv);
+    ng_view(&f, mean, "mean", &mv);
+    ng_view(&f, rstd, "rstd", &rv);
+    if (rms) NG_SHIM_CHECK(&f, aoti_torch_zero_(mean));
+
+    ng_layernorm_args a = {x.dtype, rows, cols, rms, eps, x.data, has_w ? w.data : NULL,
+                           has_b ? b.data : NULL, mv.data, rv.data, yv.data,
+                           NULL, NULL, NULL, NULL};
+#ifdef NG_BUILD_CUDA
+    NG_KERNEL_CHECK(&f, ng_layernorm_fwd_cuda(&a, ng_cuda_current_stream(&f, x.device_index)));
+#else
+    NG_KERNEL_CHECK(&f, ng_layernorm_fwd(&a, ng_torch_parallel));
+#endif
+    ng_ret_tensor(&f, stack, 0, y);
+    ng_ret_tensor(&f, stack, 1, mean);
+    ng_ret_tensor(&f, stack, 2, rstd);
+    ng_frame_release(&f);
+}
+
+static void ln_fwd_plain(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; ln_forward(s, 0, 0); }
+static void ln_fwd_w(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; ln_forward(s, 1, 0); }
+static void ln_fwd_b(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; ln_forward(s, 0, 1); }
+static void ln_fwd_wb(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; ln_forward(s, 1, 1); }
+
+/* Shared body of the two backward overloads. */
+static void ln_backward(StableIValue *stack, int has_w) {
+    ng_frame f;
+    ng_frame_init(&f, LN_BWD_OP);
+    uint64_t i = 0;
+    ng_tensor dy, x, w = {0}, mean, rstd;
+    ng_view(&f, ng_arg_tensor(&f, stack, i++), "grad_out", &dy);
+    ng_view(&f, ng_arg_tensor(&f, stack, i++), "input", &x);
+    if (has_w) ng_view(&f, ng_arg_tensor(&f, stack, i++), "weight", &w);
+    ng_view(&f, ng_arg_tensor(&f, stack, i++), "mean", &mean);
+    ng_view(&f, ng_arg_tensor(&f, stack, i++), "rstd", &rstd);
+    int rms = ng_arg_bool(stack, i++);
+    int with_bias = ng_arg_bool(stack, i++);
+    check_input(&f, &x, 0.0);
+    ng_check_same_device(&f, &x, "input", &dy, "grad_out");
+    ng_check_same_dtype(&f, &x, "input", &dy, "grad_out");
+    if (dy.ndim != x.ndim || dy.numel != x.numel)
+        ng_fail(&f, "grad_out must have the shape of input");
+    for (int64_t d = 0; d < x.ndim; d++)
+        if (dy.sizes[d] != x.sizes[d]) ng_fail(&f, "grad_out must have the shape of input");
+    if (has_w) check_param(&f, &x, &w, "weight");
+    const int64_t cols = x.sizes[x.ndim - 1];
+    const int64_t rows = leading_rows(&x);
+    const ng_tensor *stats[2] = {&mean, &rstd};
+    const char *stat_names[2] = {"mean", "rstd"};
+    for (int k = 0; k < 2; k++) {
+        ng_check_same_device(&f, &x, "input", stats[k], stat_names[k]);
+        if (stats[k]->dtype != stat_dtype(x.dtype) ||
+            stats[k]->numel != rows)
+            ng_fail(&f, "%s must be the %s statistics of input (%s, one per row)", stat_names[k],
+                    ng_dtype_name(stat_dtype(x.dtype)), stat_names[k]);
+    }
+    ng_make_contiguous(&f, &dy);
+    ng_make_contiguous(&f, &x);
+    if (has_w) ng_make_contiguous(&f, &w);
+    ng_make_contiguous(&f, &mean);
+    ng_make_contiguous(&f, &rstd);
+    ng_device_guard(&f, &x);
+
+    AtenTensorHandle dx = ng_empty_like(&f, &x);
+    AtenTensorHandle dw = NULL;
+    int64_t bias_len = with_bias ? cols : 0;
+    AtenTensorHandle db = ng_empty(&f, 1, &bias_len, x.dtype, x.device_type, x.device_index);
+    ng_tensor dxv, dwv = {0}, dbv;
+    ng_view(&f, dx, "grad_input", &dxv);
+    ng_view(&f, db, "grad_bias", &dbv);
+    if (has_w) {
+        dw = ng_empty(&f, 1, &cols, x.dtype, x.device_type, x.device_index);
+        ng_view(&f, dw, "grad_weight", &dwv);
+    }
+    if (with_bias && rms) ng_fail(&f, "with_bias is not supported with rms=True");
+    ng_layernorm_args a = {x.dtype, rows, cols, rms, 0.0, x.data, has_w ? w.data : NULL, NULL,
+                           mean.data, rstd.data, NULL, dy.data, dxv.data,
+                           has_w ? dwv.data : NULL, with_bias ? dbv.data : NULL};
+#ifdef NG_BUILD_CUDA
+    NG_KERNEL_CHECK(&f, ng_layernorm_bwd_cuda(&a, ng_cuda_current_stream(&f, x.device_index)));
+#else
+    NG_KERNEL_CHECK(&f, ng_layernorm_bwd(&a, ng_torch_parallel));
+#endif
+    uint64_t o = 0;
+    ng_ret_tensor(&f, stack, o++, dx);
+    if (has_w) ng_ret_tensor(&f, stack, o++, dw);
+    ng_ret_tensor(&f, stack, o++, db);
+    ng_frame_release(&f);
+}
+
+static void ln_bwd_plain(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; ln_backward(s, 0); }
+static void ln_bwd_w(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; ln_backward(s, 1); }
+
+void ng_register_layernorm(const ng_registrar *r) {
+    ng_def(r, "stable_layernorm(Tensor input, float eps, bool rms) -> (Tensor, Tensor, Tensor)");
+    ng_def(r, "stable_layernorm.weight(Tensor input, Tensor weight, float eps, bool rms) -> (Tensor, Tensor, Tensor)");
+    ng_def(r, "stable_layernorm.bias(Tensor input, Tensor bias, float eps, bool rms) -> (Tensor, Tensor, Tensor)");
+    ng_def(r, "stable_layernorm.weight_bias(Tensor input, Tensor weight, Tensor bias, float eps, bool rms) -> (Tensor, Tensor, Tensor)");
+    ng_def(r, "stable_layernorm_backward(Tensor grad_out, Tensor input, Tensor mean, Tensor rstd, bool rms, bool with_bias) -> (Tensor, Tensor)");
+    ng_def(r, "stable_layernorm_backward.weight(Tensor grad_out, Tensor input, Tensor weight, Tensor mean, Tensor rstd, bool rms, bool with_bias) -> (Tensor, Tensor, Tensor)");
+    ng_impl(r, "stable_layernorm", ln_fwd_plain);
+    ng_impl(r, "stable_layernorm.weight", ln_fwd_w);
+    ng_impl(r, "stable_layernorm.bias", ln_fwd_b);
+    ng_impl(r, "stable_layernorm.weight_bias", ln_fwd_wb);
+    ng_impl(r, "stable_layernorm_backward", ln_bwd_plain);
+    ng_impl(r, "stable_layernorm_backward.weight", ln_bwd_w);
+}

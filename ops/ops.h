@@ -1,0 +1,10 @@
+/* ops/ops.h - each op file's registration entry point, called once by
+ * ops/nanguard.c when the library loads. */
+#ifndef NG_OPS_H
+#define NG_OPS_H
+
+#include "shim/shim.h"
+
+void ng_register_layernorm(const ng_registrar *r);
+
+#endif /* NG_OPS_H */

@@ -1,0 +1,308 @@
+"""LayerNorm and RMSNorm that never produce 0/0: the Python face of
+``torch.ops.nanguard.stable_layernorm``.
+
+Statistics are fp32 (fp64 for fp64 input) whatever the input dtype; outputs
+are in the input dtype. A row whose values are all equal gives exactly the
+bias (or 0); NaN or Inf in a row makes that row, and only that row, NaN.
+With default arguments the results match ``torch.nn.functional.layer_norm``
+and ``rms_norm`` numerically.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from . import _checks
+
+__all__ = [
+    "layer_norm",
+    "rms_norm",
+    "StableLayerNorm",
+    "StableRMSNorm",
+    "EPS_FLOOR",
+]
+
+_ops = torch.ops.nanguard
+
+#: eps floors used by ``eps_floor="auto"``, per input dtype. 16-bit training
+#: with eps far below 1e-5 (1e-12 in BERT-style configs) lets rows that are
+#: nearly constant in 16-bit precision be amplified by ~1e6 into rounding noise;
+#: 1e-5 is the value PyTorch's own LayerNorm defaults to.
+EPS_FLOOR = {
+    torch.float16: 1e-5,
+    torch.bfloat16: 1e-5,
+    torch.float32: 0.0,
+    torch.float64: 0.0,
+}
+
+_FWD = {
+    (False, False): _ops.stable_layernorm.default,
+    (True, False): _ops.stable_layernorm.weight,
+    (False, True): _ops.stable_layernorm.bias,
+    (True, True): _ops.stable_layernorm.weight_bias,
+}
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---- fake (meta) kernels: shapes and dtypes for torch.compile / opcheck ----
+
+
+def _fake_fwd(input, *rest):
+    stats = input.shape[:-1]
+    sd = _stat_dtype(input.dtype)
+    return (
+        torch.empty_like(input, memory_format=torch.contiguous_format),
+        input.new_empty(stats, dtype=sd),
+        input.new_empty(stats, dtype=sd),
+    )
+
+
+for _overload in ("default", "weight", "bias", "weight_bias"):
+    _name = "nanguard::stable_layernorm" + ("" if _overload == "default" else "." + _overload)
+    torch.library.register_fake(_name)(_fake_fwd)
+
+
+@torch.library.register_fake("nanguard::stable_layernorm_backward")
+def _fake_bwd(grad_out, input, mean, rstd, rms, with_bias):
+    n = input.shape[-1] if with_bias else 0
+    return torch.empty_like(input, memory_format=torch.contiguous_format), input.new_empty((n,))
+
+
+@torch.library.register_fake("nanguard::stable_layernorm_backward.weight")
+def _fake_bwd_w(grad_out, input, weight, mean, rstd, rms, with_bias):
+    n = input.shape[-1] if with_bias else 0
+    return (
+        torch.empty_like(input, memory_format=torch.contiguous_format),
+        torch.empty_like(weight, memory_format=torch.contiguous_format),
+        input.new_empty((n,)),
+    )
+
+
+# ---- autograd ---------------------------------------------------------------
+
+
+def _make_setup(has_w: bool, has_b: bool):
+    def setup_context(ctx, inputs, output):
+        input = inputs[0]
+        weight = inputs[1] if has_w else None
+        rms = inputs[-1]
+        _, mean, rstd = output
+        ctx.save_for_backward(input, weight, mean, rstd)
+        ctx.rms = rms
+        ctx.has_b = has_b
+
+    return setup_context
+
+
+def _make_backward(has_w: bool, has_b: bool):
+    def backward(ctx, grad_out, _grad_mean, _grad_rstd):
+        input, weight, mean, rstd = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        if has_w:
+            gx, gw, gb = _ops.stable_layernorm_backward.weight(
+                grad_out, input, weight, mean, rstd, ctx.rms, has_b
+            )
+        else:
+            gx, gb = _ops.stable_layernorm_backward(grad_out, input, mean, rstd, ctx.rms, has_b)
+            gw = None
+        grads = [gx]
+        if has_w:
+            grads.append(gw)
+        if has_b:
+            grads.append(gb)
+        return (*grads, None, None)  # eps, rms
+
+    return backward
+
+
+for (_has_w, _has_b), _op in _FWD.items():
+    torch.library.register_autograd(
+        _op, _make_backward(_has_w, _has_b), setup_context=_make_setup(_has_w, _has_b)
+    )
+
+
+# ---- functional API ---------------------------------------------------------
+
+
+def _shape_tuple(normalized_shape) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    try:
+        return tuple(int(s) for s in normalized_shape)
+    except TypeError:
+        raise TypeError(
+            f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
+        ) from None
+
+
+def _effective_eps(eps: float, eps_floor, dtype: torch.dtype) -> float:
+    if eps_floor is None or eps_floor is False:
+        return eps
+    if isinstance(eps_floor, str):
+        if eps_floor != "auto":
+            raise ValueError(f"eps_floor must be None, 'auto' or a float, got {eps_floor!r}")
+        floor = EPS_FLOOR[dtype]
+    else:
+        floor = _checks.check_eps("eps_floor", eps_floor)
+    return max(eps, floor)
+
+
+def _norm(input, normalized_shape, weight, bias, eps, rms: bool, eps_floor):
+    _checks.check_tensor("input", input)
+    shape = _shape_tuple(normalized_shape)
+    k = len(shape)
+    if k == 0:
+        raise ValueError("normalized_shape must have at least one dimension")
+    if input.dim() < k or tuple(input.shape[input.dim() - k :]) != shape:
+        raise ValueError(
+            f"normalized_shape {list(shape)} does not match the trailing dimensions of input "
+            f"with shape {list(input.shape)}"
+        )
+    if eps is None:
+        eps = torch.finfo(input.dtype).eps  # rms_norm's default, as in PyTorch
+    eps = _effective_eps(_checks.check_eps("eps", eps), eps_floor, input.dtype)
+    params = []
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            params.append(None)
+            continue
+        _checks.check_tensor(name, p)
+        _checks.check_same_device(name, p, "input", input)
+        if tuple(p.shape) != shape:
+            raise ValueError(
+                f"{name} must have shape {list(shape)} (normalized_shape), got {list(p.shape)}"
+            )
+        # Parameters follow the input's dtype (differentiably), as autocast would.
+        params.append(p.to(input.dtype).reshape(-1))
+    w, b = params
+    n = math.prod(shape)
+    x = input.reshape(*input.shape[: input.dim() - k], n)
+    if w is not None and b is not None:
+        y = _ops.stable_layernorm.weight_bias(x, w, b, eps, rms)[0]
+    elif w is not None:
+        y = _ops.stable_layernorm.weight(x, w, eps, rms)[0]
+    elif b is not None:
+        y = _ops.stable_layernorm.bias(x, b, eps, rms)[0]
+    else:
+        y = _ops.stable_layernorm(x, eps, rms)[0]
+    return y.view(input.shape)
+
+
+def layer_norm(
+    input: torch.Tensor,
+    normalized_shape: Union[int, Sequence[int]],
+    weight: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    eps: float = 1e-5,
+    *,
+    eps_floor: Union[None, str, float] = None,
+) -> torch.Tensor:
+    """NaN-safe ``torch.nn.functional.layer_norm``.
+
+    Same arguments and result as PyTorch's, with fp32 statistics for 16-bit
+    inputs. ``eps_floor`` (keyword only, off by default) raises ``eps`` to at
+    least a floor: ``"auto"`` takes it from :data:`EPS_FLOOR` for the input
+    dtype, a float sets it directly.
+    """
+    return _norm(input, normalized_shape, weight, bias, eps, False, eps_floor)
+
+
+def rms_norm(
+    input: torch.Tensor,
+    normalized_shape: Union[int, Sequence[int]],
+    weight: Optional[torch.Tensor] = None,
+    eps: Optional[float] = None,
+    *,
+    eps_floor: Union[None, str, float] = None,
+) -> torch.Tensor:
+    """NaN-safe ``torch.nn.functional.rms_norm``: ``x / sqrt(mean(x^2) + eps) * weight``.
+
+    ``eps=None`` uses ``torch.finfo(input.dtype).eps`` as PyTorch does. An
+    all-zero row gives zeros even with ``eps=0``.
+    """
+    return _norm(input, normalized_shape, weight, None, eps, True, eps_floor)
+
+
+# ---- modules --------------------------------------------------------------
+
+
+class StableLayerNorm(nn.LayerNorm):
+    """Drop-in ``torch.nn.LayerNorm`` backed by ``nanguard.stable_layernorm``.
+
+    Constructor arguments, parameters and ``state_dict`` keys are those of
+    ``torch.nn.LayerNorm`` (it is a subclass), so checkpoints load both ways.
+    """
+
+    def __init__(self, *args, eps_floor: Union[None, str, float] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.eps_floor = eps_floor
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return layer_norm(
+            input, self.normalized_shape, self.weight, self.bias, self.eps, eps_floor=self.eps_floor
+        )
+
+    @classmethod
+    def from_module(cls, module: nn.LayerNorm, *, eps_floor=None) -> "StableLayerNorm":
+        """A StableLayerNorm sharing ``module``'s parameters (no copy)."""
+        if not isinstance(module, nn.LayerNorm):
+            raise TypeError(f"module must be a torch.nn.LayerNorm, got {type(module).__name__}")
+        new = cls(
+            module.normalized_shape,
+            eps=module.eps,
+            elementwise_affine=module.elementwise_affine,
+            bias=module.bias is not None,
+            device="meta",
+            eps_floor=eps_floor,
+        )
+        new.weight = module.weight
+        new.bias = module.bias
+        new.train(module.training)
+        return new
+
+    def extra_repr(self) -> str:
+        floor = f", eps_floor={self.eps_floor!r}" if self.eps_floor is not None else ""
+        return super().extra_repr() + floor
+
+
+class StableRMSNorm(nn.RMSNorm):
+    """Drop-in ``torch.nn.RMSNorm`` backed by ``nanguard.stable_layernorm``.
+
+    Same constructor arguments, parameters and ``state_dict`` keys as
+    ``torch.nn.RMSNorm``; ``eps=None`` means ``torch.finfo(input.dtype).eps``.
+    """
+
+    def __init__(self, *args, eps_floor: Union[None, str, float] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.eps_floor = eps_floor
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return rms_norm(input, self.normalized_shape, self.weight, self.eps, eps_floor=self.eps_floor)
+
+    @classmethod
+    def from_module(cls, module: nn.RMSNorm, *, eps_floor=None) -> "StableRMSNorm":
+        """A StableRMSNorm sharing ``module``'s parameters (no copy)."""
+        if not isinstance(module, nn.RMSNorm):
+            raise TypeError(f"module must be a torch.nn.RMSNorm, got {type(module).__name__}")
+        new = cls(
+            module.normalized_shape,
+            eps=module.eps,
+            elementwise_affine=module.elementwise_affine,
+            device="meta",
+            eps_floor=eps_floor,
+        )
+        new.weight = module.weight
+        new.train(module.training)
+        return new
+
+    def extra_repr(self) -> str:
+        floor = f", eps_floor={self.eps_floor!r}" if self.eps_floor is not None else ""
+        return super().extra_repr() + floor

@@ -1,0 +1,6 @@
+"""Drop-in modules: same constructor arguments and state_dict keys as the
+PyTorch / Hugging Face modules they replace."""
+
+from .layernorm import StableLayerNorm, StableRMSNorm
+
+__all__ = ["StableLayerNorm", "StableRMSNorm"]

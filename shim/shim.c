@@ -1,0 +1,265 @@
+/*
+ * shim/shim.c - nanguard's helpers over PyTorch's stable C ABI (see shim.h).
+ *
+ * Errors: aoti_torch_check(false, ...) raises a c10::Error that PyTorch turns
+ * into a Python RuntimeError; it unwinds through these C frames (the library
+ * is compiled with -fexceptions), so every owned handle is released first.
+ * The message is formatted into a thread-local buffer that outlives the
+ * throw, since PyTorch copies it when it builds the exception.
+ */
+#include "shim/shim.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+void ng_frame_init(ng_frame *f, const char *op) {
+    f->op = op;
+    f->n = 0;
+    f->guard = NULL;
+}
+
+AtenTensorHandle ng_frame_own(ng_frame *f, AtenTensorHandle h) {
+    if (f->n >= NG_FRAME_MAX) {
+        aoti_torch_delete_tensor_object(h);
+        ng_fail(f, "too many tensors in one call (at most %d)", NG_FRAME_MAX);
+    }
+    f->owned[f->n++] = h;
+    return h;
+}
+
+void ng_frame_release(ng_frame *f) {
+    for (int i = 0; i < f->n; i++)
+        if (f->owned[i]) aoti_torch_delete_tensor_object(f->owned[i]);
+    f->n = 0;
+    if (f->guard) {
+        aoti_torch_delete_device_guard(f->guard);
+        f->guard = NULL;
+    }
+}
+
+static _Thread_local char ng_msg[1024];
+
+void ng_fail(ng_frame *f, const char *fmt, ...) {
+    int k = snprintf(ng_msg, sizeof ng_msg, "%s: ", f ? f->op : "nanguard");
+    if (k < 0) k = 0;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ng_msg + k, sizeof ng_msg - (size_t)k, fmt, ap);
+    va_end(ap);
+    if (f) ng_frame_release(f);
+    aoti_torch_check(false, "nanguard", __FILE__, __LINE__, ng_msg);
+}
+
+/* ---- stack ------------------------------------------------------------------ */
+
+AtenTensorHandle ng_arg_tensor(ng_frame *f, const StableIValue *stack, uint64_t i) {
+    return ng_frame_own(f, (AtenTensorHandle)(uintptr_t)stack[i]);
+}
+
+double ng_arg_double(const StableIValue *stack, uint64_t i) {
+    double d;
+    memcpy(&d, &stack[i], sizeof d);
+    return d;
+}
+
+int64_t ng_arg_int(const StableIValue *stack, uint64_t i) { return (int64_t)stack[i]; }
+
+bool ng_arg_bool(const StableIValue *stack, uint64_t i) { return (stack[i] & 0xff) != 0; }
+
+void ng_arg_tensor_list(ng_frame *f, const StableIValue *stack, uint64_t i,
+                        AtenTensorHandle **out, size_t *n) {
+    StableListHandle list = (StableListHandle)(uintptr_t)stack[i];
+    size_t len = 0;
+    if (torch_list_size(list, &len) != 0) {
+        torch_delete_list(list);
+        ng_fail(f, "could not read a Tensor[] argument");
+    }
+    size_t first = (size_t)f->n;
+    if (first + len > NG_FRAME_MAX) {
+        /* take ownership of everything so nothing leaks, then raise */
+        for (size_t k = 0; k < len; k++) {
+            StableIValue v = 0;
+            if (torch_list_get_item(list, k, &v) == 0 && v)
+                aoti_torch_delete_tensor_object((AtenTensorHandle)(uintptr_t)v);
+        }
+        torch_delete_list(list);
+        ng_fail(f, "a Tensor[] argument of %zu tensors is longer than one call takes (%d); "
+                   "the Python wrapper splits longer lists",
+                (size_t)len, NG_FRAME_MAX - (int)first);
+    }
+    for (size_t k = 0; k < len; k++) {
+        StableIValue v = 0;
+        torch_list_get_item(list, k, &v);
+        f->owned[f->n++] = (AtenTensorHandle)(uintptr_t)v; /* elements are owning */
+    }
+    torch_delete_list(list);
+    *out = &f->owned[first];
+    *n = len;
+}
+
+void ng_ret_tensor(ng_frame *f, StableIValue *stack, uint64_t i, AtenTensorHandle h) {
+    for (int k = 0; k < f->n; k++) {
+        if (f->owned[k] == h) {
+            f->owned[k] = NULL;
+            break;
+        }
+    }
+    stack[i] = (StableIValue)(uintptr_t)h;
+}
+
+/* ---- dtypes and devices ----------------------------------------------------- */
+
+int ng_dtype_from_torch(int32_t d) {
+    if (d == aoti_torch_dtype_float32()) return NG_F32;
+    if (d == aoti_torch_dtype_float64()) return NG_F64;
+    if (d == aoti_torch_dtype_float16()) return NG_F16;
+    if (d == aoti_torch_dtype_bfloat16()) return NG_BF16;
+    return -1;
+}
+
+int32_t ng_dtype_to_torch(ng_dtype t) {
+    switch (t) {
+    case NG_F32: return aoti_torch_dtype_float32();
+    case NG_F64: return aoti_torch_dtype_float64();
+    case NG_F16: return aoti_torch_dtype_float16();
+    case NG_BF16: return aoti_torch_dtype_bfloat16();
+    }
+    return aoti_torch_dtype_float32();
+}
+
+int32_t ng_device_cpu(void) { return aoti_torch_device_type_cpu(); }
+int32_t ng_device_cuda(void) { return aoti_torch_device_type_cuda(); }
+
+static const char *device_name(int32_t type) {
+    if (type == ng_device_cpu()) return "cpu";
+    if (type == ng_device_cuda()) return "cuda";
+    return "another device";
+}
+
+void ng_view(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out) {
+    int32_t dt = 0, layout = 0;
+    out->h = h;
+    NG_SHIM_CHECK(f, aoti_torch_get_layout(h, &layout));
+    if (layout != aoti_torch_layout_strided())
+        ng_fail(f, "%s must be a strided (dense) tensor", name);
+    NG_SHIM_CHECK(f, aoti_torch_get_dtype(h, &dt));
+    int t = ng_dtype_from_torch(dt);
+    if (t < 0)
+        ng_fail(f, "%s must be float16, bfloat16, float32 or float64 (got dtype code %d)", name,
+                (int)dt);
+    out->dtype = (ng_dtype)t;
+    int64_t *sizes = NULL, *strides = NULL;
+    NG_SHIM_CHECK(f, aoti_torch_get_dim(h, &out->ndim));
+    NG_SHIM_CHECK(f, aoti_torch_get_sizes(h, &sizes));
+    NG_SHIM_CHECK(f, aoti_torch_get_strides(h, &strides));
+    NG_SHIM_CHECK(f, aoti_torch_get_numel(h, &out->numel));
+    NG_SHIM_CHECK(f, aoti_torch_get_device_type(h, &out->device_type));
+    NG_SHIM_CHECK(f, aoti_torch_get_device_index(h, &out->device_index));
+    NG_SHIM_CHECK(f, aoti_torch_get_data_ptr(h, &out->data));
+    out->sizes = sizes;
+    out->strides = strides;
+}
+
+void ng_check_same_device(ng_frame *f, const ng_tensor *a, const char *an, const ng_tensor *b,
+                          const char *bn) {
+    if (a->device_type != b->device_type || a->device_index != b->device_index)
+        ng_fail(f, "%s is on %s:%d but %s is on %s:%d; both must be on the same device", bn,
+                device_name(b->device_type), (int)b->device_index, an,
+                device_name(a->device_type), (int)a->device_index);
+}
+
+void ng_check_same_dtype(ng_frame *f, const ng_tensor *a, const char *an, const ng_tensor *b,
+                         const char *bn) {
+    if (a->dtype != b->dtype)
+        ng_fail(f, "%s has dtype %s but %s has dtype %s; they must match", bn,
+                ng_dtype_name(b->dtype), an, ng_dtype_name(a->dtype));
+}
+
+void ng_check_device_dtype(ng_frame *f, const ng_tensor *t, const char *name) {
+#ifdef NG_BUILD_CUDA
+    if (t->device_type != ng_device_cuda())
+        ng_fail(f, "%s must be a CUDA tensor here (got %s)", name, device_name(t->device_type));
+    if (t->dtype == NG_F64)
+        ng_fail(f, "%s: float64 is supported on the CPU only (use float32, float16 or bfloat16 "
+                   "on CUDA)", name);
+#else
+    if (t->device_type != ng_device_cpu())
+        ng_fail(f, "%s must be a CPU tensor here (got %s)", name, device_name(t->device_type));
+#endif
+}
+
+bool ng_is_contiguous(const ng_tensor *t) {
+    int64_t expected = 1;
+    for (int64_t d = t->ndim - 1; d >= 0; d--) {
+        if (t->sizes[d] != 1 && t->strides[d] != expected) return false;
+        expected *= t->sizes[d];
+    }
+    return true;
+}
+
+/* ---- allocation --------------------------------------------------------------- */
+
+AtenTensorHandle ng_empty(ng_frame *f, int64_t ndim, const int64_t *sizes, ng_dtype dtype,
+                          int32_t device_type, int32_t device_index) {
+    int64_t strides[16];
+    if (ndim > 16) ng_fail(f, "tensors of more than 16 dimensions are not supported");
+    int64_t s = 1;
+    for (int64_t d = ndim - 1; d >= 0; d--) {
+        strides[d] = s;
+        s *= sizes[d] > 0 ? sizes[d] : 1;
+    }
+    AtenTensorHandle h = NULL;
+    NG_SHIM_CHECK(f, aoti_torch_empty_strided(ndim, sizes, strides, ng_dtype_to_torch(dtype),
+                                              device_type, device_index, &h));
+    return ng_frame_own(f, h);
+}
+
+AtenTensorHandle ng_empty_like(ng_frame *f, const ng_tensor *t) {
+    return ng_empty(f, t->ndim, t->sizes, t->dtype, t->device_type, t->device_index);
+}
+
+void ng_make_contiguous(ng_frame *f, ng_tensor *t) {
+    if (ng_is_contiguous(t)) return;
+    AtenTensorHandle c = ng_empty_like(f, t);
+    NG_SHIM_CHECK(f, aoti_torch_copy_(c, t->h, 0));
+    ng_view(f, c, "tensor", t);
+}
+
+void ng_device_guard(ng_frame *f, const ng_tensor *t) {
+    if (t->device_type != ng_device_cuda() || f->guard) return;
+    NG_SHIM_CHECK(f, aoti_torch_create_device_guard(t->device_index, &f->guard));
+}
+
+/* ---- threads ---------------------------------------------------------------- */
+
+typedef struct par_ctx {
+    ng_range_fn fn;
+    void *ctx;
+} par_ctx;
+
+static void par_trampoline(int64_t begin, int64_t end, void *ctx) {
+    par_ctx *p = (par_ctx *)ctx;
+    p->fn(begin, end, p->ctx);
+}
+
+void ng_torch_parallel(int64_t n, int64_t grain, ng_range_fn fn, void *ctx) {
+    par_ctx p = {fn, ctx};
+    if (torch_parallel_for(0, n, grain < 1 ? 1 : grain, par_trampoline, &p) != 0)
+        fn(0, n, ctx); /* the pool refused: run serially rather than skip work */
+}
+
+/* ---- registration ----------------------------------------------------------- */
+
+void ng_def(const ng_registrar *r, const char *schema) {
+    if (!r->def) return;
+    if (aoti_torch_library_def(r->def, schema) != 0)
+        fprintf(stderr, "nanguard: could not define schema %s\n", schema);
+}
+
+void ng_impl(const ng_registrar *r, const char *name, ng_boxed_fn fn) {
+    /* The build version we pass is the ABI whose stack conventions the boxed
+     * kernels follow (2.11), so newer runtimes convert for us. */
+    if (torch_library_impl(r->impl, name, fn, NG_TORCH_TARGET_VERSION) != 0)
+        fprintf(stderr, "nanguard: could not register %s for %s\n", name, r->cuda ? "CUDA" : "CPU");
+}

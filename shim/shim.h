@@ -1,0 +1,229 @@
+/*
+ * shim/shim.h - the only code in nanguard that knows PyTorch.
+ *
+ * PyTorch's stable C ABI headers (torch/csrc/stable/c/shim.h and
+ * torch/csrc/inductor/aoti_torch/c/shim.h) are not valid C: they use `using`
+ * aliases, C++ includes and C++-only parameter types. The functions behind
+ * them are extern "C" and take only pointers, integers and bool, so this
+ * header declares, in C, exactly the subset nanguard calls. A C++ test
+ * (tests/c/test_shim_abi.cpp) includes PyTorch's headers and this one together
+ * and fails to compile on any drift in a signature.
+ *
+ * Every function declared here exists in PyTorch 2.10; the build follows
+ * the 2.11 stable ABI and refuses to register on an older runtime.
+ *
+ * Below the declarations are nanguard's helpers: a tensor view, a frame that
+ * owns the handles of one boxed call (so that an error can release them all
+ * before raising), argument readers, output allocation, validation, errors
+ * and the parallel-range hook backed by PyTorch's thread pool.
+ */
+#ifndef NG_SHIM_H
+#define NG_SHIM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- stable-ABI declarations (subset) ------------------------------------ */
+#ifndef NG_SHIM_NO_DECLS
+typedef struct AtenTensorOpaque *AtenTensorHandle;
+typedef struct StableListOpaque *StableListHandle;
+typedef struct DeviceGuardOpaque *DeviceGuardHandle;
+typedef struct TorchLibraryOpaque *TorchLibraryHandle;
+typedef uint64_t StableIValue;
+typedef int32_t AOTITorchError;
+typedef void (*ParallelFunc)(int64_t begin, int64_t end, void *ctx);
+#endif
+
+/* NG_ABI_FN lets the C++ drift test re-declare each function with the type
+ * PyTorch gives it; in C it is a plain declaration. */
+#ifndef NG_ABI_FN
+#define NG_ABI_FN(ret, name, params) ret name params;
+#endif
+
+#define NG_SHIM_FUNCTIONS(X)                                                                  \
+    X(uint64_t, aoti_torch_abi_version, (void))                                               \
+    X(int32_t, aoti_torch_device_type_cpu, (void))                                            \
+    X(int32_t, aoti_torch_device_type_cuda, (void))                                           \
+    X(int32_t, aoti_torch_dtype_float16, (void))                                              \
+    X(int32_t, aoti_torch_dtype_bfloat16, (void))                                             \
+    X(int32_t, aoti_torch_dtype_float32, (void))                                              \
+    X(int32_t, aoti_torch_dtype_float64, (void))                                              \
+    X(int32_t, aoti_torch_dtype_int64, (void))                                                \
+    X(int32_t, aoti_torch_dtype_int32, (void))                                                \
+    X(int32_t, aoti_torch_dtype_uint8, (void))                                                \
+    X(int32_t, aoti_torch_dtype_bool, (void))                                                 \
+    X(int32_t, aoti_torch_layout_strided, (void))                                             \
+    X(AOTITorchError, aoti_torch_delete_tensor_object, (AtenTensorHandle tensor))             \
+    X(AOTITorchError, aoti_torch_get_data_ptr, (AtenTensorHandle tensor, void **ret))         \
+    X(AOTITorchError, aoti_torch_get_dim, (AtenTensorHandle tensor, int64_t *ret))            \
+    X(AOTITorchError, aoti_torch_get_numel, (AtenTensorHandle tensor, int64_t *ret))          \
+    X(AOTITorchError, aoti_torch_get_sizes, (AtenTensorHandle tensor, int64_t **ret))         \
+    X(AOTITorchError, aoti_torch_get_strides, (AtenTensorHandle tensor, int64_t **ret))       \
+    X(AOTITorchError, aoti_torch_get_dtype, (AtenTensorHandle tensor, int32_t *ret))          \
+    X(AOTITorchError, aoti_torch_get_device_type, (AtenTensorHandle tensor, int32_t *ret))    \
+    X(AOTITorchError, aoti_torch_get_device_index, (AtenTensorHandle tensor, int32_t *ret))   \
+    X(AOTITorchError, aoti_torch_get_layout, (AtenTensorHandle tensor, int32_t *ret))         \
+    X(AOTITorchError, aoti_torch_new_tensor_handle,                                           \
+      (AtenTensorHandle orig, AtenTensorHandle *new_handle))                                  \
+    X(AOTITorchError, aoti_torch_empty_strided,                                               \
+      (int64_t ndim, const int64_t *sizes, const int64_t *strides, int32_t dtype,             \
+       int32_t device_type, int32_t device_index, AtenTensorHandle *ret))                     \
+    X(AOTITorchError, aoti_torch_copy_,                                                       \
+      (AtenTensorHandle self, AtenTensorHandle src, int32_t non_blocking))                    \
+    X(AOTITorchError, aoti_torch_zero_, (AtenTensorHandle self))                              \
+    X(AOTITorchError, aoti_torch_create_device_guard,                                         \
+      (int32_t device_index, DeviceGuardHandle *ret))                                         \
+    X(AOTITorchError, aoti_torch_delete_device_guard, (DeviceGuardHandle guard))              \
+    X(AOTITorchError, aoti_torch_library_init_def,                                            \
+      (const char *ns, const char *file, uint32_t line, TorchLibraryHandle *ret))             \
+    X(AOTITorchError, aoti_torch_library_init_fragment,                                       \
+      (const char *ns, const char *file, uint32_t line, TorchLibraryHandle *ret))             \
+    X(AOTITorchError, aoti_torch_library_init_impl,                                           \
+      (const char *ns, const char *k, const char *file, uint32_t line,                        \
+       TorchLibraryHandle *ret))                                                              \
+    X(AOTITorchError, aoti_torch_library_def, (TorchLibraryHandle self, const char *schema))  \
+    X(AOTITorchError, torch_library_impl,                                                     \
+      (TorchLibraryHandle self, const char *name,                                             \
+       void (*fn)(StableIValue *, uint64_t, uint64_t), uint64_t extension_build_version))     \
+    X(AOTITorchError, torch_list_size, (StableListHandle list, size_t *size))                 \
+    X(AOTITorchError, torch_list_get_item,                                                    \
+      (StableListHandle list, size_t index, StableIValue *element))                           \
+    X(AOTITorchError, torch_delete_list, (StableListHandle list))                             \
+    X(AOTITorchError, torch_parallel_for,                                                     \
+      (int64_t begin, int64_t end, int64_t grain, ParallelFunc fn, void *ctx))                \
+    X(void, aoti_torch_check,                                                                 \
+      (bool cond, const char *func, const char *file, uint32_t line, const char *msg))        \
+    X(void, aoti_torch_warn, (const char *func, const char *file, uint32_t line, const char *msg))
+
+#ifndef NG_SHIM_NO_DECLS
+NG_SHIM_FUNCTIONS(NG_ABI_FN)
+#endif
+
+/* ---- versions --------------------------------------------------------------- */
+#define NG_TORCH_VERSION(major, minor) (((uint64_t)(major) << 56) | ((uint64_t)(minor) << 48))
+/* The stable-ABI version whose calling conventions nanguard's code follows. */
+#define NG_TORCH_TARGET_VERSION NG_TORCH_VERSION(2, 11)
+
+/* ---- helpers ------------------------------------------------------------------ */
+
+/* A borrowed view of a tensor's metadata. Sizes and strides point into
+ * PyTorch's storage and stay valid while the handle lives. */
+typedef struct ng_tensor {
+    AtenTensorHandle h;
+    void *data;
+    ng_dtype dtype;
+    int32_t device_type;
+    int32_t device_index;
+    int64_t ndim;
+    const int64_t *sizes;
+    const int64_t *strides;
+    int64_t numel;
+} ng_tensor;
+
+/* The handles one boxed call owns. ng_fail releases them all and raises. */
+#define NG_FRAME_MAX 64
+typedef struct ng_frame {
+    const char *op; /* "nanguard::stable_layernorm", for messages */
+    int n;
+    AtenTensorHandle owned[NG_FRAME_MAX];
+    DeviceGuardHandle guard;
+} ng_frame;
+
+void ng_frame_init(ng_frame *f, const char *op);
+/* Take ownership of h (released by ng_frame_release / ng_fail). */
+AtenTensorHandle ng_frame_own(ng_frame *f, AtenTensorHandle h);
+void ng_frame_release(ng_frame *f);
+
+/* Release the frame and raise RuntimeError("<op>: <message>"). Unwinds
+ * through the caller: nothing after it runs. */
+void ng_fail(ng_frame *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Raise on a failed stable-ABI call or kernel status. */
+#define NG_SHIM_CHECK(f, call)                                                              \
+    do {                                                                                    \
+        if ((call) != 0) ng_fail((f), "PyTorch call failed: %s (%s:%d)", #call, __FILE__, __LINE__); \
+    } while (0)
+#define NG_KERNEL_CHECK(f, call)                                                            \
+    do {                                                                                    \
+        ng_status ng_ks_ = (call);                                                          \
+        if (ng_ks_ != NG_OK)                                                                \
+            ng_fail((f), "kernel failed: %s (%s) at %s:%d", ng_status_str(ng_ks_), #call,   \
+                    __FILE__, __LINE__);                                                    \
+    } while (0)
+
+/* Reading the boxed stack. Tensor and list elements become owned by f. */
+AtenTensorHandle ng_arg_tensor(ng_frame *f, const StableIValue *stack, uint64_t i);
+double ng_arg_double(const StableIValue *stack, uint64_t i);
+int64_t ng_arg_int(const StableIValue *stack, uint64_t i);
+bool ng_arg_bool(const StableIValue *stack, uint64_t i);
+/* A Tensor[] argument: points *out at n handles owned by f. The list itself
+ * is freed; at most NG_FRAME_MAX handles fit in one frame. */
+void ng_arg_tensor_list(ng_frame *f, const StableIValue *stack, uint64_t i,
+                        AtenTensorHandle **out, size_t *n);
+/* Put an owned output on the stack; the frame gives up ownership. */
+void ng_ret_tensor(ng_frame *f, StableIValue *stack, uint64_t i, AtenTensorHandle h);
+
+/* Fill a view of h. Raises, naming `name`, unless h is a strided tensor of a
+ * floating dtype nanguard handles (fp16, bf16, fp32, fp64). */
+void ng_view(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out);
+/* Map a PyTorch dtype code to ng_dtype; returns -1 when there is none. */
+int ng_dtype_from_torch(int32_t torch_dtype);
+int32_t ng_dtype_to_torch(ng_dtype t);
+
+/* Validation shared by every op (each raises naming the arguments). */
+void ng_check_same_device(ng_frame *f, const ng_tensor *a, const char *an, const ng_tensor *b,
+                          const char *bn);
+void ng_check_same_dtype(ng_frame *f, const ng_tensor *a, const char *an, const ng_tensor *b,
+                         const char *bn);
+/* Raise unless t is on the device this library serves (CPU in the core
+ * library, CUDA in the CUDA one); fp64 is accepted on the CPU only. */
+void ng_check_device_dtype(ng_frame *f, const ng_tensor *t, const char *name);
+bool ng_is_contiguous(const ng_tensor *t);
+
+/* New contiguous tensor, owned by f. */
+AtenTensorHandle ng_empty(ng_frame *f, int64_t ndim, const int64_t *sizes, ng_dtype dtype,
+                          int32_t device_type, int32_t device_index);
+AtenTensorHandle ng_empty_like(ng_frame *f, const ng_tensor *t);
+/* t itself when contiguous, else a contiguous copy (owned by f); the view is
+ * refreshed either way. */
+void ng_make_contiguous(ng_frame *f, ng_tensor *t);
+
+/* Set the current device to t's for the rest of the call (CUDA tensors). */
+void ng_device_guard(ng_frame *f, const ng_tensor *t);
+
+/* The kernels' parallel hook, backed by torch_parallel_for. */
+void ng_torch_parallel(int64_t n, int64_t grain, ng_range_fn fn, void *ctx);
+
+/* Device codes, read once from PyTorch. */
+int32_t ng_device_cpu(void);
+int32_t ng_device_cuda(void);
+
+/* ---- registration ------------------------------------------------------------ */
+typedef void (*ng_boxed_fn)(StableIValue *stack, uint64_t num_args, uint64_t num_outputs);
+
+typedef struct ng_registrar {
+    TorchLibraryHandle def;  /* NULL in the CUDA library: schemas live in the core one */
+    TorchLibraryHandle impl; /* CPU or CUDA */
+    int cuda;                /* 1 when registering CUDA implementations */
+} ng_registrar;
+
+/* Define a schema (core library only) and register a kernel for it. */
+void ng_def(const ng_registrar *r, const char *schema);
+void ng_impl(const ng_registrar *r, const char *name, ng_boxed_fn fn);
+
+/* In the CUDA library: the current CUDA stream of a device, and whether the
+ * function that gives it could be found in the running PyTorch. */
+void *ng_cuda_current_stream(ng_frame *f, int32_t device_index);
+int ng_cuda_stream_available(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* NG_SHIM_H */
