@@ -25,6 +25,7 @@ typedef void (*ng_register_fn)(const ng_registrar *r);
 /* Every op file, in the order their schemas are defined. */
 static const ng_register_fn ng_ops[] = {
     ng_register_layernorm,
+    ng_register_grad_guard,
 };
 
 static char ng_load_err[256];

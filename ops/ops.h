@@ -6,5 +6,6 @@
 #include "shim/shim.h"
 
 void ng_register_layernorm(const ng_registrar *r);
+void ng_register_grad_guard(const ng_registrar *r);
 
 #endif /* NG_OPS_H */

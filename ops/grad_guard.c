@@ -1,0 +1,222 @@
+/*
+ * ops/grad_guard.c - torch.ops.nanguard gradient guard: fused unscale,
+ * NaN/Inf check, global norm and clip (kernels/grad_guard.h).
+ *
+ * Schemas:
+ *   grad_guard_reduce(Tensor[] grads, Tensor inv_scale, float norm_type) -> Tensor stats
+ *   grad_guard_apply_(Tensor(a!)[] grads, Tensor inv_scale, Tensor stats,
+ *                     Tensor(b!) found_inf, float max_norm, float norm_type) -> Tensor total_norm
+ *   fused_unscale_clip_(Tensor(a!)[] grads, Tensor inv_scale, Tensor(b!) found_inf,
+ *                       float max_norm, float norm_type) -> (Tensor total_norm, Tensor stats)
+ *
+ * stats is a float64 [4] tensor on the gradients' device, laid out as
+ * kernels/grad_guard_math.h documents (sum of squares or max |g|, NaN count,
+ * Inf count, index of the first offending tensor or -1). The two-pass ops let
+ * the caller combine stats across calls, dtype groups and ranks in between;
+ * fused_unscale_clip_ is both passes on one list. total_norm is a 0-dim
+ * float32 tensor (float64 for float64 gradients).
+ *
+ * One call takes one dtype on one device; every gradient must be contiguous
+ * (they are written in place). inv_scale and found_inf are float32 tensors of
+ * one element on the same device. norm_type is 2.0 or inf. The Python layer
+ * (python/nanguard/grad_guard.py) groups and splits longer lists: one call
+ * holds at most GG_MAX_LIST tensors.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "kernels/grad_guard.h"
+#include "ops/ops.h"
+
+#define GG_OP "nanguard::fused_unscale_clip_"
+#define GG_REDUCE_OP "nanguard::grad_guard_reduce"
+#define GG_APPLY_OP "nanguard::grad_guard_apply_"
+
+/* Handles a call may own besides the list: inv_scale, stats, found_inf, two
+ * outputs, the CUDA workspace. */
+#define GG_MAX_LIST (NG_FRAME_MAX - 8)
+
+typedef struct gg_list {
+    size_t n;
+    ng_dtype dtype;
+    ng_tensor scale;        /* inv_scale: the list's device, also for an empty list */
+    ng_tensor t[GG_MAX_LIST];
+    void *ptrs[GG_MAX_LIST];
+    int64_t numels[GG_MAX_LIST];
+} gg_list;
+
+static ng_gg_norm gg_norm_arg(ng_frame *f, double norm_type) {
+    if (norm_type == 2.0) return NG_GG_NORM_2;
+    if (norm_type == (double)INFINITY) return NG_GG_NORM_INF;
+    ng_fail(f, "norm_type must be 2.0 or inf, got %g", norm_type);
+    return NG_GG_NORM_2;
+}
+
+/* A float32 one-element tensor on the device of inv_scale. */
+static void gg_check_scalar(ng_frame *f, const ng_tensor *ref, const ng_tensor *t,
+                            const char *name) {
+    ng_check_device_dtype(f, t, name);
+    if (ref) ng_check_same_device(f, ref, "inv_scale", t, name);
+    if (t->dtype != NG_F32 || t->numel != 1)
+        ng_fail(f, "%s must be a float32 tensor with one element (got %s, %lld elements)", name,
+                ng_dtype_name(t->dtype), (long long)t->numel);
+}
+
+/* Read the Tensor[] at stack[i] and inv_scale at stack[i + 1]. */
+static void gg_read_list(ng_frame *f, const StableIValue *stack, uint64_t i, gg_list *l) {
+    AtenTensorHandle *hs = NULL;
+    size_t n = 0;
+    ng_arg_tensor_list(f, stack, i, &hs, &n);
+    if (n > GG_MAX_LIST)
+        ng_fail(f, "grads holds %zu tensors; one call takes at most %d (nanguard's Python "
+                   "functions split longer lists)",
+                n, GG_MAX_LIST);
+    ng_view(f, ng_arg_tensor(f, stack, i + 1), "inv_scale", &l->scale);
+    gg_check_scalar(f, NULL, &l->scale, "inv_scale");
+    l->n = n;
+    l->dtype = NG_F32;
+    for (size_t k = 0; k < n; k++) {
+        ng_tensor *t = &l->t[k];
+        ng_view(f, hs[k], "grads", t);
+        ng_check_device_dtype(f, t, "grads");
+        ng_check_same_device(f, &l->scale, "inv_scale", t, "grads");
+        if (k == 0) l->dtype = t->dtype;
+        if (t->dtype != l->dtype)
+            ng_fail(f, "grads must all have one dtype (tensor 0 is %s, tensor %zu is %s); group "
+                       "them by dtype",
+                    ng_dtype_name(l->dtype), k, ng_dtype_name(t->dtype));
+        if (!ng_is_contiguous(t))
+            ng_fail(f, "grads[%zu] must be contiguous (it is updated in place)", k);
+        l->ptrs[k] = t->data;
+        l->numels[k] = t->numel;
+    }
+    ng_device_guard(f, &l->scale);
+}
+
+static void gg_check_stats(ng_frame *f, const gg_list *l, const ng_tensor *st) {
+    ng_check_same_device(f, &l->scale, "inv_scale", st, "stats");
+    if (st->dtype != NG_F64 || st->numel != NG_GG_NSTATS || !ng_is_contiguous(st))
+        ng_fail(f, "stats must be a contiguous float64 tensor of %d elements, as "
+                   "grad_guard_reduce returns",
+                (int)NG_GG_NSTATS);
+}
+
+static ng_dtype gg_norm_dtype(const gg_list *l) { return l->dtype == NG_F64 ? NG_F64 : NG_F32; }
+
+/* Pass 1 into a new float64 [4] tensor. */
+static AtenTensorHandle gg_reduce(ng_frame *f, gg_list *l, ng_gg_norm norm) {
+    int64_t four = NG_GG_NSTATS;
+    AtenTensorHandle st = ng_empty(f, 1, &four, NG_F64, l->scale.device_type, l->scale.device_index);
+    ng_tensor sv;
+    ng_view(f, st, "stats", &sv);
+    const float *s = (const float *)l->scale.data;
+#ifdef NG_BUILD_CUDA
+    int64_t bytes = ng_grad_guard_cuda_workspace_bytes(l->numels, (int64_t)l->n);
+    int64_t words = NG_MAX(NG_CEIL_DIV(bytes, 8), 1);
+    AtenTensorHandle ws = ng_empty(f, 1, &words, NG_F64, l->scale.device_type, l->scale.device_index);
+    ng_tensor wv;
+    ng_view(f, ws, "workspace", &wv);
+    NG_KERNEL_CHECK(f, ng_grad_guard_reduce_cuda((const void *const *)l->ptrs, l->numels,
+                                                 (int64_t)l->n, l->dtype, s, norm,
+                                                 (double *)sv.data, wv.data, words * 8,
+                                                 ng_cuda_current_stream(f, l->scale.device_index)));
+#else
+    NG_KERNEL_CHECK(f, ng_grad_guard_reduce((const void *const *)l->ptrs, l->numels, (int64_t)l->n,
+                                            l->dtype, s, norm, (double *)sv.data,
+                                            ng_torch_parallel));
+#endif
+    return st;
+}
+
+/* Pass 2; returns the 0-dim total norm. */
+static AtenTensorHandle gg_apply(ng_frame *f, gg_list *l, const ng_tensor *stats,
+                                 const ng_tensor *found_inf, double max_norm, ng_gg_norm norm) {
+    AtenTensorHandle tn = ng_empty(f, 0, NULL, gg_norm_dtype(l), l->scale.device_type,
+                                   l->scale.device_index);
+    ng_tensor tv;
+    ng_view(f, tn, "total_norm", &tv);
+    const float *s = (const float *)l->scale.data;
+#ifdef NG_BUILD_CUDA
+    NG_KERNEL_CHECK(f, ng_grad_guard_apply_cuda(l->ptrs, l->numels, (int64_t)l->n, l->dtype, s,
+                                                (const double *)stats->data, max_norm, norm,
+                                                (float *)found_inf->data, tv.data,
+                                                gg_norm_dtype(l),
+                                                ng_cuda_current_stream(f, l->scale.device_index)));
+#else
+    NG_KERNEL_CHECK(f, ng_grad_guard_apply(l->ptrs, l->numels, (int64_t)l->n, l->dtype, s,
+                                           (const double *)stats->data, max_norm, norm,
+                                           (float *)found_inf->data, tv.data, gg_norm_dtype(l),
+                                           ng_torch_parallel));
+#endif
+    return tn;
+}
+
+static void gg_check_max_norm(ng_frame *f, double max_norm) {
+    if (!(max_norm >= 0.0)) ng_fail(f, "max_norm must be >= 0 (inf for no clipping), got %g", max_norm);
+}
+
+/* grad_guard_reduce(Tensor[] grads, Tensor inv_scale, float norm_type) -> Tensor */
+static void gg_reduce_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
+    (void)na, (void)no;
+    ng_frame f;
+    ng_frame_init(&f, GG_REDUCE_OP);
+    gg_list l;
+    gg_read_list(&f, stack, 0, &l);
+    ng_gg_norm norm = gg_norm_arg(&f, ng_arg_double(stack, 2));
+    AtenTensorHandle st = gg_reduce(&f, &l, norm);
+    ng_ret_tensor(&f, stack, 0, st);
+    ng_frame_release(&f);
+}
+
+/* grad_guard_apply_(grads, inv_scale, stats, found_inf, max_norm, norm_type) -> Tensor */
+static void gg_apply_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
+    (void)na, (void)no;
+    ng_frame f;
+    ng_frame_init(&f, GG_APPLY_OP);
+    gg_list l;
+    gg_read_list(&f, stack, 0, &l);
+    ng_tensor st, fi;
+    ng_view(&f, ng_arg_tensor(&f, stack, 2), "stats", &st);
+    ng_view(&f, ng_arg_tensor(&f, stack, 3), "found_inf", &fi);
+    double max_norm = ng_arg_double(stack, 4);
+    ng_gg_norm norm = gg_norm_arg(&f, ng_arg_double(stack, 5));
+    gg_check_stats(&f, &l, &st);
+    gg_check_scalar(&f, &l.scale, &fi, "found_inf");
+    gg_check_max_norm(&f, max_norm);
+    AtenTensorHandle tn = gg_apply(&f, &l, &st, &fi, max_norm, norm);
+    ng_ret_tensor(&f, stack, 0, tn);
+    ng_frame_release(&f);
+}
+
+/* fused_unscale_clip_(grads, inv_scale, found_inf, max_norm, norm_type) -> (Tensor, Tensor) */
+static void gg_fused_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
+    (void)na, (void)no;
+    ng_frame f;
+    ng_frame_init(&f, GG_OP);
+    gg_list l;
+    gg_read_list(&f, stack, 0, &l);
+    ng_tensor fi;
+    ng_view(&f, ng_arg_tensor(&f, stack, 2), "found_inf", &fi);
+    double max_norm = ng_arg_double(stack, 3);
+    ng_gg_norm norm = gg_norm_arg(&f, ng_arg_double(stack, 4));
+    gg_check_scalar(&f, &l.scale, &fi, "found_inf");
+    gg_check_max_norm(&f, max_norm);
+    AtenTensorHandle st = gg_reduce(&f, &l, norm);
+    ng_tensor sv;
+    ng_view(&f, st, "stats", &sv);
+    AtenTensorHandle tn = gg_apply(&f, &l, &sv, &fi, max_norm, norm);
+    ng_ret_tensor(&f, stack, 0, tn);
+    ng_ret_tensor(&f, stack, 1, st);
+    ng_frame_release(&f);
+}
+
+void ng_register_grad_guard(const ng_registrar *r) {
+    ng_def(r, "grad_guard_reduce(Tensor[] grads, Tensor inv_scale, float norm_type) -> Tensor");
+    ng_def(r, "grad_guard_apply_(Tensor(a!)[] grads, Tensor inv_scale, Tensor stats, "
+              "Tensor(b!) found_inf, float max_norm, float norm_type) -> Tensor");
+    ng_def(r, "fused_unscale_clip_(Tensor(a!)[] grads, Tensor inv_scale, Tensor(b!) found_inf, "
+              "float max_norm, float norm_type) -> (Tensor, Tensor)");
+    ng_impl(r, "grad_guard_reduce", gg_reduce_boxed);
+    ng_impl(r, "grad_guard_apply_", gg_apply_boxed);
+    ng_impl(r, "fused_unscale_clip_", gg_fused_boxed);
+}
