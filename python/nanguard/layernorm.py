@@ -129,12 +129,26 @@ for (_has_w, _has_b), _op in _FWD.items():
     )
 
 
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError(
+        "nanguard.stable_layernorm: double backward (gradients of gradients) is not supported"
+    )
+
+
+for _name in ("stable_layernorm_backward.default", "stable_layernorm_backward.weight"):
+    torch.library.register_autograd(
+        "nanguard::" + _name.replace(".default", ""), _no_double_backward
+    )
+
+
 # ---- functional API ---------------------------------------------------------
 
 
 def _shape_tuple(normalized_shape) -> tuple[int, ...]:
     if isinstance(normalized_shape, numbers.Integral):
         return (int(normalized_shape),)
+    if isinstance(normalized_shape, (str, bytes)):
+        raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}")
     try:
         return tuple(int(s) for s in normalized_shape)
     except TypeError:

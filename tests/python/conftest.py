@@ -1,0 +1,49 @@
+"""Shared pytest setup: tolerances, fp64 references, device parametrization.
+
+Run against an installed nanguard (``pip install --no-build-isolation .``) or a
+build tree: ``NANGUARD_LIB_DIR=build PYTHONPATH=python pytest``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nanguard  # noqa: F401  (loads the ops)
+
+#: (atol, rtol) per op and dtype, for |got - ref| <= atol + rtol * |ref|
+#: against an fp64 reference computed from the same (rounded) inputs.
+#: Reasons for the looser entries:
+#: - float32: fp32 accumulation over rows of up to a few thousand elements.
+#: - bfloat16 / float16: the output is rounded once to 8 / 11 significant
+#:   bits (2^-8 = 3.9e-3, 2^-11 = 4.9e-4 relative); gradients pass through
+#:   two such roundings (grad_out in, grad out) and row sums, hence 2-4x.
+TOLERANCES = {
+    "layernorm": {
+        torch.float64: (1e-10, 1e-10),
+        torch.float32: (2e-5, 2e-5),
+        torch.float16: (2e-3, 2e-3),
+        torch.bfloat16: (2e-2, 1e-2),
+    },
+    "layernorm_grad": {
+        torch.float64: (1e-10, 1e-10),
+        torch.float32: (1e-4, 1e-4),
+        torch.float16: (1e-2, 1e-2),
+        torch.bfloat16: (8e-2, 4e-2),
+    },
+}
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor, op: str, dtype: torch.dtype, scale=1.0):
+    """|got - ref| <= atol*scale + rtol*|ref|, NaN where ref is NaN, in fp64."""
+    atol, rtol = TOLERANCES[op][dtype]
+    got = got.detach().to(torch.float64).cpu()
+    ref = ref.detach().to(torch.float64).cpu()
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    torch.testing.assert_close(got, ref, atol=atol * scale, rtol=rtol, equal_nan=True)
+
+
+CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
+
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])

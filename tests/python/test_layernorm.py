@@ -1,0 +1,437 @@
+"""stable_layernorm: forward and every gradient against fp64 references and
+PyTorch, the edge cases it exists for, gradcheck, opcheck, torch.compile,
+bad inputs, modules and state_dict compatibility."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import nanguard
+from nanguard.functional import layer_norm, rms_norm
+from nanguard.nn import StableLayerNorm, StableRMSNorm
+
+from conftest import DEVICES, assert_close, requires_cuda
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+
+
+def ref_norm(x, shape, w, b, eps, rms):
+    """fp64 reference with the textbook formulas (PyTorch ops in float64)."""
+    x = x.double()
+    dims = tuple(range(-len(shape), 0))
+    if rms:
+        y = x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+    else:
+        mean = x.mean(dims, keepdim=True)
+        var = (x - mean).pow(2).mean(dims, keepdim=True)
+        y = (x - mean) * torch.rsqrt(var + eps)
+    if w is not None:
+        y = y * w.double()
+    if b is not None:
+        y = y + b.double()
+    return y
+
+
+def make(shape, dtype, device="cpu", seed=0, scale=3.0, offset=0.5):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale + offset).to(device, dtype)
+
+
+def run_case(dtype, shape, nshape, has_w, has_b, rms, device="cpu", eps=1e-5):
+    x = make(shape, dtype, device, 1).requires_grad_()
+    w = make(nshape, dtype, device, 2, 0.5, 1.0).requires_grad_() if has_w else None
+    b = make(nshape, dtype, device, 3, 0.25, 0.0).requires_grad_() if has_b and not rms else None
+    if rms:
+        y = rms_norm(x, nshape, w, eps)
+    else:
+        y = layer_norm(x, nshape, w, b, eps)
+    assert y.dtype == dtype and y.shape == x.shape
+    leaves = [t for t in (x, w, b) if t is not None]
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    it = iter(leaves64)
+    x64 = next(it)
+    w64 = next(it) if w is not None else None
+    b64 = next(it) if b is not None else None
+    ref = ref_norm(x64, nshape, w64, b64, eps, rms)
+    assert_close(y, ref, "layernorm", dtype)
+    # gradients: a fixed cotangent, rounded to dtype so both sides see the same one
+    gy = make(shape, dtype, device, 4, 1.0, 0.0)
+    grads = torch.autograd.grad(y, leaves, gy)
+    refs = torch.autograd.grad(ref, leaves64, gy.double())
+    rows = x.numel() // max(1, math.prod(nshape))
+    for name, g, r in zip("xwb", grads, refs):
+        # parameter grads sum over rows: absolute error grows with the row count
+        scale = 1.0 if name == "x" else max(1.0, rows / 8)
+        assert g.dtype == dtype
+        assert_close(g, r, "layernorm_grad", dtype, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cols", [1, 3, 127, 4097])
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("affine", ["none", "weight", "weight_bias", "bias"])
+def test_matches_fp64_reference(dtype, cols, rms, affine):
+    rows = 6 if cols > 1000 else 20
+    run_case(dtype, (2, rows // 2, cols), (cols,), "weight" in affine, "bias" in affine, rms)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_multi_dim_normalized_shape(dtype):
+    run_case(dtype, (3, 4, 5, 6), (5, 6), True, True, False)
+    run_case(dtype, (3, 4, 5, 6), (4, 5, 6), True, False, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("rms", [False, True])
+def test_default_matches_pytorch(dtype, rms):
+    x = make((8, 17, 96), dtype)
+    w = make((96,), dtype, seed=5)
+    b = make((96,), dtype, seed=6)
+    if rms:
+        ours, theirs = rms_norm(x, (96,), w), F.rms_norm(x, (96,), w)
+    else:
+        ours, theirs = layer_norm(x, (96,), w, b), F.layer_norm(x, (96,), w, b)
+    tol = 1e-12 if dtype == torch.float64 else 3e-6
+    torch.testing.assert_close(ours, theirs, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("eps", [1e-5, 0.0])
+def test_constant_rows_give_bias_exactly(dtype, eps):
+    x = torch.tensor([0.1, -7.25, 3.0, 0.0], dtype=torch.float64).repeat_interleave(37).view(4, 37)
+    x = x.to(dtype).requires_grad_()
+    w = torch.full((37,), 2.0, dtype=dtype)
+    b = torch.linspace(-1, 1, 37, dtype=torch.float64).to(dtype)
+    y = layer_norm(x, (37,), w, b, eps)
+    assert torch.equal(y, b.expand_as(y))
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    z = rms_norm(torch.zeros(3, 37, dtype=dtype, requires_grad=True), (37,), w, eps)
+    assert torch.equal(z, torch.zeros_like(z))
+
+
+def test_fp16_near_max_is_finite_and_correct():
+    x = (6.0e4 + 5000 * torch.rand(16, 256, generator=torch.Generator().manual_seed(0)))
+    x = x.clamp(max=65504).half().requires_grad_()
+    y = layer_norm(x, (256,))
+    assert torch.isfinite(y).all()
+    assert_close(y, ref_norm(x.detach(), (256,), None, None, 1e-5, False), "layernorm", torch.float16)
+    y.float().sum().backward()
+    assert torch.isfinite(x.grad).all()
+    # and RMSNorm, whose squares (3.6e9) are far past fp16's range
+    z = rms_norm(x, (256,), eps=1e-6)
+    assert torch.isfinite(z).all()
+    assert_close(z, ref_norm(x.detach(), (256,), None, None, 1e-6, True), "layernorm", torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_squares_overflowing_fp32_still_correct(dtype):
+    x = make((4, 64), torch.float64, scale=1e30, offset=0.0).to(dtype)
+    for rms in (False, True):
+        f = rms_norm if rms else layer_norm
+        y = f(x, (64,), None, 1e-5) if rms else f(x, (64,))
+        assert torch.isfinite(y).all()
+        assert_close(y, ref_norm(x, (64,), None, None, 1e-5, rms), "layernorm", dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_row_is_nan_and_only_that_row(dtype, rms, bad):
+    x = make((5, 33), dtype).requires_grad_(False)
+    x[2, 7] = bad
+    y = rms_norm(x, (33,)) if rms else layer_norm(x, (33,))
+    assert torch.isnan(y[2]).all()
+    assert torch.isfinite(y[[0, 1, 3, 4]]).all()
+
+
+def test_non_contiguous_input():
+    base = make((33, 16, 4), torch.float32)
+    x = base.transpose(0, 2)  # (4, 16, 33), last dim strided
+    assert not x.is_contiguous()
+    w = make((33,), torch.float32, seed=2)
+    b = make((66,), torch.float32, seed=3)[::2]  # strided parameter too
+    y = layer_norm(x, (33,), w, b)
+    torch.testing.assert_close(y, F.layer_norm(x, (33,), w, b), atol=3e-6, rtol=3e-6)
+    xg = x.detach().requires_grad_()
+    layer_norm(xg, (33,), w, b).square().sum().backward()
+    xr = x.detach().requires_grad_()
+    F.layer_norm(xr, (33,), w, b).square().sum().backward()
+    torch.testing.assert_close(xg.grad, xr.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (3, 0), (2, 0, 5)])
+def test_empty_tensors(shape):
+    x = torch.randn(shape, requires_grad=True)
+    w = torch.randn(shape[-1], requires_grad=True)
+    b = torch.randn(shape[-1], requires_grad=True)
+    y = layer_norm(x, (shape[-1],), w, b)
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    assert torch.equal(w.grad, torch.zeros_like(w))
+    assert torch.equal(b.grad, torch.zeros_like(b))
+
+
+def test_thread_count_does_not_change_results():
+    x = make((300, 257), torch.float32).requires_grad_()
+    w = make((257,), torch.float32, seed=2).requires_grad_()
+    b = make((257,), torch.float32, seed=3).requires_grad_()
+    gy = make((300, 257), torch.float32, seed=4)
+    results = []
+    old = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            y = layer_norm(x, (257,), w, b)
+            results.append((y, *torch.autograd.grad(y, (x, w, b), gy)))
+    finally:
+        torch.set_num_threads(old)
+    for a, c in zip(*results):
+        assert torch.equal(a, c)
+
+
+def test_eps_floor():
+    x = make((4, 64), torch.float16, scale=1e-3)
+    tiny = 1e-12
+    plain = layer_norm(x, (64,), eps=tiny)
+    assert_close(plain, ref_norm(x, (64,), None, None, tiny, False), "layernorm", torch.float16)
+    floored = layer_norm(x, (64,), eps=tiny, eps_floor="auto")
+    floor = nanguard.layernorm.EPS_FLOOR[torch.float16]
+    assert_close(floored, ref_norm(x, (64,), None, None, floor, False), "layernorm", torch.float16)
+    explicit = layer_norm(x, (64,), eps=tiny, eps_floor=1e-3)
+    assert_close(explicit, ref_norm(x, (64,), None, None, 1e-3, False), "layernorm", torch.float16)
+    with pytest.raises(ValueError, match="eps_floor"):
+        layer_norm(x, (64,), eps_floor="big")
+
+
+# ---- gradcheck / opcheck / compile ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "affine,rms",
+    [(a, False) for a in ("none", "weight", "weight_bias", "bias")] + [("none", True), ("weight", True)],
+)
+def test_gradcheck(affine, rms):
+    x = make((3, 4, 7), torch.float64).requires_grad_()
+    w = make((7,), torch.float64, seed=2).requires_grad_()
+    b = make((7,), torch.float64, seed=3).requires_grad_()
+    has_w, has_b = "weight" in affine, "bias" in affine
+
+    def f(x, w, b):
+        if rms:
+            return rms_norm(x, (7,), w if has_w else None, 1e-5)
+        return layer_norm(x, (7,), w if has_w else None, b if has_b else None, 1e-5)
+
+    assert torch.autograd.gradcheck(f, (x, w, b))
+
+
+def test_double_backward_is_a_clear_error():
+    x = make((3, 7), torch.float64).requires_grad_()
+    (g,) = torch.autograd.grad(layer_norm(x, (7,)).pow(3).sum(), x, create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        g.sum().backward()
+
+
+def _opcheck_cases():
+    x = make((3, 5), torch.float32).requires_grad_()
+    w = make((5,), torch.float32, seed=2).requires_grad_()
+    b = make((5,), torch.float32, seed=3).requires_grad_()
+    ops = torch.ops.nanguard
+    yield ops.stable_layernorm.default, (x, 1e-5, False)
+    yield ops.stable_layernorm.default, (x, 1e-5, True)
+    yield ops.stable_layernorm.weight, (x, w, 1e-5, True)
+    yield ops.stable_layernorm.bias, (x, b, 1e-5, False)
+    yield ops.stable_layernorm.weight_bias, (x, w, b, 1e-5, False)
+    with torch.no_grad():  # backward ops are called with plain tensors
+        _, mean, rstd = ops.stable_layernorm.weight_bias(x, w, b, 1e-5, False)
+    gy = torch.randn(3, 5)
+    yield ops.stable_layernorm_backward.default, (gy, x.detach(), mean, rstd, False, True)
+    yield ops.stable_layernorm_backward.weight, (gy, x.detach(), w.detach(), mean, rstd, False, False)
+
+
+@pytest.mark.parametrize("case", list(range(7)))
+def test_opcheck(case):
+    op, args = list(_opcheck_cases())[case]
+    torch.library.opcheck(op, args)
+
+
+def test_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    m = torch.nn.Sequential(torch.nn.Linear(32, 48), StableLayerNorm(48), torch.nn.GELU(), StableRMSNorm(48))
+    x = torch.randn(4, 10, 32, requires_grad=True)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    y_eager = m(x)
+    torch.testing.assert_close(y, y_eager)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    (g_eager,) = torch.autograd.grad(y_eager.sum(), x)
+    torch.testing.assert_close(g, g_eager)
+
+
+# ---- bad inputs ------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match="input"):
+        layer_norm(x.long(), (8,))
+    with pytest.raises(TypeError, match="input"):
+        layer_norm([1.0, 2.0], (2,))
+    with pytest.raises(ValueError, match="normalized_shape"):
+        layer_norm(x, (7,))
+    with pytest.raises(ValueError, match="weight"):
+        layer_norm(x, (8,), torch.randn(7))
+    with pytest.raises(ValueError, match="bias"):
+        layer_norm(x, (8,), None, torch.randn(2, 4))
+    with pytest.raises(TypeError, match="weight"):
+        layer_norm(x, (8,), torch.ones(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="eps"):
+        layer_norm(x, (8,), eps=-1.0)
+    with pytest.raises(ValueError, match="eps"):
+        layer_norm(x, (8,), eps=float("nan"))
+    with pytest.raises(ValueError, match="weight"):
+        layer_norm(x, (8,), torch.ones(8, device="meta"))
+    with pytest.raises(TypeError, match="normalized_shape"):
+        layer_norm(x, "8")
+
+
+def test_direct_op_calls_raise_not_crash():
+    ops = torch.ops.nanguard
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="input must be float16, bfloat16, float32 or float64"):
+        ops.stable_layernorm(x.long(), 1e-5, False)
+    with pytest.raises(RuntimeError, match="weight must have shape"):
+        ops.stable_layernorm.weight(x, torch.ones(3), 1e-5, False)
+    with pytest.raises(RuntimeError, match="weight has dtype float64 but input has dtype float32"):
+        ops.stable_layernorm.weight(x, torch.ones(8, dtype=torch.float64), 1e-5, False)
+    with pytest.raises(RuntimeError, match="eps"):
+        ops.stable_layernorm(x, -1.0, False)
+    with pytest.raises(RuntimeError, match="at least one dimension"):
+        ops.stable_layernorm(torch.tensor(1.0), 1e-5, False)
+    with pytest.raises(RuntimeError, match="bias is not supported with rms"):
+        ops.stable_layernorm.bias(x, torch.ones(8), 1e-5, True)
+    _, mean, rstd = ops.stable_layernorm(x, 1e-5, False)
+    with pytest.raises(RuntimeError, match="grad_out must have the shape of input"):
+        ops.stable_layernorm_backward(torch.randn(4, 9), x, mean, rstd, False, False)
+    with pytest.raises(RuntimeError, match="rstd must be"):
+        ops.stable_layernorm_backward(x, x, mean, rstd[:2], False, False)
+    with pytest.raises(RuntimeError, match="mean must be"):
+        ops.stable_layernorm_backward(x, x, mean.double(), rstd, False, False)
+    # the process is still alive and the op still works
+    torch.testing.assert_close(ops.stable_layernorm(x, 1e-5, False)[0], F.layer_norm(x, (8,)))
+
+
+# ---- modules -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_layernorm_module_state_dict_both_ways(bias):
+    stock = torch.nn.LayerNorm((4, 6), eps=1e-6, bias=bias)
+    with torch.no_grad():
+        stock.weight.normal_()
+        if bias:
+            stock.bias.normal_()
+    ours = StableLayerNorm((4, 6), eps=1e-6, bias=bias)
+    assert ours.state_dict().keys() == stock.state_dict().keys()
+    ours.load_state_dict(stock.state_dict())
+    x = torch.randn(3, 4, 6)
+    torch.testing.assert_close(ours(x), stock(x), atol=3e-6, rtol=3e-6)
+    back = torch.nn.LayerNorm((4, 6), eps=1e-6, bias=bias)
+    back.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(back(x), stock(x))
+    assert isinstance(ours, torch.nn.LayerNorm)
+
+
+def test_layernorm_from_module_shares_parameters():
+    stock = torch.nn.LayerNorm(16)
+    ours = StableLayerNorm.from_module(stock)
+    assert ours.weight is stock.weight and ours.bias is stock.bias
+    x = torch.randn(5, 16)
+    ours(x).sum().backward()
+    assert stock.weight.grad is not None
+    no_affine = StableLayerNorm.from_module(torch.nn.LayerNorm(16, elementwise_affine=False))
+    assert no_affine.weight is None
+    torch.testing.assert_close(no_affine(x), F.layer_norm(x, (16,)), atol=3e-6, rtol=3e-6)
+    with pytest.raises(TypeError, match="module"):
+        StableLayerNorm.from_module(torch.nn.Linear(2, 2))
+
+
+def test_rmsnorm_module():
+    stock = torch.nn.RMSNorm(24)
+    with torch.no_grad():
+        stock.weight.normal_()
+    ours = StableRMSNorm(24)
+    ours.load_state_dict(stock.state_dict())
+    x = torch.randn(2, 7, 24)
+    torch.testing.assert_close(ours(x), stock(x), atol=3e-6, rtol=3e-6)
+    shared = StableRMSNorm.from_module(stock)
+    assert shared.weight is stock.weight and shared.eps is None
+    back = torch.nn.RMSNorm(24)
+    back.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(back.weight, stock.weight)
+    x16 = x.half()
+    torch.testing.assert_close(ours.half()(x16).float(), stock.half()(x16).float(), atol=4e-3, rtol=4e-3)
+
+
+# ---- property-based fuzzing ------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lead=st.lists(st.integers(0, 4), min_size=0, max_size=3),
+    cols=st.integers(1, 70),
+    dtype=st.sampled_from(DTYPES),
+    rms=st.booleans(),
+    affine=st.sampled_from(["none", "weight", "weight_bias"]),
+    transpose=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_fuzz_shapes_strides_dtypes(lead, cols, dtype, rms, affine, transpose, seed):
+    shape = (*lead, cols)
+    x = make(shape, torch.float64, seed=seed).to(dtype)
+    if transpose and len(lead) >= 1 and lead[-1] > 0:
+        # same values, different strides: build the transposed layout, view it back
+        x = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    w = make((cols,), dtype, seed=seed + 1) if "weight" in affine else None
+    b = make((cols,), dtype, seed=seed + 2) if affine == "weight_bias" and not rms else None
+    y = rms_norm(x, (cols,), w, 1e-5) if rms else layer_norm(x, (cols,), w, b)
+    assert y.shape == x.shape and y.dtype == dtype
+    assert_close(y, ref_norm(x, (cols,), w, b, 1e-5, rms), "layernorm", dtype)
+
+
+# ---- CUDA ----------------------------------------------------------------------------
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cols", [1, 3, 127, 4097])
+@pytest.mark.parametrize("rms", [False, True])
+def test_cuda_matches_reference_and_cpu(dtype, cols, rms):
+    run_case(dtype, (3, 5, cols), (cols,), True, True, rms, device="cuda")
+    x = make((7, cols), dtype)
+    w = make((cols,), dtype, seed=2)
+    f = (lambda t, w: rms_norm(t, (cols,), w)) if rms else (lambda t, w: layer_norm(t, (cols,), w))
+    assert_close(f(x.cuda(), w.cuda()), f(x, w).double(), "layernorm", dtype)
+
+
+@requires_cuda
+def test_cuda_edge_cases():
+    x = torch.full((3, 37), 0.1, device="cuda", dtype=torch.float16)
+    b = torch.linspace(-1, 1, 37, device="cuda").half()
+    assert torch.equal(layer_norm(x, (37,), None, b, 0.0), b.expand_as(x))
+    x = make((5, 33), torch.float32, "cuda")
+    x[2, 3] = float("inf")
+    y = layer_norm(x, (33,))
+    assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3, 4]]).all()
+    with pytest.raises((ValueError, RuntimeError), match="weight"):
+        layer_norm(x, (33,), torch.ones(33))
+    with pytest.raises(TypeError, match="float64"):
+        layer_norm(x.double(), (33,))
