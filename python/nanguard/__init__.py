@@ -12,9 +12,11 @@ from . import _lib
 _lib.load()
 
 from . import layernorm  # noqa: E402  (registers autograd / fake kernels)
+from . import amp, grad_guard  # noqa: E402
+from .grad_guard import clip_grad_norm_  # noqa: E402
 from . import functional, nn  # noqa: E402
 from ._info import info  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["functional", "nn", "info", "__version__"]
+__all__ = ["functional", "nn", "info", "__version__", "amp", "clip_grad_norm_"]
