@@ -1,0 +1,416 @@
+/*
+ * kernels/attention.c - safe_sdpa on the CPU: flash-style tiled attention
+ * with an online softmax (Milakov & Gimelshein 2018; Dao et al.,
+ * FlashAttention 1 and 2), never materializing the [L, S] score matrix.
+ *
+ * Forward, per (batch, head, block of BQ queries), in parallel:
+ *   Q tile -> R once; for each block of BK keys: K^T and V tiles -> R,
+ *   S = Q K^T (micro-kernel), per row: scale, clamp / soft-cap, mask, causal,
+ *   online-softmax update (attention_math.h), P V accumulated into [BQ, Ev].
+ *   out = acc / l, lse = m + log l (-inf and 0 output for a fully masked row).
+ * Backward, FlashAttention-2 style with the saved lse:
+ *   D_i = dout_i . out_i (a first pass over rows), then tasks over
+ *   (batch, kv head, chunk of key blocks): per key block, for each query head
+ *   of the group and each query block, recompute S and P = exp(s - lse),
+ *   dP = dout V^T, dS = P (dP - D) * guard'(s) * scale, and accumulate
+ *   dV += P^T dout, dK += dS^T Q (complete per task: no races, GQA heads
+ *   summed in the tile), dQ += dS K into a per-chunk fp32 (fp64) buffer.
+ *   Chunks split the key blocks of one (batch, kv head) only when there are
+ *   too few such pairs to keep the threads busy; a last pass sums the chunks
+ *   and writes dq.
+ * With dropout p, P is multiplied by keep / (1 - p) from the Philox stream of
+ *   attention_math.h, in the forward and again in the backward.
+ *
+ * R is fp32 for fp32/fp16/bf16 inputs and fp64 for fp64 (gradcheck). Each R
+ * is compiled for baseline x86-64 and for AVX2+FMA (attention_cpu.inc, chosen
+ * at run time through cpu_isa.h); only the 4x16 micro-kernel and the row exp
+ * differ between them.
+ */
+#include "kernels/attention.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cpu_isa.h"
+
+#if NG_X86
+#include <immintrin.h>
+#endif
+
+#define BQ 64
+#define BK 64
+
+typedef struct ng_attn_ctx {
+    const ng_attention_args *a;
+    void *D;      /* backward: [B*Hq*L] rowsum(dout * out) */
+    void *dq_acc; /* backward: [nchunk][B*Hq][Lp][Ep] partial dq */
+    int64_t Lp, nchunk;
+    atomic_int failed;
+} ng_attn_ctx;
+
+static void *ng_attn_alloc(size_t bytes) {
+    size_t n = NG_CEIL_DIV(bytes, (size_t)64) * 64;
+    return aligned_alloc(64, n ? n : 64);
+}
+
+static void ng_attn_fail(ng_attn_ctx *c) { atomic_store(&c->failed, 1); }
+
+/* ---- exp ----------------------------------------------------------------
+ * Branch-free expf (Cephes polynomial, ~1 ulp) so that the softmax row loop
+ * vectorizes; exact for the cases the softmax relies on: exp(-inf) = 0,
+ * exp(NaN) = NaN. Arguments are <= 0 there (s - running max). */
+static inline float ng_expf_poly(float x) {
+    float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    n = n == n ? n : 0.0f;
+    float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float sc;
+    memcpy(&sc, &e, sizeof sc);
+    y *= sc;
+    y = x < -87.0f ? 0.0f : y;
+    return x != x ? x : y;
+}
+
+/* ---- micro-kernels: C[M][N] (+)= A[M][K] B[K][N], M % 4 == 0, N % 16 == 0 */
+
+#define NG_GEMM_PLAIN(NAME, T)                                                                    \
+    static void NAME(int64_t M, int64_t N, int64_t K, const T *A, int64_t lda, const T *B,         \
+                     int64_t ldb, T *C, int64_t ldc, int acc) {                                    \
+        for (int64_t i = 0; i < M; i += 4)                                                         \
+            for (int64_t n = 0; n < N; n += 8) {                                                   \
+                T c0[8], c1[8], c2[8], c3[8];                                                      \
+                for (int x = 0; x < 8; x++) {                                                      \
+                    c0[x] = acc ? C[i * ldc + n + x] : 0;                                          \
+                    c1[x] = acc ? C[(i + 1) * ldc + n + x] : 0;                                    \
+                    c2[x] = acc ? C[(i + 2) * ldc + n + x] : 0;                                    \
+                    c3[x] = acc ? C[(i + 3) * ldc + n + x] : 0;                                    \
+                }                                                                                  \
+                for (int64_t k = 0; k < K; k++) {                                                  \
+                    const T *b = B + k * ldb + n;                                                  \
+                    T a0 = A[i * lda + k], a1 = A[(i + 1) * lda + k];                              \
+                    T a2 = A[(i + 2) * lda + k], a3 = A[(i + 3) * lda + k];                        \
+                    _Pragma("omp simd") for (int x = 0; x < 8; x++) {                              \
+                        c0[x] += a0 * b[x];                                                        \
+                        c1[x] += a1 * b[x];                                                        \
+                        c2[x] += a2 * b[x];                                                        \
+                        c3[x] += a3 * b[x];                                                        \
+                    }                                                                              \
+                }                                                                                  \
+                for (int x = 0; x < 8; x++) {                                                      \
+                    C[i * ldc + n + x] = c0[x];                                                    \
+                    C[(i + 1) * ldc + n + x] = c1[x];                                              \
+                    C[(i + 2) * ldc + n + x] = c2[x];                                              \
+                    C[(i + 3) * ldc + n + x] = c3[x];                                              \
+                }                                                                                  \
+            }                                                                                      \
+    }
+
+NG_GEMM_PLAIN(ng_gemm_f32_base, float)
+NG_GEMM_PLAIN(ng_gemm_f64_base, double)
+
+#if NG_X86
+/* 4 rows x 16 floats: 8 ymm accumulators, 2 loads + 4 broadcasts per 8 FMAs. */
+NG_TARGET_AVX2 static void ng_gemm_f32_avx2(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                                            const float *B, int64_t ldb, float *C, int64_t ldc, int acc) {
+    for (int64_t i = 0; i < M; i += 4) {
+        const float *a0 = A + i * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+        float *r0 = C + i * ldc, *r1 = r0 + ldc, *r2 = r1 + ldc, *r3 = r2 + ldc;
+        for (int64_t n = 0; n < N; n += 16) {
+            __m256 c00, c01, c10, c11, c20, c21, c30, c31;
+            if (acc) {
+                c00 = _mm256_loadu_ps(r0 + n); c01 = _mm256_loadu_ps(r0 + n + 8);
+                c10 = _mm256_loadu_ps(r1 + n); c11 = _mm256_loadu_ps(r1 + n + 8);
+                c20 = _mm256_loadu_ps(r2 + n); c21 = _mm256_loadu_ps(r2 + n + 8);
+                c30 = _mm256_loadu_ps(r3 + n); c31 = _mm256_loadu_ps(r3 + n + 8);
+            } else {
+                c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = _mm256_setzero_ps();
+            }
+            const float *b = B + n;
+            for (int64_t k = 0; k < K; k++, b += ldb) {
+                __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+                __m256 x = _mm256_broadcast_ss(a0 + k);
+                c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
+                x = _mm256_broadcast_ss(a1 + k);
+                c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11);
+                x = _mm256_broadcast_ss(a2 + k);
+                c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21);
+                x = _mm256_broadcast_ss(a3 + k);
+                c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31);
+            }
+            _mm256_storeu_ps(r0 + n, c00); _mm256_storeu_ps(r0 + n + 8, c01);
+            _mm256_storeu_ps(r1 + n, c10); _mm256_storeu_ps(r1 + n + 8, c11);
+            _mm256_storeu_ps(r2 + n, c20); _mm256_storeu_ps(r2 + n + 8, c21);
+            _mm256_storeu_ps(r3 + n, c30); _mm256_storeu_ps(r3 + n + 8, c31);
+        }
+    }
+}
+
+/* 4 rows x 8 doubles. */
+NG_TARGET_AVX2 static void ng_gemm_f64_avx2(int64_t M, int64_t N, int64_t K, const double *A, int64_t lda,
+                                            const double *B, int64_t ldb, double *C, int64_t ldc, int acc) {
+    for (int64_t i = 0; i < M; i += 4) {
+        const double *a0 = A + i * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+        double *r0 = C + i * ldc, *r1 = r0 + ldc, *r2 = r1 + ldc, *r3 = r2 + ldc;
+        for (int64_t n = 0; n < N; n += 8) {
+            __m256d c00, c01, c10, c11, c20, c21, c30, c31;
+            if (acc) {
+                c00 = _mm256_loadu_pd(r0 + n); c01 = _mm256_loadu_pd(r0 + n + 4);
+                c10 = _mm256_loadu_pd(r1 + n); c11 = _mm256_loadu_pd(r1 + n + 4);
+                c20 = _mm256_loadu_pd(r2 + n); c21 = _mm256_loadu_pd(r2 + n + 4);
+                c30 = _mm256_loadu_pd(r3 + n); c31 = _mm256_loadu_pd(r3 + n + 4);
+            } else {
+                c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = _mm256_setzero_pd();
+            }
+            const double *b = B + n;
+            for (int64_t k = 0; k < K; k++, b += ldb) {
+                __m256d b0 = _mm256_loadu_pd(b), b1 = _mm256_loadu_pd(b + 4);
+                __m256d x = _mm256_broadcast_sd(a0 + k);
+                c00 = _mm256_fmadd_pd(x, b0, c00); c01 = _mm256_fmadd_pd(x, b1, c01);
+                x = _mm256_broadcast_sd(a1 + k);
+                c10 = _mm256_fmadd_pd(x, b0, c10); c11 = _mm256_fmadd_pd(x, b1, c11);
+                x = _mm256_broadcast_sd(a2 + k);
+                c20 = _mm256_fmadd_pd(x, b0, c20); c21 = _mm256_fmadd_pd(x, b1, c21);
+                x = _mm256_broadcast_sd(a3 + k);
+                c30 = _mm256_fmadd_pd(x, b0, c30); c31 = _mm256_fmadd_pd(x, b1, c31);
+            }
+            _mm256_storeu_pd(r0 + n, c00); _mm256_storeu_pd(r0 + n + 4, c01);
+            _mm256_storeu_pd(r1 + n, c10); _mm256_storeu_pd(r1 + n + 4, c11);
+            _mm256_storeu_pd(r2 + n, c20); _mm256_storeu_pd(r2 + n + 4, c21);
+            _mm256_storeu_pd(r3 + n, c30); _mm256_storeu_pd(r3 + n + 4, c31);
+        }
+    }
+}
+#endif
+
+/* p[j] = exp(x[j] - m) in place, returns the sum (m finite or NaN). */
+#define NG_EXP_ROW_F32(NAME, ATTRS)                                            \
+    ATTRS static float NAME(float *x, int64_t n, float m) {                    \
+        float sum = 0.0f;                                                      \
+        _Pragma("omp simd reduction(+ : sum)") for (int64_t j = 0; j < n; j++) { \
+            float p = ng_expf_poly(x[j] - m);                                  \
+            x[j] = p;                                                          \
+            sum += p;                                                          \
+        }                                                                      \
+        return sum;                                                            \
+    }
+
+NG_EXP_ROW_F32(ng_exp_row_f32_base, )
+NG_EXP_ROW_F32(ng_exp_row_f32_avx2, NG_TARGET_AVX2)
+
+static double ng_exp_row_f64(double *x, int64_t n, double m) {
+    double sum = 0.0;
+    for (int64_t j = 0; j < n; j++) {
+        x[j] = exp(x[j] - m);
+        sum += x[j];
+    }
+    return sum;
+}
+
+/* ---- the tile kernels, once per variant --------------------------------- */
+
+#define M_STORE ng_store_f32
+#define M_TRANSFORM ng_attn_transform_f32
+#define M_TRANSFORM_GRAD ng_attn_transform_grad_f32
+#define M_MAX_NAN ng_attn_max_nan_f32
+#define M_RESCALE ng_attn_rescale_f32
+#define M_INV_SUM ng_attn_inv_sum_f32
+#define M_LSE ng_attn_lse_f32
+#define M_EXP ng_expf_poly
+#define R float
+
+#define SFX(n) n##_f32_base
+#define ATTR
+#define GEMM ng_gemm_f32_base
+#define EXP_ROW ng_exp_row_f32_base
+#include "kernels/attention_cpu.inc"
+#undef SFX
+#undef ATTR
+#undef GEMM
+#undef EXP_ROW
+
+#if NG_X86
+#define SFX(n) n##_f32_avx2
+#define ATTR NG_TARGET_AVX2
+#define GEMM ng_gemm_f32_avx2
+#define EXP_ROW ng_exp_row_f32_avx2
+#include "kernels/attention_cpu.inc"
+#undef SFX
+#undef ATTR
+#undef GEMM
+#undef EXP_ROW
+#endif
+
+#undef M_STORE
+#undef M_TRANSFORM
+#undef M_TRANSFORM_GRAD
+#undef M_MAX_NAN
+#undef M_RESCALE
+#undef M_INV_SUM
+#undef M_LSE
+#undef M_EXP
+#undef R
+
+#define M_STORE ng_store_f64
+#define M_TRANSFORM ng_attn_transform_f64
+#define M_TRANSFORM_GRAD ng_attn_transform_grad_f64
+#define M_MAX_NAN ng_attn_max_nan_f64
+#define M_RESCALE ng_attn_rescale_f64
+#define M_INV_SUM ng_attn_inv_sum_f64
+#define M_LSE ng_attn_lse_f64
+#define M_EXP exp
+#define R double
+
+#define SFX(n) n##_f64_base
+#define ATTR
+#define GEMM ng_gemm_f64_base
+#define EXP_ROW ng_exp_row_f64
+#include "kernels/attention_cpu.inc"
+#undef SFX
+#undef ATTR
+#undef GEMM
+#undef EXP_ROW
+
+#if NG_X86
+#define SFX(n) n##_f64_avx2
+#define ATTR NG_TARGET_AVX2
+#define GEMM ng_gemm_f64_avx2
+#define EXP_ROW ng_exp_row_f64
+#include "kernels/attention_cpu.inc"
+#undef SFX
+#undef ATTR
+#undef GEMM
+#undef EXP_ROW
+#endif
+
+/* ---- dispatch ------------------------------------------------------------ */
+
+typedef struct ng_attn_variant {
+    ng_range_fn fwd, bwd_prep, bwd, dq_store;
+} ng_attn_variant;
+
+static ng_attn_variant ng_attn_pick(ng_dtype t) {
+    int wide = ng_cpu_isa_active() >= NG_ISA_AVX2;
+    ng_attn_variant v;
+    if (t == NG_F64) {
+        v = (ng_attn_variant){fwd_range_f64_base, bwd_prep_range_f64_base, bwd_range_f64_base,
+                              dq_store_range_f64_base};
+#if NG_X86
+        if (wide)
+            v = (ng_attn_variant){fwd_range_f64_avx2, bwd_prep_range_f64_avx2, bwd_range_f64_avx2,
+                                  dq_store_range_f64_avx2};
+#endif
+    } else {
+        v = (ng_attn_variant){fwd_range_f32_base, bwd_prep_range_f32_base, bwd_range_f32_base,
+                              dq_store_range_f32_base};
+#if NG_X86
+        if (wide)
+            v = (ng_attn_variant){fwd_range_f32_avx2, bwd_prep_range_f32_avx2, bwd_range_f32_avx2,
+                                  dq_store_range_f32_avx2};
+#endif
+    }
+    (void)wide;
+    return v;
+}
+
+static int ng_attn_strides_ok(const void *p, const int64_t st[3]) {
+    return p != NULL && st[0] >= 0 && st[1] >= 0 && st[2] >= 0;
+}
+
+ng_status ng_attention_check(const ng_attention_args *a, int backward) {
+    if (!a) return NG_ERR_INVALID_ARG;
+    if (a->dtype != NG_F32 && a->dtype != NG_F64 && a->dtype != NG_F16 && a->dtype != NG_BF16)
+        return NG_ERR_DTYPE;
+    if (a->B < 0 || a->L < 0 || a->S < 0 || a->Hq < 1 || a->Hkv < 1 || a->Hq % a->Hkv != 0)
+        return NG_ERR_INVALID_ARG;
+    if (a->E < 1 || a->Ev < 1 || a->E > NG_ATTN_MAX_HEAD_DIM || a->Ev > NG_ATTN_MAX_HEAD_DIM)
+        return NG_ERR_INVALID_ARG;
+    if (!(a->dropout_p >= 0.0 && a->dropout_p < 1.0) || !isfinite(a->scale) || a->max_score != a->max_score ||
+        a->softcap != a->softcap)
+        return NG_ERR_INVALID_ARG;
+    if (a->mask_kind != NG_MASK_NONE && a->mask_kind != NG_MASK_BOOL && a->mask_kind != NG_MASK_ADD)
+        return NG_ERR_INVALID_ARG;
+    if (a->B == 0) return NG_OK; /* nothing to read or write */
+    /* empty tensors may carry NULL data: pointers are required only when read */
+    const int has_q = a->L > 0, has_k = a->S > 0;
+    if (has_q && (!ng_attn_strides_ok(a->q, a->q_stride) || !ng_attn_strides_ok(a->out, a->out_stride) || !a->lse))
+        return NG_ERR_INVALID_ARG;
+    if (has_k && (!ng_attn_strides_ok(a->k, a->k_stride) || !ng_attn_strides_ok(a->v, a->v_stride)))
+        return NG_ERR_INVALID_ARG;
+    if (a->mask_kind != NG_MASK_NONE && has_q && has_k) {
+        if (!a->mask) return NG_ERR_INVALID_ARG;
+        for (int d = 0; d < 4; d++)
+            if (a->mask_stride[d] < 0) return NG_ERR_INVALID_ARG;
+        if (a->mask_kind == NG_MASK_ADD && a->mask_dtype != NG_F32 && a->mask_dtype != NG_F64 &&
+            a->mask_dtype != NG_F16 && a->mask_dtype != NG_BF16)
+            return NG_ERR_DTYPE;
+    }
+    if (backward) {
+        if (has_q && (!ng_attn_strides_ok(a->dout, a->dout_stride) || !ng_attn_strides_ok(a->dq, a->dq_stride)))
+            return NG_ERR_INVALID_ARG;
+        if (has_k && (!ng_attn_strides_ok(a->dk, a->dk_stride) || !ng_attn_strides_ok(a->dv, a->dv_stride)))
+            return NG_ERR_INVALID_ARG;
+    }
+    return NG_OK;
+}
+
+/* A copy of the args with the mask pointer cleared when there is none, so
+ * the tile code tests one field. */
+static ng_attention_args ng_attn_normalize(const ng_attention_args *a) {
+    ng_attention_args n = *a;
+    if (n.mask_kind == NG_MASK_NONE || n.L == 0 || n.S == 0) n.mask = NULL;
+    return n;
+}
+
+ng_status ng_attention_fwd(const ng_attention_args *args, ng_parallel_fn par) {
+    NG_TRY(ng_attention_check(args, 0));
+    if (args->B == 0 || args->L == 0) return NG_OK;
+    ng_attention_args a = ng_attn_normalize(args);
+    ng_attn_variant v = ng_attn_pick(a.dtype);
+    ng_attn_ctx c = {.a = &a};
+    atomic_init(&c.failed, 0);
+    ng_parallel_run(par, a.B * a.Hq * NG_CEIL_DIV(a.L, BQ), 1, v.fwd, &c);
+    return atomic_load(&c.failed) ? NG_ERR_ALLOC : NG_OK;
+}
+
+ng_status ng_attention_bwd(const ng_attention_args *args, ng_parallel_fn par) {
+    NG_TRY(ng_attention_check(args, 1));
+    if (args->B == 0) return NG_OK;
+    ng_attention_args a = ng_attn_normalize(args);
+    const size_t rs = a.dtype == NG_F64 ? sizeof(double) : sizeof(float);
+    const int64_t Ep = NG_CEIL_DIV(a.E, 16) * 16;
+    const int64_t nkb = NG_CEIL_DIV(a.S, BK);
+    const int64_t pairs = a.B * a.Hkv;
+    ng_attn_variant v = ng_attn_pick(a.dtype);
+    ng_attn_ctx c = {.a = &a};
+    atomic_init(&c.failed, 0);
+    c.Lp = NG_CEIL_DIV(a.L, BQ) * BQ;
+    /* Split key blocks across tasks only when there are few (batch, kv head)
+     * pairs; each extra chunk costs one more [B, Hq, L, E] dq buffer. */
+    c.nchunk = pairs >= 8 ? 1 : NG_MIN(NG_MAX(nkb, 1), NG_MIN(4, NG_CEIL_DIV(8, NG_MAX(pairs, 1))));
+    size_t dq_elems = (size_t)(c.nchunk * a.B * a.Hq * c.Lp * Ep);
+    c.D = ng_attn_alloc(rs * (size_t)(a.B * a.Hq * a.L));
+    c.dq_acc = ng_attn_alloc(rs * dq_elems);
+    if (!c.D || !c.dq_acc) {
+        free(c.D);
+        free(c.dq_acc);
+        return NG_ERR_ALLOC;
+    }
+    memset(c.dq_acc, 0, rs * dq_elems);
+    ng_parallel_run(par, a.B * a.Hq * a.L, 64, v.bwd_prep, &c);
+    if (!atomic_load(&c.failed)) ng_parallel_run(par, pairs * c.nchunk, 1, v.bwd, &c);
+    if (!atomic_load(&c.failed)) ng_parallel_run(par, a.B * a.Hq * a.L, 64, v.dq_store, &c);
+    free(c.D);
+    free(c.dq_acc);
+    return atomic_load(&c.failed) ? NG_ERR_ALLOC : NG_OK;
+}

@@ -1,0 +1,78 @@
+/*
+ * kernels/attention.h - safe_sdpa kernels: NaN-safe flash-style attention.
+ *
+ * Forward:  out[b,h,i,:] = sum_j softmax_j(guard(scale * q_i . k_j) + mask_ij)
+ *                          * keep_ij / (1 - p) * v_j
+ *           lse[b,h,i]   = logsumexp_j(...)   (-inf for a fully masked row)
+ * Backward: dq, dk, dv from q, k, v, out, dout and lse, recomputing the scores
+ *           tile by tile (FlashAttention-2, Dao 2023); nothing of size L x S
+ *           is stored. The per-score math is kernels/attention_math.h.
+ *
+ * Layout: every tensor is addressed as [B, heads, seq, dim] through int64
+ * element strides for the first three dims; the last dim must be contiguous
+ * (stride 1). Grouped-query attention: Hq % Hkv == 0 and query head h reads
+ * kv head h / (Hq / Hkv); dk / dv sum over the heads of a group.
+ * lse is a contiguous [B, Hq, L] buffer of fp32 (fp64 for fp64 inputs).
+ */
+#ifndef NG_KERNELS_ATTENTION_H
+#define NG_KERNELS_ATTENTION_H
+
+#include "kernels/attention_math.h"
+#include "kernels/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Largest head dim (E and Ev) the kernels take. */
+#define NG_ATTN_MAX_HEAD_DIM 256
+
+typedef struct ng_attention_args {
+    ng_dtype dtype; /* of q, k, v, out, dout, dq, dk, dv */
+    int64_t B, Hq, Hkv, L, S, E, Ev;
+
+    /* forward inputs / outputs: [batch, head, seq] element strides */
+    const void *q; int64_t q_stride[3];
+    const void *k; int64_t k_stride[3];
+    const void *v; int64_t v_stride[3];
+    void *out; int64_t out_stride[3]; /* written by fwd, read by bwd */
+    void *lse;                        /* [B, Hq, L], written by fwd, read by bwd */
+
+    /* backward only */
+    const void *dout; int64_t dout_stride[3];
+    void *dq; int64_t dq_stride[3];
+    void *dk; int64_t dk_stride[3];
+    void *dv; int64_t dv_stride[3];
+
+    /* optional mask broadcastable to [B, Hq, L, S]: strides 0 on broadcast dims */
+    const void *mask;
+    ng_mask_kind mask_kind;
+    ng_dtype mask_dtype; /* additive masks only */
+    int64_t mask_stride[4];
+
+    int is_causal;     /* top-left: query i attends keys j <= i */
+    double scale;      /* usually 1 / sqrt(E) */
+    double max_score;  /* <= 0: off */
+    double softcap;    /* <= 0: off */
+    double dropout_p;  /* in [0, 1) */
+    uint64_t seed, offset;
+} ng_attention_args;
+
+/* Shape, stride and pointer checks shared by every entry point. */
+ng_status ng_attention_check(const ng_attention_args *a, int backward);
+
+/* CPU kernels; par == NULL runs serially. */
+ng_status ng_attention_fwd(const ng_attention_args *a, ng_parallel_fn par);
+ng_status ng_attention_bwd(const ng_attention_args *a, ng_parallel_fn par);
+
+/* CUDA launchers (kernels/attention.cu): fp32 / fp16 / bf16, stream is a
+ * cudaStream_t. The bwd launcher allocates its fp32 workspace with
+ * cudaMallocAsync on the same stream. */
+ng_status ng_attention_fwd_cuda(const ng_attention_args *a, void *stream);
+ng_status ng_attention_bwd_cuda(const ng_attention_args *a, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* NG_KERNELS_ATTENTION_H */

@@ -1,0 +1,553 @@
+/*
+ * tests/c/test_attention.c - safe_sdpa CPU kernels against a plain-loop fp64
+ * reference, and the shared per-score math of kernels/attention_math.h (the
+ * arithmetic the CUDA kernel runs too).
+ *
+ * The reference materializes every score row in fp64, from the inputs as
+ * rounded to the tested dtype, and derives the backward analytically:
+ *   P = softmax(s), Pd = P * keep / (1 - p), out = Pd V, dV = Pd^T dout,
+ *   dP = dout V^T, D_i = sum_j Pd_ij dP_ij, dS = P (dP keep/(1-p) - D) g'(s),
+ *   dQ = scale dS K, dK = scale dS^T Q.
+ * Masked positions come from the generator's own flags, not from the kernel's
+ * mask test, so the reference is independent of the code under test.
+ * Every case runs on every CPU path this machine has (baseline, avx2, ...).
+ * Pass: |kernel - ref| <= atol + rtol * |ref| element-wise, per-dtype table.
+ */
+#include <float.h>
+#include <string.h>
+
+#include "kernels/attention.h"
+#include "tests/c/ng_test.h"
+
+/* NG_EXPECT with a printf-style explanation. */
+#define CHECK(cond, ...)                                                                     \
+    do {                                                                                     \
+        ng_test_checks++;                                                                    \
+        if (!(cond)) {                                                                       \
+            ng_test_failures++;                                                              \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                  \
+            fprintf(stderr, __VA_ARGS__);                                                    \
+            fprintf(stderr, "\n");                                                           \
+        }                                                                                    \
+    } while (0)
+
+/* ---- tolerances: |d| <= atol + rtol * |ref| ------------------------------ */
+typedef struct tol {
+    double atol, rtol;
+    const char *why;
+} tol;
+
+static tol tol_for(ng_dtype t, int grad) {
+    switch (t) {
+    case NG_F64: return (tol){1e-10, 1e-9, "fp64 accumulation throughout"};
+    case NG_F32:
+        /* fp32 accumulation over up to 256-long dots and 129 keys, ~1 ulp exp */
+        return grad ? (tol){5e-5, 5e-4, "fp32 accumulation, gradients sum over keys and heads"}
+                    : (tol){2e-5, 2e-4, "fp32 accumulation"};
+    case NG_F16:
+        /* output rounded to fp16 (2^-11); backward reads the fp16-rounded out for D */
+        return grad ? (tol){1e-2, 1e-2, "fp16 output rounding, D from the rounded out"}
+                    : (tol){2e-3, 4e-3, "fp16 output rounding"};
+    case NG_BF16:
+        return grad ? (tol){6e-2, 4e-2, "bf16 output rounding (2^-8), D from the rounded out"}
+                    : (tol){1.6e-2, 1.6e-2, "bf16 output rounding (2^-8)"};
+    }
+    return (tol){0, 0, ""};
+}
+
+/* ---- deterministic inputs ------------------------------------------------ */
+static ng_rng g_rng = {1};
+static double urand(void) { return 0.5 * (ng_rng_unif(&g_rng) + 1.0); } /* [0, 1) */
+
+/* ---- shared math tests --------------------------------------------------- */
+static void test_philox(void) {
+    /* Random123 kat_vectors, philox4x32 10 */
+    static const uint32_t v[3][10] = {
+        {0, 0, 0, 0, 0, 0, 0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8},
+        {0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0x408f276d, 0x41c83b0e,
+         0xa20bc7c6, 0x6d5451fd},
+        {0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344, 0xa4093822, 0x299f31d0, 0xd16cfe09, 0x94fdcceb,
+         0x5001e420, 0x24126ea1},
+    };
+    for (int t = 0; t < 3; t++) {
+        uint32_t out[4];
+        ng_philox4x32_10(v[t], v[t] + 4, out);
+        for (int w = 0; w < 4; w++)
+            CHECK(out[w] == v[t][6 + w], "philox KAT %d word %d: %08x != %08x", t, w, out[w], v[t][6 + w]);
+    }
+    /* keep rate of the dropout stream */
+    const float p = 0.3f;
+    int64_t kept = 0, n = 1 << 20;
+    for (int64_t e = 0; e < n; e++) kept += ng_attn_dropout_keep(1234, 5, (uint64_t)e, p);
+    double rate = (double)kept / (double)n; /* sd = sqrt(.21/n) ~ 4.5e-4 */
+    CHECK(fabs(rate - 0.7) < 3e-3, "dropout keep rate %f, want 0.7", rate);
+    /* different offsets give different masks */
+    int diff = 0;
+    for (uint64_t e = 0; e < 256; e++)
+        diff += ng_attn_dropout_keep(1234, 5, e, 0.5f) != ng_attn_dropout_keep(1234, 6, e, 0.5f);
+    CHECK(diff > 64, "offset changes the mask (%d of 256 differ)", diff);
+}
+
+static void test_math(void) {
+    /* soft-cap and clamp derivatives by central differences */
+    const double caps[] = {0.5, 5.0, 30.0};
+    for (int ci = 0; ci < 3; ci++)
+        for (double s = -40.0; s <= 40.0; s += 0.37) {
+            double c = caps[ci], h = 1e-6;
+            double fd = (ng_attn_softcap_f64(s + h, c) - ng_attn_softcap_f64(s - h, c)) / (2 * h);
+            double g = ng_attn_softcap_grad_f64(s, c);
+            CHECK(fabs(fd - g) <= 1e-6 + 1e-6 * fabs(g), "softcap' at s=%g c=%g: %g vs fd %g", s, c, g, fd);
+            float gf = ng_attn_softcap_grad_f32((float)s, (float)c);
+            CHECK(fabs(gf - g) <= 1e-5, "softcap'_f32 at s=%g c=%g: %g vs %g", s, c, gf, g);
+            double gt = ng_attn_transform_grad_f64(s, 3.0, c);
+            double fdt = (ng_attn_transform_f64(s + h, 3.0, c) - ng_attn_transform_f64(s - h, 3.0, c)) / (2 * h);
+            if (fabs(fabs(s) - 3.0) > 1e-3)
+                CHECK(fabs(fdt - gt) <= 1e-6 + 1e-6 * fabs(gt), "transform' at s=%g: %g vs fd %g", s, gt, fdt);
+        }
+    CHECK(ng_attn_clamp_f32(70000.0f, 50.0f) == 50.0f, "clamp high");
+    CHECK(ng_attn_clamp_f32(-INFINITY, 50.0f) == -50.0f, "clamp -inf");
+    CHECK(isnan(ng_attn_clamp_f32(NAN, 50.0f)), "clamp keeps NaN");
+    CHECK(ng_attn_clamp_f32(1e30f, 0.0f) == 1e30f, "clamp off");
+    CHECK(ng_attn_clamp_grad_f32(60.0f, 50.0f) == 0.0f && ng_attn_clamp_grad_f32(10.0f, 50.0f) == 1.0f,
+          "clamp'");
+    CHECK(isnan(ng_attn_softcap_f32(NAN, 5.0f)), "softcap keeps NaN");
+    CHECK(ng_attn_softcap_f32(INFINITY, 5.0f) == 5.0f, "softcap(inf) = cap");
+    /* online-softmax edge cases: no 0/0, NaN kept */
+    CHECK(ng_attn_rescale_f32(-INFINITY, 3.0f) == 0.0f, "rescale from empty");
+    CHECK(ng_attn_rescale_f32(-INFINITY, -INFINITY) == 0.0f, "rescale empty to empty");
+    CHECK(isnan(ng_attn_rescale_f32(-INFINITY, NAN)), "rescale to NaN");
+    CHECK(ng_attn_exp_shift_f32(-INFINITY, -INFINITY) == 0.0f, "exp shift of empty row");
+    CHECK(ng_attn_lse_f32(-INFINITY, 0.0f) == -INFINITY, "lse of empty row");
+    CHECK(isnan(ng_attn_lse_f32(NAN, NAN)), "lse NaN");
+    CHECK(ng_attn_inv_sum_f32(0.0f) == 0.0f, "1/l of empty row is 0");
+    CHECK(ng_attn_prob_f32(-INFINITY, -INFINITY) == 0.0f, "prob in empty row");
+    CHECK(isnan(ng_attn_max_nan_f32(1.0f, NAN)) && isnan(ng_attn_max_nan_f32(NAN, 1.0f)), "max keeps NaN");
+    CHECK(ng_attn_max_nan_f32(-INFINITY, 2.0f) == 2.0f && ng_attn_max_nan_f32(3.0f, 2.0f) == 3.0f, "max");
+    /* mask conventions */
+    uint8_t bm[2] = {0, 1};
+    CHECK(ng_attn_mask_value(bm, NG_MASK_BOOL, NG_F32, 0) == -INFINITY, "bool false masks");
+    CHECK(ng_attn_mask_value(bm, NG_MASK_BOOL, NG_F32, 1) == 0.0, "bool true attends");
+    float fm[3] = {-INFINITY, -FLT_MAX, -1e4f};
+    CHECK(ng_attn_mask_value(fm, NG_MASK_ADD, NG_F32, 0) == -INFINITY, "-inf masks");
+    CHECK(ng_attn_mask_value(fm, NG_MASK_ADD, NG_F32, 1) == -INFINITY, "finfo(f32).min masks");
+    CHECK(ng_attn_mask_value(fm, NG_MASK_ADD, NG_F32, 2) == -1e4, "-1e4 is additive");
+    uint16_t hm[2] = {0xfbffu, 0xc000u}; /* fp16 -65504, -2 */
+    CHECK(ng_attn_mask_value(hm, NG_MASK_ADD, NG_F16, 0) == -INFINITY, "finfo(f16).min masks");
+    CHECK(ng_attn_mask_value(hm, NG_MASK_ADD, NG_F16, 1) == -2.0, "fp16 -2 additive");
+    uint16_t bfm[2] = {0xff7fu, 0xc000u}; /* bf16 lowest, -2 */
+    CHECK(ng_attn_mask_value(bfm, NG_MASK_ADD, NG_BF16, 0) == -INFINITY, "finfo(bf16).min masks");
+    CHECK(ng_attn_mask_value(bfm, NG_MASK_ADD, NG_BF16, 1) == -2.0, "bf16 -2 additive");
+    double dm[1] = {-DBL_MAX};
+    CHECK(ng_attn_mask_value(dm, NG_MASK_ADD, NG_F64, 0) == -INFINITY, "finfo(f64).min masks");
+    CHECK(ng_attn_causal_masked(3, 4) && !ng_attn_causal_masked(4, 4), "causal top-left");
+}
+
+/* ---- kernel vs reference ------------------------------------------------- */
+
+enum { MASK_NONE, MASK_BOOL, MASK_NEG_INF, MASK_LOWEST };
+enum { MB_FULL, MB_PAD, MB_LS }; /* mask shape: [B,Hq,L,S], [B,1,1,S], [L,S] */
+
+typedef struct tcase {
+    const char *name;
+    int64_t B, Hq, Hkv, L, S, E, Ev;
+    int mask, mshape, full_rows, causal, bshd;
+    double max_score, softcap, dropout, mag;
+} tcase;
+
+typedef struct tensor {
+    void *p;
+    int64_t st[3];
+    int64_t n;
+} tensor;
+
+static tensor make(ng_dtype t, int64_t B, int64_t H, int64_t N, int64_t D, int bshd) {
+    tensor x;
+    x.n = B * H * N * D;
+    x.p = calloc((size_t)(x.n ? x.n : 1), ng_dtype_size(t));
+    if (bshd) { /* [B, N, H, D] memory, addressed as [B, H, N, D] */
+        x.st[0] = N * H * D; x.st[1] = D; x.st[2] = H * D;
+    } else {
+        x.st[0] = H * N * D; x.st[1] = N * D; x.st[2] = D;
+    }
+    return x;
+}
+
+static int64_t at(const tensor *x, int64_t b, int64_t h, int64_t i, int64_t d) {
+    return b * x->st[0] + h * x->st[1] + i * x->st[2] + d;
+}
+
+static void fill(tensor *x, ng_dtype t, double mag) {
+    for (int64_t i = 0; i < x->n; i++) ng_store_f64(x->p, t, i, mag * (2.0 * urand() - 1.0));
+}
+
+static double get(const tensor *x, ng_dtype t, int64_t b, int64_t h, int64_t i, int64_t d) {
+    return ng_load_f64(x->p, t, at(x, b, h, i, d));
+}
+
+typedef struct refout {
+    double *out, *lse, *dq, *dk, *dv; /* dense [B,H,N,D] */
+} refout;
+
+/* The fp64 reference. masked[b,h,i,j] (dense) and addv (dense) describe the mask. */
+static void reference(const tcase *c, ng_dtype t, const tensor *q, const tensor *k, const tensor *v,
+                      const tensor *dout, const uint8_t *masked, const double *addv, double scale, uint64_t seed,
+                      uint64_t offset, refout *r) {
+    const int64_t B = c->B, Hq = c->Hq, L = c->L, S = c->S, E = c->E, Ev = c->Ev, grp = c->Hq / c->Hkv;
+    double *s = malloc(sizeof(double) * (size_t)(S + 1)), *raw = malloc(sizeof(double) * (size_t)(S + 1));
+    double *p = malloc(sizeof(double) * (size_t)(S + 1)), *kp = malloc(sizeof(double) * (size_t)(S + 1));
+    double *dp = malloc(sizeof(double) * (size_t)(S + 1));
+    double inv = 1.0 / (1.0 - c->dropout);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hq; h++) {
+            int64_t hk = h / grp;
+            for (int64_t i = 0; i < L; i++) {
+                double mx = -INFINITY;
+                for (int64_t j = 0; j < S; j++) {
+                    double d = 0;
+                    for (int64_t e = 0; e < E; e++) d += get(q, t, b, h, i, e) * get(k, t, b, hk, j, e);
+                    raw[j] = scale * d;
+                    double x = raw[j];
+                    if (c->max_score > 0) x = fmin(fmax(x, -c->max_score), c->max_score);
+                    if (c->softcap > 0) x = c->softcap * tanh(x / c->softcap);
+                    int64_t mi = ((b * Hq + h) * L + i) * S + j;
+                    if ((masked && masked[mi]) || (c->causal && j > i))
+                        x = -INFINITY;
+                    else if (addv)
+                        x += addv[mi];
+                    s[j] = x;
+                    if (x > mx) mx = x;
+                    uint64_t e64 = (uint64_t)mi;
+                    kp[j] = c->dropout > 0 ? (ng_attn_dropout_keep(seed, offset, e64, (float)c->dropout) ? inv : 0.0)
+                                           : 1.0;
+                }
+                double l = 0;
+                for (int64_t j = 0; j < S; j++) {
+                    p[j] = mx == -INFINITY ? 0.0 : exp(s[j] - mx);
+                    l += p[j];
+                }
+                int64_t ro = ((b * Hq + h) * L + i);
+                r->lse[ro] = l > 0 ? mx + log(l) : -INFINITY;
+                for (int64_t j = 0; j < S; j++) p[j] = l > 0 ? p[j] / l : 0.0;
+                double D = 0;
+                for (int64_t j = 0; j < S; j++) {
+                    dp[j] = 0;
+                    for (int64_t d = 0; d < Ev; d++) dp[j] += get(dout, t, b, h, i, d) * get(v, t, b, hk, j, d);
+                    D += p[j] * kp[j] * dp[j];
+                }
+                for (int64_t d = 0; d < Ev; d++) {
+                    double o = 0;
+                    for (int64_t j = 0; j < S; j++) o += p[j] * kp[j] * get(v, t, b, hk, j, d);
+                    r->out[ro * Ev + d] = o;
+                }
+                for (int64_t j = 0; j < S; j++) {
+                    double g = 1.0;
+                    if (c->max_score > 0 && fabs(raw[j]) > c->max_score) g = 0.0;
+                    double x = c->max_score > 0 ? fmin(fmax(raw[j], -c->max_score), c->max_score) : raw[j];
+                    if (c->softcap > 0) {
+                        double th = tanh(x / c->softcap);
+                        g *= 1.0 - th * th;
+                    }
+                    double ds = p[j] * (dp[j] * kp[j] - D) * g * scale;
+                    int64_t kro = (b * c->Hkv + hk) * S + j;
+                    for (int64_t e = 0; e < E; e++) {
+                        r->dq[ro * E + e] += ds * get(k, t, b, hk, j, e);
+                        r->dk[kro * E + e] += ds * get(q, t, b, h, i, e);
+                    }
+                    for (int64_t d = 0; d < Ev; d++) r->dv[kro * Ev + d] += p[j] * kp[j] * get(dout, t, b, h, i, d);
+                }
+            }
+        }
+    free(s); free(raw); free(p); free(kp); free(dp);
+}
+
+/* compare a strided kernel tensor with a dense reference */
+static double g_worst;
+static int compare(const char *what, const tcase *c, ng_dtype t, const tensor *x, const double *ref, int64_t H,
+                   int64_t N, int64_t D, tol tl) {
+    int bad = 0;
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < N; i++)
+                for (int64_t d = 0; d < D; d++) {
+                    double got = get(x, t, b, h, i, d), want = ref[((b * H + h) * N + i) * D + d];
+                    double err = fabs(got - want), lim = tl.atol + tl.rtol * fabs(want);
+                    if (!(err <= lim)) {
+                        if (bad < 3)
+                            fprintf(stderr, "  %s %s %s [%lld,%lld,%lld,%lld]: got %.9g want %.9g (tol %.3g: %s)\n", c->name,
+                                   ng_dtype_name(t), what, (long long)b, (long long)h, (long long)i, (long long)d,
+                                   got, want, lim, tl.why);
+                        bad++;
+                    } else if (lim > 0 && err / lim > g_worst) {
+                        g_worst = err / lim;
+                    }
+                }
+    return bad;
+}
+
+/* A parallel runner that splits into uneven chunks and runs them backwards,
+ * so range boundaries and task order are exercised without threads. */
+static void chunky_par(int64_t n, int64_t grain, ng_range_fn fn, void *ctx) {
+    int64_t step = grain < 3 ? 3 : grain;
+    for (int64_t end = n; end > 0; end -= step) fn(end - step < 0 ? 0 : end - step, end, ctx);
+}
+
+static void run_case(const tcase *c, ng_dtype t, ng_parallel_fn par) {
+    const int64_t B = c->B, Hq = c->Hq, Hkv = c->Hkv, L = c->L, S = c->S, E = c->E, Ev = c->Ev;
+    g_rng.s = 0x9E3779B97F4A7C15ull ^ (uint64_t)(L * 131 + S * 7 + E + Ev * 3 + (int64_t)t * 1000003);
+    tensor q = make(t, B, Hq, L, E, c->bshd), k = make(t, B, Hkv, S, E, c->bshd), v = make(t, B, Hkv, S, Ev, c->bshd);
+    tensor o = make(t, B, Hq, L, Ev, 0), dout = make(t, B, Hq, L, Ev, c->bshd);
+    tensor dq = make(t, B, Hq, L, E, 0), dk = make(t, B, Hkv, S, E, c->bshd), dv = make(t, B, Hkv, S, Ev, 0);
+    fill(&q, t, c->mag);
+    fill(&k, t, c->mag);
+    fill(&v, t, 1.0);
+    fill(&dout, t, 1.0);
+    size_t rs = t == NG_F64 ? 8 : 4;
+    void *lse = calloc((size_t)(B * Hq * L + 1), rs);
+
+    /* mask: generated flags (dense) + the stored broadcast tensor */
+    int64_t dense = B * Hq * L * S;
+    uint8_t *masked = NULL;
+    double *addv = NULL;
+    void *mstore = NULL;
+    ng_dtype mdt = t;
+    int64_t mst[4] = {0, 0, 0, 0};
+    if (c->mask != MASK_NONE) {
+        masked = calloc((size_t)dense + 1, 1);
+        addv = c->mask == MASK_BOOL ? NULL : calloc((size_t)dense + 1, sizeof(double));
+        int64_t mB = c->mshape == MB_LS ? 1 : B, mH = c->mshape == MB_FULL ? Hq : 1,
+                mL = c->mshape == MB_PAD ? 1 : L;
+        int64_t n = mB * mH * mL * S;
+        mst[0] = mB > 1 ? mH * mL * S : 0;
+        mst[1] = mH > 1 ? mL * S : 0;
+        mst[2] = mL > 1 ? S : 0;
+        mst[3] = 1;
+        mstore = calloc((size_t)n + 1, c->mask == MASK_BOOL ? 1 : ng_dtype_size(mdt));
+        uint8_t *mflag = calloc((size_t)n + 1, 1);
+        for (int64_t x = 0; x < n; x++) {
+            int64_t i = (x / S) % mL, j = x % S;
+            int m = urand() < 0.3;
+            if (c->full_rows && mL > 1 && i % 5 == 2) m = 1; /* fully masked rows */
+            if (c->full_rows && mL == 1 && (x / S) % 2 == 1) m = 1; /* a fully padded batch row */
+            if (j == 0 && !(c->full_rows)) m = 0;                /* keep rows non-empty otherwise */
+            mflag[x] = (uint8_t)m;
+            if (c->mask == MASK_BOOL) {
+                ((uint8_t *)mstore)[x] = (uint8_t)!m;
+            } else {
+                double val = m ? (c->mask == MASK_NEG_INF ? -INFINITY
+                                  : mdt == NG_F64          ? -DBL_MAX
+                                  : mdt == NG_F32          ? -(double)FLT_MAX
+                                  : mdt == NG_F16          ? -65504.0
+                                                           : -3.3895313892515355e38)
+                               : -1.5 * urand();
+                ng_store_f64(mstore, mdt, x, val);
+            }
+        }
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < Hq; h++)
+                for (int64_t i = 0; i < L; i++)
+                    for (int64_t j = 0; j < S; j++) {
+                        int64_t mi = ((b * Hq + h) * L + i) * S + j;
+                        int64_t x = b * mst[0] + h * mst[1] + i * mst[2] + j;
+                        masked[mi] = mflag[x];
+                        if (addv && !mflag[x]) addv[mi] = ng_load_f64(mstore, mdt, x);
+                    }
+        free(mflag);
+    }
+
+    double scale = 1.0 / sqrt((double)E);
+    ng_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.dtype = t;
+    a.B = B; a.Hq = Hq; a.Hkv = Hkv; a.L = L; a.S = S; a.E = E; a.Ev = Ev;
+    a.q = q.p; memcpy(a.q_stride, q.st, sizeof q.st);
+    a.k = k.p; memcpy(a.k_stride, k.st, sizeof k.st);
+    a.v = v.p; memcpy(a.v_stride, v.st, sizeof v.st);
+    a.out = o.p; memcpy(a.out_stride, o.st, sizeof o.st);
+    a.lse = lse;
+    a.dout = dout.p; memcpy(a.dout_stride, dout.st, sizeof dout.st);
+    a.dq = dq.p; memcpy(a.dq_stride, dq.st, sizeof dq.st);
+    a.dk = dk.p; memcpy(a.dk_stride, dk.st, sizeof dk.st);
+    a.dv = dv.p; memcpy(a.dv_stride, dv.st, sizeof dv.st);
+    if (c->mask != MASK_NONE) {
+        a.mask = mstore;
+        a.mask_kind = c->mask == MASK_BOOL ? NG_MASK_BOOL : NG_MASK_ADD;
+        a.mask_dtype = mdt;
+        memcpy(a.mask_stride, mst, sizeof mst);
+    }
+    a.is_causal = c->causal;
+    a.scale = scale;
+    a.max_score = c->max_score;
+    a.softcap = c->softcap;
+    a.dropout_p = c->dropout;
+    a.seed = 0x1234567887654321ull;
+    a.offset = 42;
+
+    refout r;
+    r.out = calloc((size_t)(B * Hq * L * Ev + 1), sizeof(double));
+    r.lse = calloc((size_t)(B * Hq * L + 1), sizeof(double));
+    r.dq = calloc((size_t)(B * Hq * L * E + 1), sizeof(double));
+    r.dk = calloc((size_t)(B * Hkv * S * E + 1), sizeof(double));
+    r.dv = calloc((size_t)(B * Hkv * S * Ev + 1), sizeof(double));
+    reference(c, t, &q, &k, &v, &dout, masked, addv, scale, a.seed, a.offset, &r);
+
+    ng_status st = ng_attention_fwd(&a, par);
+    CHECK(st == NG_OK, "%s %s fwd status %s", c->name, ng_dtype_name(t), ng_status_str(st));
+    st = ng_attention_bwd(&a, par);
+    CHECK(st == NG_OK, "%s %s bwd status %s", c->name, ng_dtype_name(t), ng_status_str(st));
+
+    int bad = 0;
+    tol tf = tol_for(t, 0), tg = tol_for(t, 1);
+    bad += compare("out", c, t, &o, r.out, Hq, L, Ev, tf);
+    for (int64_t x = 0; x < B * Hq * L; x++) {
+        double got = t == NG_F64 ? ((double *)lse)[x] : ((float *)lse)[x], want = r.lse[x];
+        int ok = (want == -INFINITY) ? got == -INFINITY : fabs(got - want) <= 1e-4 + 1e-5 * fabs(want);
+        if (!ok) {
+            if (bad < 3) fprintf(stderr, "  %s %s lse[%lld]: got %g want %g\n", c->name, ng_dtype_name(t), (long long)x, got, want);
+            bad++;
+        }
+    }
+    bad += compare("dq", c, t, &dq, r.dq, Hq, L, E, tg);
+    bad += compare("dk", c, t, &dk, r.dk, Hkv, S, E, tg);
+    bad += compare("dv", c, t, &dv, r.dv, Hkv, S, Ev, tg);
+    CHECK(bad == 0, "%s %s [%s]: %d mismatches", c->name, ng_dtype_name(t), ng_cpu_isa_name(ng_cpu_isa_active()),
+          bad);
+
+    free(q.p); free(k.p); free(v.p); free(o.p); free(dout.p); free(dq.p); free(dk.p); free(dv.p);
+    free(lse); free(masked); free(addv); free(mstore);
+    free(r.out); free(r.lse); free(r.dq); free(r.dk); free(r.dv);
+}
+
+static const tcase g_cases[] = {
+    /* name            B  Hq Hkv  L    S    E    Ev  mask          mshape   full causal bshd  clamp soft drop mag */
+    {"plain",          2, 2, 2,   33,  47,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1},
+    {"L1",             1, 3, 3,   1,   5,   8,   8,  MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1},
+    {"L7_S129_E40",    1, 2, 2,   7,   129, 40,  40, MASK_NONE,    MB_FULL, 0, 0, 1, 0, 0, 0, 1},
+    {"L129_E80",       1, 1, 1,   129, 70,  80,  80, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1},
+    {"E256",           1, 1, 1,   65,  66,  256, 256, MASK_NONE,   MB_FULL, 0, 0, 0, 0, 0, 0, 1},
+    {"Ev_ne_E",        1, 2, 1,   20,  30,  24,  40, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1},
+    {"gqa",            2, 4, 2,   70,  65,  32,  32, MASK_NONE,    MB_FULL, 0, 0, 1, 0, 0, 0, 1},
+    {"causal",         1, 2, 2,   129, 129, 16,  16, MASK_NONE,    MB_FULL, 0, 1, 0, 0, 0, 0, 1},
+    {"causal_L_lt_S",  1, 2, 1,   7,   100, 16,  16, MASK_NONE,    MB_FULL, 0, 1, 0, 0, 0, 0, 1},
+    {"causal_L_gt_S",  1, 1, 1,   100, 7,   16,  16, MASK_NONE,    MB_FULL, 0, 1, 0, 0, 0, 0, 1},
+    {"bool",           2, 2, 2,   40,  70,  16,  16, MASK_BOOL,    MB_FULL, 0, 0, 0, 0, 0, 0, 1},
+    {"bool_full_rows", 1, 2, 2,   23,  80,  8,   8,  MASK_BOOL,    MB_FULL, 1, 0, 0, 0, 0, 0, 1},
+    {"add_neginf",     2, 2, 1,   23,  31,  16,  16, MASK_NEG_INF, MB_FULL, 1, 0, 0, 0, 0, 0, 1},
+    {"add_lowest",     1, 2, 2,   23,  31,  16,  16, MASK_LOWEST,  MB_LS,   1, 0, 1, 0, 0, 0, 1},
+    {"pad_mask",       2, 2, 2,   9,   77,  16,  16, MASK_LOWEST,  MB_PAD,  1, 0, 0, 0, 0, 0, 1},
+    {"bool_causal",    1, 2, 2,   30,  30,  16,  16, MASK_BOOL,    MB_LS,   0, 1, 0, 0, 0, 0, 1},
+    {"clamp",          1, 2, 2,   20,  33,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 2.5, 0, 0, 4},
+    {"softcap",        1, 2, 2,   20,  33,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 3.0, 0, 4},
+    {"clamp_softcap",  1, 2, 1,   20,  33,  16,  16, MASK_NEG_INF, MB_FULL, 1, 1, 0, 3.0, 2.0, 0, 4},
+    {"dropout",        1, 2, 2,   37,  70,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0.3, 1},
+    {"dropout_mask",   1, 2, 1,   20,  20,  8,   8,  MASK_BOOL,    MB_FULL, 1, 1, 0, 0, 0, 0.5, 1},
+    {"empty_S",        1, 2, 2,   5,   0,   8,   8,  MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1},
+};
+
+/* fp16 inputs whose q.k exceeds 65504: the output stays finite and matches. */
+static void test_fp16_overflow(void) {
+    tcase c = {"fp16_overflow", 1, 1, 1, 8, 16, 64, 64, MASK_NONE, MB_FULL, 0, 0, 0, 0, 0, 0, 200};
+    ng_dtype t = NG_F16;
+    g_rng.s = 77;
+    tensor q = make(t, 1, 1, 8, 64, 0), k = make(t, 1, 1, 16, 64, 0), v = make(t, 1, 1, 16, 64, 0);
+    tensor o = make(t, 1, 1, 8, 64, 0);
+    for (int64_t x = 0; x < q.n; x++) ng_store_f64(q.p, t, x, 150.0 + 50.0 * urand());
+    for (int64_t x = 0; x < k.n; x++) ng_store_f64(k.p, t, x, 150.0 + 50.0 * urand());
+    fill(&v, t, 1.0);
+    float lse[8];
+    ng_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.dtype = t; a.B = 1; a.Hq = 1; a.Hkv = 1; a.L = 8; a.S = 16; a.E = 64; a.Ev = 64;
+    a.q = q.p; memcpy(a.q_stride, q.st, sizeof q.st);
+    a.k = k.p; memcpy(a.k_stride, k.st, sizeof k.st);
+    a.v = v.p; memcpy(a.v_stride, v.st, sizeof v.st);
+    a.out = o.p; memcpy(a.out_stride, o.st, sizeof o.st);
+    a.lse = lse;
+    a.scale = 0.125;
+    CHECK(ng_attention_fwd(&a, NULL) == NG_OK, "fp16 overflow fwd");
+    refout r;
+    r.out = calloc(8 * 64, sizeof(double)); r.lse = calloc(8, sizeof(double));
+    r.dq = calloc(8 * 64, sizeof(double)); r.dk = calloc(16 * 64, sizeof(double)); r.dv = calloc(16 * 64, sizeof(double));
+    tensor dummy = make(t, 1, 1, 8, 64, 0);
+    reference(&c, t, &q, &k, &v, &dummy, NULL, NULL, 0.125, 0, 0, &r);
+    double dot = 0;
+    for (int e = 0; e < 64; e++) dot += get(&q, t, 0, 0, 0, e) * get(&k, t, 0, 0, 0, e);
+    CHECK(dot > 65504.0, "the case overflows fp16 (q.k = %g)", dot);
+    int finite = 1;
+    for (int64_t x = 0; x < o.n; x++) finite &= isfinite(ng_load_f64(o.p, t, x));
+    CHECK(finite, "fp16 overflow case: output finite");
+    CHECK(compare("out", &c, t, &o, r.out, 1, 8, 64, tol_for(t, 0)) == 0, "fp16 overflow case matches fp64");
+    free(q.p); free(k.p); free(v.p); free(o.p); free(dummy.p);
+    free(r.out); free(r.lse); free(r.dq); free(r.dk); free(r.dv);
+}
+
+/* NaN in an input reaches the outputs it affects; nothing is hidden. */
+static void test_nan_propagates(void) {
+    const int64_t L = 6, S = 9, E = 8;
+    float q[6 * 8], k[9 * 8], v[9 * 8], o[6 * 8], lse[6];
+    g_rng.s = 5;
+    for (int x = 0; x < L * E; x++) q[x] = (float)urand();
+    for (int x = 0; x < S * E; x++) k[x] = (float)urand();
+    for (int x = 0; x < S * E; x++) v[x] = (float)urand();
+    q[2 * E + 3] = NAN; /* row 2 of q */
+    ng_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.dtype = NG_F32; a.B = 1; a.Hq = 1; a.Hkv = 1; a.L = L; a.S = S; a.E = E; a.Ev = E;
+    int64_t sq[3] = {L * E, L * E, E}, sk[3] = {S * E, S * E, E};
+    a.q = q; memcpy(a.q_stride, sq, sizeof sq);
+    a.k = k; memcpy(a.k_stride, sk, sizeof sk);
+    a.v = v; memcpy(a.v_stride, sk, sizeof sk);
+    a.out = o; memcpy(a.out_stride, sq, sizeof sq);
+    a.lse = lse;
+    a.scale = 0.3;
+    a.max_score = 5.0; /* the clamp must not swallow the NaN */
+    CHECK(ng_attention_fwd(&a, NULL) == NG_OK, "nan fwd");
+    int row2 = 1, others = 1;
+    for (int64_t i = 0; i < L; i++)
+        for (int64_t d = 0; d < E; d++) {
+            if (i == 2) row2 &= isnan(o[i * E + d]);
+            else others &= isfinite(o[i * E + d]);
+        }
+    CHECK(row2 && others, "NaN in q row 2 gives NaN in out row 2 only");
+    q[2 * E + 3] = 0.5f;
+    k[4 * E] = INFINITY; /* every row sees key 4 */
+    a.max_score = 0;
+    CHECK(ng_attention_fwd(&a, NULL) == NG_OK, "inf fwd");
+    int all = 1;
+    for (int64_t x = 0; x < L * E; x++) all &= !isfinite(o[x]);
+    CHECK(all, "Inf in k reaches every output row as non-finite");
+}
+
+static void test_bad_args(void) {
+    ng_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.dtype = NG_F32; a.B = 1; a.Hq = 3; a.Hkv = 2; a.L = 1; a.S = 1; a.E = 8; a.Ev = 8; a.scale = 1;
+    CHECK(ng_attention_fwd(&a, NULL) == NG_ERR_INVALID_ARG, "Hq %% Hkv != 0 rejected");
+    a.Hkv = 3; a.E = 300;
+    CHECK(ng_attention_fwd(&a, NULL) == NG_ERR_INVALID_ARG, "E > 256 rejected");
+    a.E = 8;
+    CHECK(ng_attention_fwd(&a, NULL) == NG_ERR_INVALID_ARG, "NULL pointers rejected");
+    a.dtype = (ng_dtype)9;
+    CHECK(ng_attention_fwd(&a, NULL) == NG_ERR_DTYPE, "bad dtype rejected");
+    a.dtype = NG_F32; a.dropout_p = 1.0;
+    CHECK(ng_attention_check(&a, 0) == NG_ERR_INVALID_ARG, "dropout_p = 1 rejected");
+    CHECK(ng_attention_check(NULL, 0) == NG_ERR_INVALID_ARG, "NULL args rejected");
+}
+
+int main(void) {
+    test_philox();
+    test_math();
+    test_bad_args();
+    const ng_dtype dtypes[4] = {NG_F64, NG_F32, NG_F16, NG_BF16};
+    int paths = 0;
+    NG_FOR_EACH_ISA(isa) {
+        paths++;
+        int before = ng_test_failures;
+        for (size_t ci = 0; ci < sizeof g_cases / sizeof g_cases[0]; ci++)
+            for (int di = 0; di < 4; di++) run_case(&g_cases[ci], dtypes[di], (ci % 2) ? chunky_par : NULL);
+        test_fp16_overflow();
+        test_nan_propagates();
+        printf("path %s: %s\n", ng_cpu_isa_name((ng_cpu_isa)isa), ng_test_failures == before ? "ok" : "FAILED");
+    }
+    printf("test_attention: %d CPU paths, worst err/tol %.3f\n", paths, g_worst);
+    return ng_test_finish("test_attention");
+}
