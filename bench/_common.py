@@ -1,0 +1,95 @@
+"""Shared benchmark helpers: same-process timing with medians, the machine's
+copy bandwidth, and JSON + Markdown output under bench/results/.
+
+Timings on a shared machine are noisy: every comparison is a ratio measured
+in the same run, each number the median of many repeats, candidates
+interleaved so that drift hits both sides alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import time
+from typing import Callable
+
+import torch
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_fns(fns: dict[str, Callable[[], object]], repeats: int = 30, warmup: int = 3,
+             device: str = "cpu") -> dict[str, float]:
+    """Median seconds per call of each fn, the fns interleaved per repeat."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            samples[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def copy_bandwidth(device: str = "cpu", nbytes: int = 256 << 20, repeats: int = 10) -> float:
+    """Measured GB/s of a large tensor copy (read + write counted)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    t = time_fns({"copy": lambda: dst.copy_(src)}, repeats=repeats, warmup=2, device=device)["copy"]
+    return 2 * nbytes / t / 1e9
+
+
+def machine() -> dict:
+    info = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+    }
+    try:
+        info["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=pathlib.Path(__file__).parent, timeout=10,
+        ).stdout.strip()
+    except Exception:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def write_results(name: str, rows: list[dict], columns: list[str], extra: dict | None = None) -> None:
+    """Write bench/results/<name>.json and .md and print the table."""
+    RESULTS.mkdir(exist_ok=True)
+    payload = {"benchmark": name, "machine": machine(), "rows": rows, **(extra or {})}
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        cells = []
+        for c in columns:
+            v = r.get(c, "")
+            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    md = "\n".join(lines)
+    (RESULTS / f"{name}.md").write_text(f"# {name}\n\n{json.dumps(payload['machine'])}\n\n{md}\n")
+    print(md)
+    print(f"\nwrote {RESULTS / (name + '.json')} and .md")
+
+
+def quick() -> bool:
+    """NANGUARD_BENCH_QUICK=1 shrinks repeats (for a smoke run, not for numbers)."""
+    return os.environ.get("NANGUARD_BENCH_QUICK") == "1"
