@@ -26,6 +26,7 @@ typedef void (*ng_register_fn)(const ng_registrar *r);
 static const ng_register_fn ng_ops[] = {
     ng_register_layernorm,
     ng_register_grad_guard,
+    ng_register_attention,
 };
 
 static char ng_load_err[256];

@@ -12,6 +12,7 @@ from . import _lib
 _lib.load()
 
 from . import layernorm  # noqa: E402  (registers autograd / fake kernels)
+from . import attention  # noqa: E402
 from . import amp, grad_guard  # noqa: E402
 from .grad_guard import clip_grad_norm_  # noqa: E402
 from . import functional, nn  # noqa: E402

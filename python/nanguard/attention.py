@@ -1,0 +1,343 @@
+"""NaN-safe scaled dot-product attention: the Python face of
+``torch.ops.nanguard.safe_sdpa``.
+
+``safe_sdpa`` takes the arguments of ``torch.nn.functional.scaled_dot_product_attention``
+and computes the same thing flash-style (the ``[L, S]`` score matrix is never
+stored), with scores, running max and sum in fp32 (fp64 for fp64 inputs). It
+cannot create a NaN from finite inputs:
+
+- a query row whose every key is masked (bool ``False``, ``-inf``, or the
+  dtype's lowest finite value as Hugging Face writes it) gives output 0 and
+  zero gradients;
+- fp16 scores that would overflow 65504 are never formed in fp16;
+- optional guards: ``max_score`` clamps the scaled scores to ``±max_score``,
+  ``softcap`` applies ``softcap * tanh(s / softcap)`` (Gemma-2), each with its
+  true gradient.
+
+A NaN or Inf in ``query``, ``key`` or ``value`` still reaches the outputs it
+affects: nothing real is hidden.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import _checks
+
+__all__ = ["safe_sdpa", "SafeAttention"]
+
+_ops = torch.ops.nanguard
+
+_MAX_HEAD_DIM = 256
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---- fake (meta) kernels ----------------------------------------------------
+
+
+def _fake_fwd(query, key, value, *rest):
+    B, H, L, _ = query.shape
+    out = query.new_empty((B, H, L, value.shape[-1]))
+    lse = query.new_empty((B, H, L), dtype=_lse_dtype(query.dtype))
+    return out, lse
+
+
+for _name in ("nanguard::safe_sdpa", "nanguard::safe_sdpa.masked"):
+    torch.library.register_fake(_name)(_fake_fwd)
+
+
+def _fake_bwd(grad_out, query, key, value, *rest):
+    return (
+        torch.empty_like(query, memory_format=torch.contiguous_format),
+        torch.empty_like(key, memory_format=torch.contiguous_format),
+        torch.empty_like(value, memory_format=torch.contiguous_format),
+    )
+
+
+for _name in ("nanguard::safe_sdpa_backward", "nanguard::safe_sdpa_backward.masked"):
+    torch.library.register_fake(_name)(_fake_bwd)
+
+
+# ---- autograd ---------------------------------------------------------------
+
+
+def _make_setup(masked: bool):
+    def setup_context(ctx, inputs, output):
+        if masked:
+            query, key, value, mask, *params = inputs
+            if mask.requires_grad:
+                raise RuntimeError(
+                    "nanguard.safe_sdpa: attn_mask requires grad; gradients with respect to an "
+                    "attention mask are not supported (pass attn_mask.detach())"
+                )
+        else:
+            query, key, value, *params = inputs
+            mask = None
+        out, lse = output
+        ctx.save_for_backward(query, key, value, mask, out, lse)
+        ctx.params = params
+
+    return setup_context
+
+
+def _make_backward(masked: bool):
+    def backward(ctx, grad_out, _grad_lse):
+        query, key, value, mask, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        if masked:
+            dq, dk, dv = _ops.safe_sdpa_backward.masked(
+                grad_out, query, key, value, mask, out, lse, *ctx.params
+            )
+            return (dq, dk, dv, None) + (None,) * len(ctx.params)
+        dq, dk, dv = _ops.safe_sdpa_backward(grad_out, query, key, value, out, lse, *ctx.params)
+        return (dq, dk, dv) + (None,) * len(ctx.params)
+
+    return backward
+
+
+torch.library.register_autograd(
+    "nanguard::safe_sdpa", _make_backward(False), setup_context=_make_setup(False)
+)
+torch.library.register_autograd(
+    "nanguard::safe_sdpa.masked", _make_backward(True), setup_context=_make_setup(True)
+)
+
+
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError(
+        "nanguard.safe_sdpa: double backward (gradients of gradients) is not supported"
+    )
+
+
+for _name in ("nanguard::safe_sdpa_backward", "nanguard::safe_sdpa_backward.masked"):
+    torch.library.register_autograd(_name, _no_double_backward)
+
+
+# ---- functional API ---------------------------------------------------------
+
+
+def _check_guard(name: str, value) -> float:
+    """None / off -> 0.0 (the ops' "off"); else a finite float > 0."""
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
+    value = float(value)
+    if not (value > 0.0) or math.isinf(value):
+        raise ValueError(f"{name} must be a finite number > 0 (or None for off), got {value}")
+    return value
+
+
+def _draw_seed_offset(dropout_p: float) -> tuple[int, int]:
+    """Philox key and counter offset from PyTorch's default CPU generator, so
+    ``torch.manual_seed`` makes dropout reproducible and CPU and CUDA draw the
+    same mask."""
+    if dropout_p == 0.0:
+        return 0, 0
+    seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64).tolist()
+    return seed, offset
+
+
+def safe_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    max_score: Optional[float] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """NaN-safe ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Args mirror PyTorch's: ``query`` ``(..., L, E)``, ``key`` ``(..., S, E)``,
+    ``value`` ``(..., S, Ev)`` with broadcastable leading dims; ``attn_mask``
+    bool (True = attend) or float (added to the scores), broadcastable to
+    ``(..., L, S)``; ``is_causal`` masks key ``j > i`` (top-left alignment, as
+    PyTorch); ``scale`` defaults to ``1/sqrt(E)``; ``enable_gqa`` lets
+    ``query`` have a multiple of ``key``'s heads (dim -3). Unlike PyTorch,
+    ``attn_mask`` and ``is_causal`` may be combined (both apply).
+
+    Keyword-only guards, off by default: ``max_score`` clamps the scaled
+    scores to ``±max_score``; ``softcap`` maps them through
+    ``softcap * tanh(s / softcap)``. Both apply before the mask is added.
+
+    Dropout draws a Philox key from PyTorch's default generator (so under
+    ``torch.compile`` a call with ``dropout_p > 0`` breaks the graph there).
+    Head dims up to 256; float64 on the CPU only.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _checks.check_tensor(name, t)
+        if t.dim() < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., seq, head_dim), got shape {list(t.shape)}")
+    for name, t in (("key", key), ("value", value)):
+        _checks.check_same_device(name, t, "query", query)
+        if t.dtype != query.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but query has {query.dtype}; they must match")
+    E, L, S, Ev = query.shape[-1], query.shape[-2], key.shape[-2], value.shape[-1]
+    if key.shape[-1] != E:
+        raise ValueError(f"key's head dim ({key.shape[-1]}) must equal query's ({E})")
+    if value.shape[-2] != S:
+        raise ValueError(f"value's sequence length ({value.shape[-2]}) must equal key's ({S})")
+    if E > _MAX_HEAD_DIM or Ev > _MAX_HEAD_DIM or E < 1 or Ev < 1:
+        raise ValueError(f"head dims must be in [1, {_MAX_HEAD_DIM}], got query/key {E} and value {Ev}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    dropout_p = float(dropout_p)
+    if not (0.0 <= dropout_p < 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(E)
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+    max_score = _check_guard("max_score", max_score)
+    softcap = _check_guard("softcap", softcap)
+
+    q4, k4, v4, batch, Hq = _to_4d(query, key, value, enable_gqa)
+    seed, offset = _draw_seed_offset(dropout_p)
+    params = (dropout_p, is_causal, float(scale), max_score, softcap, seed, offset)
+    if attn_mask is None:
+        out, _ = _ops.safe_sdpa(q4, k4, v4, *params)
+    else:
+        m = _mask_4d(attn_mask, query, batch, Hq, L, S)
+        out, _ = _ops.safe_sdpa.masked(q4, k4, v4, m, *params)
+    nd = max(query.dim(), key.dim(), value.dim()) - 2  # leading dims of the result
+    lead = (*batch, Hq)[-nd:] if nd > 0 else ()
+    return out.reshape(*lead, L, Ev)
+
+
+def _to_4d(query, key, value, enable_gqa):
+    """[B, Hq, L, E], [B, Hkv, S, E], [B, Hkv, S, Ev] views (copies only where
+    broadcasting leading dims requires). Heads are dim -3. A key/value with
+    one head serves every query head (Hkv = 1) and, with ``enable_gqa``, Hq
+    may be any multiple of Hkv, both without expanding key/value."""
+    nd = max(query.dim(), key.dim(), value.dim(), 3)
+    qb, kb, vb = ((1,) * (nd - t.dim()) + tuple(t.shape[:-2]) for t in (query, key, value))
+    hq, hk, hv = qb[-1], kb[-1], vb[-1]
+    if hk != hv:
+        if 1 not in (hk, hv):
+            raise ValueError(f"key and value must have the same number of heads (dim -3), got {hk} and {hv}")
+        hk = hv = max(hk, hv)
+    if hq == hk or hk == 1:
+        Hq, Hkv = hq, hk
+    elif hq % hk == 0 and enable_gqa:
+        Hq, Hkv = hq, hk
+    elif hq == 1:
+        Hq = Hkv = hk
+    elif enable_gqa:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk}) with enable_gqa=True")
+    else:
+        raise ValueError(
+            f"query has {hq} heads but key/value have {hk}; pass enable_gqa=True for grouped-query attention"
+        )
+    try:
+        batch = tuple(torch.broadcast_shapes(qb[:-1], kb[:-1], vb[:-1]))
+    except RuntimeError:
+        raise ValueError(
+            f"leading dims of query {list(query.shape[:-2])}, key {list(key.shape[:-2])} and value "
+            f"{list(value.shape[:-2])} do not broadcast"
+        ) from None
+    B = math.prod(batch)
+
+    def four(t, lead, heads):
+        n, d = t.shape[-2:]
+        return t.reshape(*lead, n, d).expand(*batch, heads, n, d).reshape(B, heads, n, d)
+
+    return four(query, qb, Hq), four(key, kb, Hkv), four(value, vb, Hkv), batch, Hq
+
+
+def _mask_4d(attn_mask, query, batch, Hq, L, S):
+    """attn_mask as a 4-d tensor whose dims are [B, Hq, L, S]'s or 1 (no copy
+    unless several leading batch dims must be merged)."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool:
+        _checks.check_tensor("attn_mask", attn_mask)
+    _checks.check_same_device("attn_mask", attn_mask, "query", query)
+    if attn_mask.requires_grad:
+        raise ValueError(
+            "attn_mask requires grad; gradients with respect to an attention mask are not "
+            "supported (pass attn_mask.detach())"
+        )
+    full = (*batch, Hq, L, S)
+    shape = tuple(attn_mask.shape)
+    if len(shape) > len(full) or any(
+        s not in (1, f) for s, f in zip(shape[::-1], full[::-1])
+    ):
+        raise ValueError(f"attn_mask of shape {list(shape)} does not broadcast to {list(full)}")
+    m = attn_mask.reshape((1,) * (len(full) - len(shape)) + shape)
+    nb = len(batch)
+    if nb == 0:
+        return m.unsqueeze(0)
+    if nb == 1:
+        return m
+    if all(s == 1 for s in m.shape[:nb]):
+        return m.reshape(1, *m.shape[nb:])
+    return m.expand(*batch, *m.shape[nb:]).reshape(math.prod(batch), *m.shape[nb:])
+
+
+class SafeAttention(nn.Module):
+    """Attention as a module, for model code that computes it by hand
+    (``softmax(q @ k.T * scale + mask) @ v`` with dropout).
+
+    ``forward(query, key, value, attn_mask=None)`` calls :func:`safe_sdpa`
+    with the module's settings; dropout applies in training mode only. The
+    module has no parameters, so swapping it in leaves ``state_dict``
+    unchanged.
+    """
+
+    def __init__(
+        self,
+        dropout: float = 0.0,
+        *,
+        is_causal: bool = False,
+        scale: Optional[float] = None,
+        enable_gqa: bool = False,
+        max_score: Optional[float] = None,
+        softcap: Optional[float] = None,
+    ):
+        super().__init__()
+        if not (0.0 <= float(dropout) < 1.0):
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.dropout = float(dropout)
+        self.is_causal = is_causal
+        self.scale = scale
+        self.enable_gqa = enable_gqa
+        self.max_score = max_score
+        self.softcap = softcap
+
+    def forward(self, query, key, value, attn_mask=None):
+        return safe_sdpa(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=self.is_causal,
+            scale=self.scale,
+            enable_gqa=self.enable_gqa,
+            max_score=self.max_score,
+            softcap=self.softcap,
+        )
+
+    def extra_repr(self) -> str:
+        parts = [f"dropout={self.dropout}", f"is_causal={self.is_causal}"]
+        for name in ("scale", "max_score", "softcap"):
+            if getattr(self, name) is not None:
+                parts.append(f"{name}={getattr(self, name)}")
+        if self.enable_gqa:
+            parts.append("enable_gqa=True")
+        return ", ".join(parts)
