@@ -10,11 +10,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanguard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, loaded libraries, and the devices of every op")
-    args = parser.parse_args(argv)
+    sub.add_parser("demo", help="the failures nanguard prevents, stock PyTorch side by side")
+    args, rest = parser.parse_known_args(argv)
     import nanguard
 
     if args.command == "info":
         nanguard.info()
+        return 0
+    if args.command == "demo":
+        from . import demo
+
+        return demo.main(rest)
     return 0
 
 

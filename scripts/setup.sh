@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for nanguard: PyTorch (kept if a supported one is
+# installed, else the CPU build 2.13.0), the build backend and test tools,
+# then build and install nanguard against that torch (no build isolation, so
+# pip never downloads a second torch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+
+if ! "$PY" - <<'PYEOF' 2>/dev/null
+import sys, torch
+v = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+sys.exit(0 if v >= (2, 11) else 1)
+PYEOF
+then
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+"$PY" -m pip install -q "scikit-build-core>=0.10" "pytest>=8" "hypothesis>=6" numpy
+"$PY" -m pip install -q --no-build-isolation --no-deps ${NANGUARD_PIP_EXTRA:-} .
+"$PY" -m nanguard info
