@@ -7,8 +7,9 @@
  * threads), then adds the partials serially in block order: the stats do not
  * depend on the thread count. Pass 2 multiplies each block in place.
  *
- * Per block the loops are plain `omp simd` loops over fp32 (fp16/bf16 are
- * widened into a small fp32 buffer first), compiled twice: for baseline
+ * Per block the loops are plain `omp simd` loops (fp16 is widened into a
+ * small fp32 buffer first; bf16 widens by a shift inside the loop), compiled
+ * twice: for baseline
  * x86-64 and with AVX2+FMA+F16C (hardware fp16 conversion). Machines with
  * AVX-512 take the AVX2 path: the loops are bound by memory bandwidth.
  */
@@ -33,8 +34,17 @@
 /* fp16/bf16 elements widened per step into an fp32 buffer (stays in L1). */
 #define GG_SUB 1024
 
-/* Below this many elements in total the work runs on the calling thread. */
-#define GG_SERIAL_BELOW ((int64_t)1 << 16)
+/* Elements per parallel task, on average: waking a pool thread costs tens
+ * of microseconds on an idle machine and milliseconds on a loaded one, so a
+ * task must carry about a millisecond of work (and smaller calls run on the
+ * calling thread). */
+#define GG_TASK_ELEMS ((int64_t)1 << 20)
+
+/* Blocks per task so that a task holds about GG_TASK_ELEMS elements. */
+static int64_t gg_grain(int64_t n_chunks, int64_t total) {
+    int64_t g = (int64_t)((double)n_chunks * (double)GG_TASK_ELEMS / (double)total);
+    return g < 1 ? 1 : g;
+}
 
 typedef void (*gg_reduce_fn)(const void *x, int64_t n, float s, ng_gg_norm p, ng_gg_partial *o);
 typedef void (*gg_apply_fn)(void *x, int64_t n, float cf, double cd);
@@ -111,11 +121,6 @@ GG_INLINE void gg_reduce_f64_body(const double *restrict x, int64_t n, float s, 
     o->inf_count += inf;
 }
 
-GG_INLINE void gg_widen_bf16(const uint16_t *restrict x, float *restrict buf, int64_t n) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) buf[i] = ng_bf16_to_f32(x[i]);
-}
-
 GG_INLINE void gg_widen_f16(const uint16_t *restrict x, float *restrict buf, int64_t n) {
     for (int64_t i = 0; i < n; i++) buf[i] = ng_f16_to_f32(x[i]);
 }
@@ -130,9 +135,47 @@ GG_INLINE void gg_apply_f64_body(double *restrict x, int64_t n, double c) {
     for (int64_t i = 0; i < n; i++) x[i] = x[i] * c;
 }
 
+/* bf16 * c rounded to nearest even. Pass 2 runs only when every value was
+ * finite, so the NaN branch of ng_f32_to_bf16 is not needed here (an
+ * overflow to inf rounds correctly through the same integer addition). */
 GG_INLINE void gg_apply_bf16_body(uint16_t *restrict x, int64_t n, float c) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) x[i] = ng_f32_to_bf16(ng_bf16_to_f32(x[i]) * c);
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u = ng_f32_bits(ng_bf16_to_f32(x[i]) * c);
+        x[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
+/* Fold n bf16 values: widening is a shift, done in the same loop. */
+GG_INLINE void gg_reduce_bf16_body(const uint16_t *restrict x, int64_t n, float s,
+                                   ng_gg_norm p, ng_gg_partial *o) {
+    float z = 0.0f;
+    if (p == NG_GG_NORM_2) {
+        double acc = 0.0;
+#pragma omp simd reduction(+ : acc, z)
+        for (int64_t i = 0; i < n; i++) {
+            float v = ng_bf16_to_f32(x[i]);
+            acc += ng_gg_sq(ng_gg_unscale(v, s));
+            z += v * 0.0f;
+        }
+        o->norm += acc;
+    } else {
+        float m = 0.0f;
+#pragma omp simd reduction(max : m) reduction(+ : z)
+        for (int64_t i = 0; i < n; i++) {
+            float v = ng_bf16_to_f32(x[i]);
+            float a = ng_gg_absf(ng_gg_unscale(v, s));
+            m = a > m ? a : m;
+            z += v * 0.0f;
+        }
+        o->norm = ng_gg_combine(o->norm, (double)m, NG_GG_NORM_INF);
+    }
+    if (z != 0.0f)
+        for (int64_t i = 0; i < n; i++) {
+            float v = ng_bf16_to_f32(x[i]);
+            o->nan_count += ng_gg_isnan_f(v);
+            o->inf_count += ng_gg_isinf_f(v);
+        }
 }
 
 /* ---- baseline x86-64 (or any other CPU) ----------------------------------- */
@@ -149,13 +192,7 @@ static void gg_reduce_f64_base(const void *x, int64_t n, float s, ng_gg_norm p,
 
 static void gg_reduce_bf16_base(const void *x, int64_t n, float s, ng_gg_norm p,
                                 ng_gg_partial *o) {
-    float buf[GG_SUB];
-    const uint16_t *h = (const uint16_t *)x;
-    for (int64_t i = 0; i < n; i += GG_SUB) {
-        int64_t m = NG_MIN(GG_SUB, n - i);
-        gg_widen_bf16(h + i, buf, m);
-        gg_reduce_f32_body(buf, m, s, p, o);
-    }
+    gg_reduce_bf16_body((const uint16_t *)x, n, s, p, o);
 }
 
 static void gg_reduce_f16_base(const void *x, int64_t n, float s, ng_gg_norm p,
@@ -225,13 +262,7 @@ NG_TARGET_AVX2 static void gg_reduce_f64_avx2(const void *x, int64_t n, float s,
 
 NG_TARGET_AVX2 static void gg_reduce_bf16_avx2(const void *x, int64_t n, float s, ng_gg_norm p,
                                                ng_gg_partial *o) {
-    float buf[GG_SUB];
-    const uint16_t *h = (const uint16_t *)x;
-    for (int64_t i = 0; i < n; i += GG_SUB) {
-        int64_t m = NG_MIN(GG_SUB, n - i);
-        gg_widen_bf16(h + i, buf, m);
-        gg_reduce_f32_body(buf, m, s, p, o);
-    }
+    gg_reduce_bf16_body((const uint16_t *)x, n, s, p, o);
 }
 
 /* Hardware fp16 -> fp32 (exact, as ng_f16_to_f32). */
@@ -430,7 +461,8 @@ ng_status ng_grad_guard_reduce(const void *const *grads, const int64_t *numels, 
     }
     gg_ctx ctx = {grads, numels, n_tensors, fc, ng_dtype_size(dtype), *inv_scale, norm,
                   parts, rf, af, 1.0f, 1.0};
-    ng_parallel_run(total < GG_SERIAL_BELOW ? NULL : par, m, 1, gg_reduce_range, &ctx);
+    ng_parallel_run(total < GG_TASK_ELEMS ? NULL : par, m, gg_grain(m, total), gg_reduce_range,
+                    &ctx);
 
     /* Blocks in order: fixed summation order, first bad block = first bad tensor. */
     double acc = 0.0;
@@ -497,7 +529,8 @@ ng_status ng_grad_guard_apply(void *const *grads, const int64_t *numels, int64_t
         default: break;
         }
     }
-    ng_parallel_run(total < GG_SERIAL_BELOW ? NULL : par, m, 1, gg_apply_range, &ctx);
+    ng_parallel_run(total < GG_TASK_ELEMS ? NULL : par, m, gg_grain(m, total), gg_apply_range,
+                    &ctx);
     free(fc);
     return NG_OK;
 }
