@@ -1,0 +1,552 @@
+"""safe_sdpa: forward and all three gradients against an fp64 reference, the
+failures it exists for (fp16 score overflow, fully masked rows in every mask
+convention), dropout, gradcheck, opcheck, torch.compile, broadcasting and
+GQA, bad inputs, and CUDA-vs-CPU cases (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nanguard
+from nanguard.functional import safe_sdpa
+from nanguard.nn import SafeAttention
+
+from conftest import requires_cuda
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+ops = torch.ops.nanguard
+
+#: |got - ref| <= atol * (1 + max|ref|) + rtol * |ref|, against an fp64
+#: reference computed from the same (rounded) inputs. Reasons:
+#: - float64: same math in another order (online softmax vs plain softmax).
+#: - float32: fp32 scores and accumulators over up to 256-long dots and a few
+#:   hundred keys; a ~1 ulp polynomial exp.
+#: - float16 / bfloat16: each output is rounded once to 11 / 8 significant bits
+#:   (4.9e-4 / 3.9e-3 relative); gradients also read the rounded out and
+#:   grad_out (D = rowsum(dout * out)) and sum over keys and heads: 2-4x that.
+TOL = {
+    "out": {
+        torch.float64: (1e-10, 1e-9),
+        torch.float32: (2e-5, 2e-4),
+        torch.float16: (2e-3, 4e-3),
+        torch.bfloat16: (1.6e-2, 1.6e-2),
+    },
+    "grad": {
+        torch.float64: (1e-9, 1e-8),
+        torch.float32: (1e-4, 1e-3),
+        torch.float16: (1e-2, 1e-2),
+        torch.bfloat16: (6e-2, 4e-2),
+    },
+}
+
+
+def assert_close(got, ref, kind, dtype):
+    atol, rtol = TOL[kind][dtype]
+    got = got.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    scale = 1.0 + (ref[torch.isfinite(ref)].abs().max().item() if ref.numel() else 0.0)
+    torch.testing.assert_close(got, ref, atol=atol * scale, rtol=rtol, equal_nan=True)
+
+
+def masked_positions(mask):
+    """Where a mask masks: bool False, or float -inf / <= finfo(dtype).min."""
+    if mask.dtype == torch.bool:
+        return ~mask
+    return (mask == float("-inf")) | (mask <= torch.finfo(mask.dtype).min)
+
+
+def ref_sdpa(q, k, v, mask=None, causal=False, scale=None, max_score=None, softcap=None, keep=None,
+             dropout_p=0.0):
+    """Plain attention in float64 with autograd; fully masked rows give 0."""
+    q, k, v = q.double(), k.double(), v.double()
+    if k.shape[-3] != q.shape[-3]:
+        r = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(r, dim=-3), v.repeat_interleave(r, dim=-3)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q @ k.transpose(-1, -2)) * scale
+    if max_score is not None:
+        s = s.clamp(-max_score, max_score)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    L, S = s.shape[-2:]
+    dead = torch.zeros(s.shape, dtype=torch.bool)
+    if mask is not None:
+        dead = dead | masked_positions(mask).expand(s.shape)
+        if mask.dtype != torch.bool:
+            s = s + mask.double().masked_fill(masked_positions(mask), 0.0)
+    if causal:
+        dead = dead | torch.ones(L, S, dtype=torch.bool).triu(1)
+    empty = dead.all(-1, keepdim=True)
+    s = s.masked_fill(dead, float("-inf")).masked_fill(empty, 0.0)
+    p = torch.softmax(s, -1).masked_fill(empty, 0.0)
+    if keep is not None:
+        p = p * keep / (1.0 - dropout_p)
+    return p @ v
+
+
+def rand(shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def make_mask(kind, shape, dtype, seed, full_rows=False):
+    """bool / 'neginf' / 'lowest' / 'additive' masks; full_rows masks every
+    third query row entirely."""
+    g = torch.Generator().manual_seed(seed)
+    dead = torch.rand(shape, generator=g) < 0.3
+    if full_rows:
+        dead[..., ::3, :] = True
+    else:
+        dead[..., 0] = False  # no row entirely masked
+    if kind == "bool":
+        return ~dead
+    base = -1.5 * torch.rand(shape, generator=g, dtype=torch.float64)
+    fill = {"neginf": float("-inf"), "lowest": torch.finfo(dtype).min, "additive": -1e4}[kind]
+    return base.to(dtype).masked_fill(dead, fill)
+
+
+def check_case(dtype, B, Hq, Hkv, L, S, E, Ev, mask_kind=None, mask_shape="full", causal=False,
+               max_score=None, softcap=None, full_rows=False, seed=0, scale_in=1.0):
+    q = rand((B, Hq, L, E), dtype, seed, scale_in).requires_grad_()
+    k = rand((B, Hkv, S, E), dtype, seed + 1, scale_in).requires_grad_()
+    v = rand((B, Hkv, S, Ev), dtype, seed + 2).requires_grad_()
+    mask = None
+    if mask_kind is not None:
+        mshape = {"full": (B, Hq, L, S), "pad": (B, 1, 1, S), "ls": (L, S)}[mask_shape]
+        mask = make_mask(mask_kind, mshape, dtype, seed + 3, full_rows)
+    out = safe_sdpa(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=Hq != Hkv,
+                    max_score=max_score, softcap=softcap)
+    assert out.dtype == dtype and out.shape == (B, Hq, L, Ev)
+    g = rand(out.shape, dtype, seed + 4)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = ref_sdpa(*leaves, mask=mask, causal=causal, max_score=max_score, softcap=softcap)
+    ref_grads = torch.autograd.grad(ref, leaves, g.double())
+    assert_close(out, ref, "out", dtype)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        assert torch.isfinite(got).all(), f"d{name} not finite"
+        assert_close(got, want, "grad", dtype)
+    return out, grads
+
+
+# ---- forward and gradients vs fp64 ------------------------------------------------
+
+CASES = {
+    # name: (B, Hq, Hkv, L, S, E, Ev, kwargs)
+    "plain": (2, 2, 2, 33, 47, 16, 16, {}),
+    "L1": (1, 3, 3, 1, 5, 8, 8, {}),
+    "L7_S129_D40": (1, 2, 2, 7, 129, 40, 40, {}),
+    "L129_D80": (1, 1, 1, 129, 70, 80, 80, {}),
+    "D256": (1, 1, 1, 65, 66, 256, 256, {}),
+    "Ev_ne_E": (1, 2, 2, 20, 30, 24, 40, {}),
+    "gqa": (2, 4, 2, 70, 65, 32, 32, {}),
+    "causal": (1, 2, 2, 129, 129, 16, 16, {"causal": True}),
+    "causal_L_lt_S": (1, 2, 1, 7, 100, 16, 16, {"causal": True}),
+    "causal_L_gt_S": (1, 1, 1, 100, 7, 16, 16, {"causal": True}),
+    "bool": (2, 2, 2, 40, 70, 16, 16, {"mask_kind": "bool"}),
+    "additive": (2, 2, 2, 23, 31, 16, 16, {"mask_kind": "additive"}),
+    "neginf_pad": (2, 2, 2, 9, 77, 16, 16, {"mask_kind": "neginf", "mask_shape": "pad"}),
+    "lowest_ls": (1, 2, 1, 23, 31, 16, 16, {"mask_kind": "lowest", "mask_shape": "ls"}),
+    "bool_causal": (1, 2, 2, 30, 30, 16, 16, {"mask_kind": "bool", "mask_shape": "ls", "causal": True}),
+    "clamp": (1, 2, 2, 20, 33, 16, 16, {"max_score": 2.5, "scale_in": 2.0}),
+    "softcap": (1, 2, 2, 20, 33, 16, 16, {"softcap": 3.0, "scale_in": 2.0}),
+    "clamp_softcap_mask": (1, 2, 1, 20, 33, 16, 16,
+                           {"max_score": 3.0, "softcap": 2.0, "mask_kind": "neginf", "scale_in": 2.0}),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_fp64_reference(case, dtype):
+    B, Hq, Hkv, L, S, E, Ev, kw = CASES[case]
+    check_case(dtype, B, Hq, Hkv, L, S, E, Ev, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["bool", "neginf", "lowest"])
+def test_fully_masked_rows_give_zero_output_and_gradients(kind, dtype):
+    out, (dq, dk, dv) = check_case(dtype, 2, 2, 2, 12, 20, 16, 16, mask_kind=kind, full_rows=True, seed=7)
+    assert (out[..., ::3, :] == 0).all()
+    assert (dq[..., ::3, :] == 0).all()
+    assert all(torch.isfinite(t).all() for t in (out, dq, dk, dv))
+
+
+def naive_attention(q, k, v, mask):
+    """What people write by hand, in the input dtype."""
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = s + mask
+    return torch.softmax(s, -1) @ v
+
+
+def test_fully_masked_fp16_row_naive_nan_safe_zero():
+    q, k, v = (rand((1, 1, 4, 8), torch.float16, s) for s in (1, 2, 3))
+    mask = torch.zeros(1, 1, 4, 4, dtype=torch.float16)
+    mask[..., 1, :] = float("-inf")
+    assert torch.isnan(naive_attention(q, k, v, mask)[..., 1, :]).all()
+    out = safe_sdpa(q, k, v, attn_mask=mask)
+    assert (out[..., 1, :] == 0).all() and torch.isfinite(out).all()
+
+
+def test_fp16_score_overflow_is_finite_and_correct():
+    g = torch.Generator().manual_seed(0)
+    q = (150 + 50 * torch.rand(1, 2, 8, 64, generator=g)).half()
+    k = (150 + 50 * torch.rand(1, 2, 16, 64, generator=g)).half()
+    v = torch.randn(1, 2, 16, 64, generator=g).half()
+    assert torch.isinf(q[0, 0, 0] @ k[0, 0, 0]).item()  # q.k > 65504 in fp16
+    eager = naive_attention(q, k, v, torch.zeros((), dtype=torch.float16))
+    assert not torch.isfinite(eager).all()
+    out = safe_sdpa(q, k, v)
+    assert torch.isfinite(out).all()
+    assert_close(out, ref_sdpa(q, k, v), "out", torch.float16)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_nan_inputs_propagate(where):
+    q, k, v = (rand((1, 1, 6, 8), torch.float32, s) for s in (1, 2, 3))
+    {"q": q, "k": k, "v": v}[where][0, 0, 2, 3] = float("nan")
+    out = safe_sdpa(q, k, v, max_score=5.0)
+    if where == "q":
+        assert torch.isnan(out[0, 0, 2]).all() and torch.isfinite(out[0, 0, [0, 1, 3, 4, 5]]).all()
+    elif where == "k":
+        assert torch.isnan(out).all()
+    else:
+        assert torch.isnan(out[..., 3]).all()
+
+
+def test_default_matches_pytorch_sdpa():
+    q, k, v = (rand((2, 3, 50, 32), torch.float32, s) for s in (1, 2, 3))
+    m = torch.rand(2, 1, 50, 50, generator=torch.Generator().manual_seed(4)) > 0.2
+    m[..., 0] = True
+    for kw in ({}, {"is_causal": True}, {"attn_mask": m}, {"scale": 0.3}):
+        torch.testing.assert_close(safe_sdpa(q, k, v, **kw), F.scaled_dot_product_attention(q, k, v, **kw),
+                                   atol=2e-5, rtol=2e-4)
+
+
+# ---- shapes, broadcasting, layouts ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "qs,ks,ms",
+    [
+        ((7, 8), (9, 8), None),                 # 2-d
+        ((3, 7, 8), (3, 9, 8), (7, 9)),         # 3-d, [L, S] mask
+        ((2, 3, 7, 8), (1, 3, 9, 8), (2, 1, 1, 9)),  # batch broadcast, padding mask
+        ((2, 2, 3, 7, 8), (2, 2, 3, 9, 8), (2, 1, 3, 7, 9)),  # 5-d
+        ((2, 4, 7, 8), (2, 1, 9, 8), (4, 7, 9)),  # one kv head serves all
+    ],
+)
+def test_broadcasting_matches_reference(qs, ks, ms):
+    q = rand(qs, torch.float64, 1).requires_grad_()
+    k = rand(ks, torch.float64, 2).requires_grad_()
+    v = rand(ks, torch.float64, 3).requires_grad_()
+    m = None if ms is None else make_mask("bool", ms, torch.float64, 4)
+    out = safe_sdpa(q, k, v, attn_mask=m)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    torch.testing.assert_close(out, want)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+        torch.testing.assert_close(a, b)
+
+
+def test_gqa_matches_pytorch():
+    q = rand((2, 8, 10, 16), torch.float64, 1)
+    k, v = rand((2, 2, 12, 16), torch.float64, 2), rand((2, 2, 12, 16), torch.float64, 3)
+    torch.testing.assert_close(safe_sdpa(q, k, v, enable_gqa=True),
+                               F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+
+
+def test_non_contiguous_inputs():
+    base = rand((2, 10, 3, 16), torch.float32, 1)  # [B, L, H, E]
+    q = base.transpose(1, 2)
+    k, v = rand((2, 3, 12, 16), torch.float32, 2), rand((2, 3, 16, 12), torch.float32, 3).transpose(-1, -2)
+    assert not q.is_contiguous() and not v.is_contiguous()
+    torch.testing.assert_close(safe_sdpa(q, k, v), safe_sdpa(q.contiguous(), k, v.contiguous()))
+
+
+def test_empty_and_thread_count():
+    q = torch.randn(0, 2, 5, 8)
+    assert safe_sdpa(q, q, q).shape == (0, 2, 5, 8)
+    q, k, v = (rand((2, 4, 130, 32), torch.float32, s) for s in (1, 2, 3))
+    ref = safe_sdpa(q, k, v, is_causal=True)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(safe_sdpa(q, k, v, is_causal=True), ref)
+    finally:
+        torch.set_num_threads(n)
+
+
+# ---- dropout -------------------------------------------------------------------------
+
+
+def dropped_probs(B, H, L, S, p, seed, offset, dtype=torch.float64, device="cpu"):
+    """P * keep / (1 - p) read back through value = identity."""
+    q = rand((B, H, L, 8), dtype, 1).to(device)
+    k = rand((B, H, S, 8), dtype, 2).to(device)
+    eye = torch.eye(S, dtype=dtype, device=device).expand(B, H, S, S)
+    out, _ = ops.safe_sdpa(q, k, eye, p, False, 1 / math.sqrt(8), 0.0, 0.0, seed, offset)
+    return q, k, out
+
+
+def test_dropout_keep_rate_and_scaling():
+    p = 0.3
+    q, k, d = dropped_probs(2, 4, 64, 200, p, seed=123, offset=7)
+    keep = d != 0
+    rate = keep.double().mean().item()  # sd = sqrt(.21 / 102400) = 1.4e-3
+    assert abs(rate - (1 - p)) < 7e-3, rate
+    ref = ref_sdpa(q, k, torch.eye(200, dtype=torch.float64).expand(2, 4, 200, 200), keep=keep, dropout_p=p)
+    torch.testing.assert_close(d, ref)
+    # another offset: another mask; same seed and offset: the same one
+    _, _, d2 = dropped_probs(2, 4, 64, 200, p, seed=123, offset=8)
+    _, _, d3 = dropped_probs(2, 4, 64, 200, p, seed=123, offset=7)
+    assert not torch.equal(d2 != 0, keep) and torch.equal(d3, d)
+
+
+def test_dropout_forward_backward_consistent():
+    """Gradients with dropout equal the fp64 reference that uses the mask the
+    forward drew (read back through value = identity); gradcheck agrees."""
+    B, H, L, S, p, seed, off = 1, 2, 9, 13, 0.4, 99, 3
+    _, _, d = dropped_probs(B, H, L, S, p, seed, off)
+    keep = d != 0
+    q, k, v = (rand(s, torch.float64, i).requires_grad_() for i, s in
+               enumerate([(B, H, L, 8), (B, H, S, 8), (B, H, S, 5)]))
+    args = (p, False, 1 / math.sqrt(8), 0.0, 0.0, seed, off)
+    out, _ = ops.safe_sdpa(q, k, v, *args)
+    ref = ref_sdpa(q, k, v, keep=keep, dropout_p=p)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b)
+    assert torch.autograd.gradcheck(lambda q, k, v: ops.safe_sdpa(q, k, v, *args)[0], (q, k, v))
+
+
+def test_dropout_follows_torch_manual_seed():
+    q, k, v = (rand((1, 2, 16, 8), torch.float32, s) for s in (1, 2, 3))
+    torch.manual_seed(0)
+    a = safe_sdpa(q, k, v, dropout_p=0.5)
+    torch.manual_seed(0)
+    b = safe_sdpa(q, k, v, dropout_p=0.5)
+    c = safe_sdpa(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    m = SafeAttention(dropout=0.5).eval()
+    torch.testing.assert_close(m(q, k, v), safe_sdpa(q, k, v))
+
+
+# ---- gradcheck / opcheck / compile -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"max_score": 0.8}, {"softcap": 1.5}, {"max_score": 1.0, "softcap": 0.7}, {"mask": "bool"},
+     {"mask": "additive"}, {"mask": "neginf_rows"}, {"is_causal": True, "gqa": True}],
+    ids=["plain", "clamp", "softcap", "clamp_softcap", "bool", "additive", "masked_rows", "causal_gqa"],
+)
+def test_gradcheck(kw):
+    kw = dict(kw)
+    hkv = 1 if kw.pop("gqa", False) else 2
+    q = rand((1, 2, 5, 4), torch.float64, 1, 2.0).requires_grad_()
+    k = rand((1, hkv, 6, 4), torch.float64, 2, 2.0).requires_grad_()
+    v = rand((1, hkv, 6, 3), torch.float64, 3).requires_grad_()
+    mask = kw.pop("mask", None)
+    if mask == "neginf_rows":
+        mask = make_mask("neginf", (1, 2, 5, 6), torch.float64, 4, full_rows=True)
+    elif mask is not None:
+        mask = make_mask(mask, (1, 2, 5, 6), torch.float64, 4)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: safe_sdpa(q, k, v, attn_mask=mask, enable_gqa=True, **kw), (q, k, v)
+    )
+
+
+def test_double_backward_is_a_clear_error():
+    q = rand((1, 1, 3, 4), torch.float64, 1).requires_grad_()
+    (g,) = torch.autograd.grad(safe_sdpa(q, q, q).pow(2).sum(), q, create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        g.sum().backward()
+
+
+def _opcheck_cases():
+    q = rand((2, 4, 5, 8), torch.float32, 1).requires_grad_()
+    k = rand((2, 2, 7, 8), torch.float32, 2).requires_grad_()
+    v = rand((2, 2, 7, 6), torch.float32, 3).requires_grad_()
+    m = make_mask("bool", (2, 1, 5, 7), torch.float32, 4)
+    fm = make_mask("neginf", (1, 4, 5, 7), torch.float32, 5, full_rows=True)
+    args = (0.0, False, 0.35, 0.0, 0.0, 0, 0)
+    guards = (0.2, True, 0.35, 2.0, 3.0, 11, 5)
+    yield ops.safe_sdpa.default, (q, k, v, *args)
+    yield ops.safe_sdpa.default, (q, k, v, *guards)
+    yield ops.safe_sdpa.masked, (q, k, v, m, *args)
+    yield ops.safe_sdpa.masked, (q, k, v, fm, *guards)
+    with torch.no_grad():
+        out, lse = ops.safe_sdpa.masked(q, k, v, fm, *guards)
+        out0, lse0 = ops.safe_sdpa(q, k, v, *args)
+    g = torch.randn_like(out)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    yield ops.safe_sdpa_backward.default, (g, qd, kd, vd, out0, lse0, *args)
+    yield ops.safe_sdpa_backward.masked, (g, qd, kd, vd, fm, out, lse, *guards)
+
+
+@pytest.mark.parametrize("case", list(range(6)))
+def test_opcheck(case):
+    op, args = list(_opcheck_cases())[case]
+    torch.library.opcheck(op, args)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+        self.attn = SafeAttention(is_causal=True, softcap=20.0)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 8).permute(2, 0, 3, 1, 4)
+        return self.attn(q, k, v).transpose(1, 2).reshape(x.shape)
+
+
+def test_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    m = _Block()
+    x = torch.randn(2, 10, 32, requires_grad=True)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    y, y_eager = compiled(x), m(x)
+    torch.testing.assert_close(y, y_eager)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    (g_eager,) = torch.autograd.grad(y_eager.sum(), x)
+    torch.testing.assert_close(g, g_eager)
+
+
+def test_module_has_no_state_and_repr():
+    m = SafeAttention(dropout=0.1, is_causal=True, max_score=30.0)
+    assert m.state_dict() == {} and "max_score=30.0" in repr(m)
+    with pytest.raises(ValueError, match="dropout"):
+        SafeAttention(dropout=1.0)
+
+
+# ---- bad inputs -----------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_clear_errors():
+    q = torch.randn(2, 3, 5, 8)
+    k = torch.randn(2, 3, 6, 8)
+    with pytest.raises(TypeError, match="query"):
+        safe_sdpa(q.long(), k, k)
+    with pytest.raises(TypeError, match="key"):
+        safe_sdpa(q, [1.0], k)
+    with pytest.raises(TypeError, match="value"):
+        safe_sdpa(q, k, k.double())
+    with pytest.raises(ValueError, match="head dim"):
+        safe_sdpa(q, torch.randn(2, 3, 6, 7), k)
+    with pytest.raises(ValueError, match="sequence length"):
+        safe_sdpa(q, k, torch.randn(2, 3, 5, 8))
+    with pytest.raises(ValueError, match="head dims"):
+        big = torch.randn(1, 1, 2, 300)
+        safe_sdpa(big, big, big)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        safe_sdpa(torch.randn(2, 4, 5, 8), k[:, :2], k[:, :2])
+    with pytest.raises(ValueError, match="multiple"):
+        safe_sdpa(q, k[:, :2], k[:, :2], enable_gqa=True)
+    with pytest.raises(ValueError, match="dropout_p"):
+        safe_sdpa(q, k, k, dropout_p=1.0)
+    with pytest.raises(TypeError, match="is_causal"):
+        safe_sdpa(q, k, k, is_causal=1)
+    with pytest.raises(ValueError, match="max_score"):
+        safe_sdpa(q, k, k, max_score=-1.0)
+    with pytest.raises(ValueError, match="softcap"):
+        safe_sdpa(q, k, k, softcap=float("nan"))
+    with pytest.raises(ValueError, match="scale"):
+        safe_sdpa(q, k, k, scale=float("inf"))
+    with pytest.raises(ValueError, match="attn_mask"):
+        safe_sdpa(q, k, k, attn_mask=torch.ones(5, 7, dtype=torch.bool))
+    with pytest.raises(TypeError, match="attn_mask"):
+        safe_sdpa(q, k, k, attn_mask=torch.ones(5, 6, dtype=torch.int32))
+    with pytest.raises(ValueError, match="attn_mask requires grad"):
+        safe_sdpa(q, k, k, attn_mask=torch.zeros(5, 6, requires_grad=True))
+    with pytest.raises(ValueError, match="device|key"):
+        safe_sdpa(q, k.to("meta"), k)
+
+
+def test_direct_op_calls_raise_not_crash():
+    q = torch.randn(2, 3, 5, 8)
+    k = torch.randn(2, 3, 6, 8)
+    args = (0.0, False, 0.3, 0.0, 0.0, 0, 0)
+    with pytest.raises(RuntimeError, match="query must be float16"):
+        ops.safe_sdpa(q.long(), k, k, *args)
+    with pytest.raises(RuntimeError, match="key must be 4-d"):
+        ops.safe_sdpa(q, k[0], k, *args)
+    with pytest.raises(RuntimeError, match="key has dtype float64 but query has dtype float32"):
+        ops.safe_sdpa(q, k.double(), k, *args)
+    with pytest.raises(RuntimeError, match="head dim"):
+        ops.safe_sdpa(q, k[..., :4], k, *args)
+    with pytest.raises(RuntimeError, match="multiple of key/value heads"):
+        ops.safe_sdpa(q, k[:, :2], k[:, :2], *args)
+    with pytest.raises(RuntimeError, match="dropout_p"):
+        ops.safe_sdpa(q, k, k, 1.5, False, 0.3, 0.0, 0.0, 0, 0)
+    with pytest.raises(RuntimeError, match="attn_mask's key length"):
+        ops.safe_sdpa.masked(q, k, k, torch.ones(1, 1, 5, 7, dtype=torch.bool), *args)
+    with pytest.raises(RuntimeError, match="attn_mask must be 4-d"):
+        ops.safe_sdpa.masked(q, k, k, torch.ones(5, 6, dtype=torch.bool), *args)
+    with pytest.raises(RuntimeError, match="attn_mask must be float16"):
+        ops.safe_sdpa.masked(q, k, k, torch.ones(1, 1, 5, 6, dtype=torch.int32), *args)
+    out, lse = ops.safe_sdpa(q, k, k, *args)
+    with pytest.raises(RuntimeError, match="lse must be"):
+        ops.safe_sdpa_backward(out, q, k, k, out, lse[:, :1], *args)
+    with pytest.raises(RuntimeError, match="grad_out must have the shape"):
+        ops.safe_sdpa_backward(out[:, :, :2], q, k, k, out, lse, *args)
+    m = torch.zeros(1, 1, 5, 6, requires_grad=True)
+    with pytest.raises(RuntimeError, match="attn_mask requires grad"):
+        ops.safe_sdpa.masked(q, k, k, m, *args)
+    torch.testing.assert_close(ops.safe_sdpa(q, k, k, *args)[0], F.scaled_dot_product_attention(q, k, k, scale=0.3))
+
+
+# ---- CUDA --------------------------------------------------------------------------------
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["plain", "D256", "gqa", "causal_L_gt_S", "bool", "neginf_pad",
+                                  "clamp_softcap_mask", "L7_S129_D40"])
+def test_cuda_matches_cpu_op(case, dtype):
+    B, Hq, Hkv, L, S, E, Ev, kw = CASES[case]
+    kw = dict(kw)
+    q = rand((B, Hq, L, E), dtype, 1, kw.pop("scale_in", 1.0))
+    k = rand((B, Hkv, S, E), dtype, 2)
+    v = rand((B, Hkv, S, Ev), dtype, 3)
+    mask = None
+    if "mask_kind" in kw:
+        shape = {"full": (B, Hq, L, S), "pad": (B, 1, 1, S), "ls": (L, S)}[kw.pop("mask_shape", "full")]
+        mask = make_mask(kw.pop("mask_kind"), shape, dtype, 4, full_rows=True)
+    kw["is_causal"] = kw.pop("causal", False)
+
+    def run(device):
+        ts = [t.to(device).requires_grad_() for t in (q, k, v)]
+        m = None if mask is None else mask.to(device)
+        out = safe_sdpa(*ts, attn_mask=m, enable_gqa=Hq != Hkv, **kw)
+        grads = torch.autograd.grad(out, ts, rand(out.shape, dtype, 5).to(device))
+        return [out, *grads]
+
+    for got, want in zip(run("cuda"), run("cpu")):
+        assert_close(got.float(), want.float(), "grad", dtype)
+
+
+@requires_cuda
+def test_cuda_dropout_draws_the_cpu_mask():
+    _, _, cpu = dropped_probs(1, 2, 40, 50, 0.3, 5, 9, torch.float32)
+    _, _, gpu = dropped_probs(1, 2, 40, 50, 0.3, 5, 9, torch.float32, "cuda")
+    assert torch.equal(cpu != 0, gpu.cpu() != 0)
+
+
+@requires_cuda
+def test_cuda_fp16_overflow_and_masked_rows():
+    g = torch.Generator().manual_seed(0)
+    q = (150 + 50 * torch.rand(1, 2, 8, 64, generator=g)).half().cuda()
+    k = (150 + 50 * torch.rand(1, 2, 16, 64, generator=g)).half().cuda()
+    v = torch.randn(1, 2, 16, 64, generator=g).half().cuda()
+    mask = torch.zeros(1, 1, 8, 16, dtype=torch.float16, device="cuda")
+    mask[..., 2, :] = float("-inf")
+    out = safe_sdpa(q, k, v, attn_mask=mask)
+    assert torch.isfinite(out).all() and (out[..., 2, :] == 0).all()
+    assert_close(out.cpu(), ref_sdpa(q.cpu(), k.cpu(), v.cpu(), mask=mask.cpu()), "out", torch.float16)
