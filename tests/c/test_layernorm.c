@@ -139,8 +139,9 @@ static void run_case(ng_dtype t, int64_t rows, int64_t n, int rms, int has_w, in
              (long long)rows, (long long)n, rms, has_w, has_b);
     to_f64(yb, t, total, got);
     ng_expect_close(what, got, ry, total, tl.atol, tl.rtol);
-    /* statistics are fp32 (fp64): fp32-level tolerance for every 32-bit dtype */
-    double st = t == NG_F64 ? 1e-12 : 1e-5;
+    /* statistics are fp32 (fp64): an fp32 sum of n terms of size ~3 drifts
+     * like a random walk, ~sqrt(n) * 2^-24 * 3; allow 4x that (and a floor) */
+    double st = t == NG_F64 ? 1e-12 : 1e-6 + 1e-6 * sqrt((double)n);
     stat_to_f64(rb, t, rows, got);
     what[strlen(what) - 1] = 'r';
     ng_expect_close(what, got, rr, rows, st, st);
