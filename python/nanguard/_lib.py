@@ -46,12 +46,18 @@ def _candidates(name: str) -> list[pathlib.Path]:
     if env:
         dirs.append(pathlib.Path(env))
     dirs.append(pathlib.Path(__file__).resolve().parent / "lib")
-    try:  # editable installs keep compiled files beside the installed package
-        import importlib.resources as resources
+    # An editable install keeps the compiled files in site-packages/nanguard/lib
+    # while the Python files stay in the source tree.
+    import site
+    import sysconfig
 
-        dirs.append(pathlib.Path(str(resources.files("nanguard"))) / "lib")
-    except Exception:  # pragma: no cover - resources unavailable
-        pass
+    roots = [sysconfig.get_paths()["platlib"], *site.getsitepackages()]
+    if site.ENABLE_USER_SITE:
+        roots.append(site.getusersitepackages())
+    for root in roots:
+        d = pathlib.Path(root) / "nanguard" / "lib"
+        if d not in dirs:
+            dirs.append(d)
     return [d / name for d in dirs]
 
 
