@@ -137,7 +137,7 @@ static const char *device_name(int32_t type) {
     return "another device";
 }
 
-void ng_view(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out) {
+int32_t ng_view_raw(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out) {
     int32_t dt = 0, layout = 0;
     out->h = h;
     NG_SHIM_CHECK(f, aoti_torch_get_layout(h, &layout));
@@ -145,10 +145,7 @@ void ng_view(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out) 
         ng_fail(f, "%s must be a strided (dense) tensor", name);
     NG_SHIM_CHECK(f, aoti_torch_get_dtype(h, &dt));
     int t = ng_dtype_from_torch(dt);
-    if (t < 0)
-        ng_fail(f, "%s must be float16, bfloat16, float32 or float64 (got dtype code %d)", name,
-                (int)dt);
-    out->dtype = (ng_dtype)t;
+    out->dtype = t < 0 ? NG_F32 : (ng_dtype)t;
     int64_t *sizes = NULL, *strides = NULL;
     NG_SHIM_CHECK(f, aoti_torch_get_dim(h, &out->ndim));
     NG_SHIM_CHECK(f, aoti_torch_get_sizes(h, &sizes));
@@ -159,6 +156,14 @@ void ng_view(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out) 
     NG_SHIM_CHECK(f, aoti_torch_get_data_ptr(h, &out->data));
     out->sizes = sizes;
     out->strides = strides;
+    return dt;
+}
+
+void ng_view(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out) {
+    int32_t dt = ng_view_raw(f, h, name, out);
+    if (ng_dtype_from_torch(dt) < 0)
+        ng_fail(f, "%s must be float16, bfloat16, float32 or float64 (got dtype code %d)", name,
+                (int)dt);
 }
 
 void ng_check_same_device(ng_frame *f, const ng_tensor *a, const char *an, const ng_tensor *b,

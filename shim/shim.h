@@ -172,6 +172,10 @@ void ng_ret_tensor(ng_frame *f, StableIValue *stack, uint64_t i, AtenTensorHandl
 /* Fill a view of h. Raises, naming `name`, unless h is a strided tensor of a
  * floating dtype nanguard handles (fp16, bf16, fp32, fp64). */
 void ng_view(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out);
+/* The same for a strided tensor of any dtype (bool masks, int64 counters):
+ * returns PyTorch's dtype code; out->dtype is meaningful only for the four
+ * floating dtypes. */
+int32_t ng_view_raw(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out);
 /* Map a PyTorch dtype code to ng_dtype; returns -1 when there is none. */
 int ng_dtype_from_torch(int32_t torch_dtype);
 int32_t ng_dtype_to_torch(ng_dtype t);
