@@ -227,7 +227,7 @@ class _Plan:
                 # the call's first bad index, as an index into the caller's list
                 lut = torch.tensor(idx, dtype=torch.float64).to(dev, non_blocking=True)
                 fb = st[3]
-                mapped = lut[fb.clamp(min=0).long()]
+                mapped = lut.index_select(0, fb.clamp(min=0).long().reshape(1)).reshape(())
                 firsts.append(torch.where(fb >= 0, mapped, torch.full_like(mapped, math.inf)))
             stats = _combine(parts, firsts, self.inf_norm, self.main)
         if process_group is not None:

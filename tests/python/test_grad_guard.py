@@ -278,6 +278,22 @@ def test_opcheck(case):
     torch.library.opcheck(op, args)
 
 
+def test_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in (10, 0, 300)]
+    gen = torch.Generator().manual_seed(0)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 10
+    twins = [p.grad.clone() for p in params]
+    compiled = torch.compile(lambda: nanguard.clip_grad_norm_(params, 1.0), fullgraph=True,
+                             backend="aot_eager")
+    tn = compiled()
+    tn_eager = gg.guard_(twins, 1.0, 1.0)[0]
+    torch.testing.assert_close(tn, tn_eager)
+    for p, t in zip(params, twins):
+        torch.testing.assert_close(p.grad, t)
+
+
 def test_direct_op_calls_raise_not_crash():
     s, f = torch.tensor([1.0]), torch.zeros(())
     g = [torch.randn(4)]
