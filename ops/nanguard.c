@@ -27,6 +27,7 @@ static const ng_register_fn ng_ops[] = {
     ng_register_layernorm,
     ng_register_grad_guard,
     ng_register_attention,
+    ng_register_tensor_stats,
 };
 
 static char ng_load_err[256];

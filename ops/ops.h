@@ -8,5 +8,6 @@
 void ng_register_layernorm(const ng_registrar *r);
 void ng_register_grad_guard(const ng_registrar *r);
 void ng_register_attention(const ng_registrar *r);
+void ng_register_tensor_stats(const ng_registrar *r);
 
 #endif /* NG_OPS_H */
