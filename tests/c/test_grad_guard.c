@@ -280,22 +280,25 @@ static void test_nonfinite(uint64_t seed) {
 }
 
 /* |g| near the fp32 limits: fp32 squares overflow (1e20^2) or underflow
- * (1e-25^2); an fp64 sum of squares of fp32 values does neither. */
+ * (1e-25^2); an fp64 sum of squares of fp32 values does neither. fp32 and
+ * bf16 (the dtypes with fp32's exponent range). */
 static void test_extremes(void) {
     ng_rng rng = {77};
     const double mags[] = {3.0e38, 1.0e30, 1.0e20, 1.0e-25, 1.0e-40};
-    for (int mi = 0; mi < 5; mi++)
-        for (int p = 0; p < 2; p++) {
-            int64_t numels[3] = {5000, 0, 2 * NG_GG_CHUNK + 1};
-            gset g = make_set(NG_F32, 3, numels, mags[mi], &rng);
-            double st[NG_GG_NSTATS];
-            float s = 1.0f;
-            NG_EXPECT(ng_grad_guard_reduce((const void *const *)g.bufs, g.numels, 3, NG_F32, &s,
-                                           (ng_gg_norm)p, st, reverse_chunks) == NG_OK);
-            NG_EXPECT(isfinite(st[NG_GG_NORM]) && st[NG_GG_NORM] > 0.0);
-            run_case("extreme", &g, 1.0f, 1.0, (ng_gg_norm)p, NULL);
-            free_set(&g);
-        }
+    const ng_dtype wide_range[2] = {NG_F32, NG_BF16}; /* the dtypes with fp32's exponent range */
+    for (int di = 0; di < 2; di++)
+        for (int mi = 0; mi < 5; mi++)
+            for (int p = 0; p < 2; p++) {
+                int64_t numels[3] = {5000, 0, 2 * NG_GG_CHUNK + 1};
+                gset g = make_set(wide_range[di], 3, numels, mags[mi], &rng);
+                double st[NG_GG_NSTATS];
+                float s = 1.0f;
+                NG_EXPECT(ng_grad_guard_reduce((const void *const *)g.bufs, g.numels, 3, g.dt, &s,
+                                               (ng_gg_norm)p, st, reverse_chunks) == NG_OK);
+                NG_EXPECT(isfinite(st[NG_GG_NORM]) && st[NG_GG_NORM] > 0.0);
+                run_case("extreme", &g, 1.0f, 1.0, (ng_gg_norm)p, NULL);
+                free_set(&g);
+            }
     /* fp16 at its maximum with a loss scale: the unscaled values are small */
     int64_t n1 = 4097;
     gset h = make_set(NG_F16, 1, &n1, 65504.0, &rng);
