@@ -42,12 +42,14 @@
 
 #define BQ 64
 #define BK 64
+#define NG_FWD_SUB 4 /* most query blocks one forward task keeps */
 
 typedef struct ng_attn_ctx {
     const ng_attention_args *a;
     void *D;      /* backward: [B*Hq*L] rowsum(dout * out) */
     void *dq_acc; /* backward: [nchunk][B*Hq][Lp][Ep] partial dq */
     int64_t Lp, nchunk;
+    int64_t nsub; /* forward: query blocks per task */
     atomic_int failed;
 } ng_attn_ctx;
 
@@ -379,7 +381,12 @@ ng_status ng_attention_fwd(const ng_attention_args *args, ng_parallel_fn par) {
     ng_attn_variant v = ng_attn_pick(a.dtype);
     ng_attn_ctx c = {.a = &a};
     atomic_init(&c.failed, 0);
-    ng_parallel_run(par, a.B * a.Hq * NG_CEIL_DIV(a.L, BQ), 1, v.fwd, &c);
+    /* Several query blocks per task share each converted K / V tile; keep
+     * at least ~64 tasks so the thread pool stays busy. */
+    const int64_t nqb = NG_CEIL_DIV(a.L, BQ), heads = a.B * a.Hq;
+    c.nsub = 1;
+    while (c.nsub < NG_FWD_SUB && heads * NG_CEIL_DIV(nqb, c.nsub * 2) >= 64) c.nsub *= 2;
+    ng_parallel_run(par, heads * NG_CEIL_DIV(nqb, c.nsub), 1, v.fwd, &c);
     return atomic_load(&c.failed) ? NG_ERR_ALLOC : NG_OK;
 }
 
