@@ -17,7 +17,10 @@ from . import amp, grad_guard  # noqa: E402
 from .grad_guard import clip_grad_norm_  # noqa: E402
 from . import functional, nn  # noqa: E402
 from ._info import info  # noqa: E402
+from .tensor_stats import tensor_stats, tensor_stats_  # noqa: E402
+from .watch import NonFiniteError, watch  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = ["functional", "nn", "info", "__version__", "amp", "clip_grad_norm_"]
+__all__ += ["tensor_stats", "tensor_stats_", "watch", "NonFiniteError"]
