@@ -154,10 +154,9 @@ class GradScaler(torch.amp.GradScaler):
                     f"gradient {i} is sparse: use unscale_() and torch.nn.utils.clip_grad_norm_"
                 )
         inv_scale = self._scale.double().reciprocal().float()
-        # found_inf must exist for the scaler's device too, as unscale_ makes it
-        found_inf: Dict[torch.device, torch.Tensor] = {
-            self._scale.device: torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
-        }
+        # one float32 flag per device holding gradients, as unscale_ makes them
+        # (none without gradients: step() then raises as PyTorch's does)
+        found_inf: Dict[torch.device, torch.Tensor] = {}
         total, stats, found_inf = _gg.guard_(
             grads, inv_scale, max_norm, norm_type, found_inf=found_inf, process_group=process_group
         )

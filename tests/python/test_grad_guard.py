@@ -417,6 +417,17 @@ def test_unscale_and_clip_state_machine():
     assert scaler.skipped_steps == []
 
 
+def test_no_gradients_behaves_like_stock():
+    model = torch.nn.Linear(2, 2)
+    for cls, call in ((torch.amp.GradScaler, "unscale_"), (GradScaler, "unscale_and_clip_")):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = cls("cpu")
+        scaler.scale(torch.ones(()))
+        getattr(scaler, call)(opt) if call == "unscale_" else scaler.unscale_and_clip_(opt, 1.0)
+        with pytest.raises(AssertionError, match="No inf checks"):
+            scaler.step(opt)
+
+
 def test_nan_skips_step_and_records_cause():
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
