@@ -17,7 +17,7 @@ the gradients keep their magnitude across repeats while both sides still do
 every pass (the stock clip multiplies by 1; nanguard multiplies by the
 inverse scale).
 
-    python bench/bench_grad_guard.py [--device cuda] [--repeats 15]
+    python bench/bench_grad_guard.py [--device cuda] [--repeats 15] [--threads N]
 """
 
 from __future__ import annotations
@@ -64,7 +64,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=3 if _common.quick() else 15)
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: keep)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dev = args.device
     bw = _common.copy_bandwidth(dev)
     print(f"copy bandwidth: {bw:.1f} GB/s, threads: {torch.get_num_threads()}")
@@ -113,7 +116,8 @@ def main():
             del params, opt, grads
     cols = ["set", "tensors", "values_M", "dtype", "stock_ms", "unscale_and_clip_ms", "guard_ms",
             "ratio", "ratio_guard", "nanguard_GBps", "pct_copy_bw"]
-    _common.write_results(f"grad_guard_{dev.split(':')[0]}", rows, cols,
+    suffix = f"_t{args.threads}" if args.threads else ""
+    _common.write_results(f"grad_guard_{dev.split(':')[0]}{suffix}", rows, cols,
                           {"copy_GBps": bw, "repeats": args.repeats})
 
 

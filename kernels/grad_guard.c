@@ -286,9 +286,30 @@ NG_TARGET_AVX2 static inline float gg_load1(const void *x, int64_t i, int is_f16
 NG_TARGET_AVX2 static void gg_reduce_norm2_avx2(const void *h, int64_t n, float s, int is_f16,
                                                 ng_gg_partial *o) {
     __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
-    __m256 z = _mm256_setzero_ps();
+    __m256d a2 = _mm256_setzero_pd(), a3 = _mm256_setzero_pd();
+    __m256 z = _mm256_setzero_ps(), z1 = _mm256_setzero_ps();
     const __m256 sv = _mm256_set1_ps(s), zero = _mm256_setzero_ps();
     int64_t i = 0;
+    /* 16 values per step: four independent fp64 chains hide the FMA latency */
+    for (; i + 16 <= n; i += 16) {
+        __m256 v = gg_load8_avx2(h, i, is_f16);
+        __m256 w = gg_load8_avx2(h, i + 8, is_f16);
+        __m256 u = _mm256_mul_ps(v, sv);
+        __m256 t = _mm256_mul_ps(w, sv);
+        __m256d l0 = _mm256_cvtps_pd(_mm256_castps256_ps128(u));
+        __m256d h0 = _mm256_cvtps_pd(_mm256_extractf128_ps(u, 1));
+        __m256d l1 = _mm256_cvtps_pd(_mm256_castps256_ps128(t));
+        __m256d h1 = _mm256_cvtps_pd(_mm256_extractf128_ps(t, 1));
+        a0 = _mm256_fmadd_pd(l0, l0, a0);
+        a1 = _mm256_fmadd_pd(h0, h0, a1);
+        a2 = _mm256_fmadd_pd(l1, l1, a2);
+        a3 = _mm256_fmadd_pd(h1, h1, a3);
+        z = _mm256_add_ps(z, _mm256_mul_ps(v, zero));
+        z1 = _mm256_add_ps(z1, _mm256_mul_ps(w, zero));
+    }
+    a0 = _mm256_add_pd(a0, a2);
+    a1 = _mm256_add_pd(a1, a3);
+    z = _mm256_add_ps(z, z1);
     for (; i + 8 <= n; i += 8) {
         __m256 v = gg_load8_avx2(h, i, is_f16);
         __m256 u = _mm256_mul_ps(v, sv);
