@@ -1,0 +1,605 @@
+"""tensor_stats and nanguard.watch: the census against an fp64 reference on
+every dtype and layout, opcheck, bad arguments; the watcher names the first
+non-finite module exactly (forward, backward-only, parameter gradient,
+several NaNs -> first in execution order), reads its buffer only at check()
+(no sync per module), policies, sampling, filters, buffer growth, in-place
+models and a Hugging Face model."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import nanguard
+from nanguard.tensor_stats import new_stats_buffers, tensor_stats_
+from nanguard.watch import BACKWARD, FORWARD, PARAM_GRAD, NonFiniteError
+
+from conftest import CUDA, DEVICES, requires_cuda
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+op = torch.ops.nanguard.tensor_stats_.default
+
+
+# ---- tensor_stats ---------------------------------------------------------------------
+
+
+def reference(x: torch.Tensor):
+    """NaN, +Inf, -Inf, max |x| finite (0 if none), min non-zero |x| finite (inf if none)."""
+    v = x.detach().to(torch.float64).cpu().flatten()
+    fin = v[torch.isfinite(v)].abs()
+    nz = fin[fin != 0]
+    return (
+        int(torch.isnan(v).sum()),
+        int((v == math.inf).sum()),
+        int((v == -math.inf).sum()),
+        float(fin.max()) if fin.numel() else 0.0,
+        float(nz.min()) if nz.numel() else math.inf,
+    )
+
+
+def run_stats(x: torch.Tensor, slot=1, slots=3):
+    counts, values = new_stats_buffers(slots, x.device)
+    tensor_stats_(x, counts, values, slot)
+    c, v = counts[slot].tolist(), values[slot].tolist()
+    # other slots untouched
+    assert counts.cpu().sum() == sum(c)
+    return (c[0], c[1], c[2], v[0], v[1])
+
+
+def poison(x: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    flat = x.view(-1) if x.is_contiguous() else None
+    if flat is None or flat.numel() < 8:
+        return x
+    idx = torch.randint(0, flat.numel(), (6,), generator=g)
+    vals = [math.nan, math.inf, -math.inf, 0.0, math.nan, 1e-6]
+    for i, v in zip(idx.tolist(), vals):
+        flat[i] = v
+    return x
+
+
+def views(base: torch.Tensor):
+    """(name, view) pairs: contiguous and non-contiguous layouts of base [6, 35, 40]."""
+    yield "contiguous", base
+    yield "transpose", base.transpose(1, 2)
+    yield "slice", base[:, 3:30:2, 1:]
+    yield "expand", base[:, :1, :].expand(6, 7, 40)
+    yield "permute", base.permute(2, 0, 1)
+    yield "scalar", base[1, 2, 3]
+    yield "empty", base[:, :0]
+    # 10 dims that cannot be merged: the op copies to contiguous first
+    yield "10-dim", base[:4, :32, :32].reshape(2, 2, 2, 2, 2, 2, 2, 2, 2, 8).permute(
+        9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tensor_stats_matches_reference(device, dtype):
+    torch.manual_seed(0)
+    base = (torch.randn(6, 35, 40, dtype=torch.float64) * 100).to(dtype)
+    poison(base, 1)
+    base = base.to(device)
+    for name, v in views(base):
+        got = run_stats(v)
+        assert got == reference(v), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tensor_stats_extremes(dtype):
+    fi = torch.finfo(dtype)
+    x = torch.tensor([fi.max, -fi.tiny * fi.eps, 0.0, -0.0], dtype=dtype)
+    assert run_stats(x) == reference(x)
+    assert run_stats(x)[3] == float(fi.max)
+    assert run_stats(torch.zeros(5, dtype=dtype)) == (0, 0, 0, 0.0, math.inf)
+    assert run_stats(torch.full((5,), math.nan, dtype=dtype)) == (5, 0, 0, 0.0, math.inf)
+
+
+def test_tensor_stats_large_parallel():
+    x = torch.randn(3_000_001)
+    x[17] = math.nan
+    x[2_999_999] = -math.inf
+    assert run_stats(x) == reference(x)
+    assert run_stats(x[::7]) == reference(x[::7])
+    assert run_stats(x[1:].view(1000, 3000).t()) == reference(x[1:].view(1000, 3000))
+
+
+def test_tensor_stats_convenience():
+    d = nanguard.tensor_stats(torch.tensor([1.0, -4.0, math.nan, math.inf]))
+    assert d == {"nan": 1, "posinf": 1, "neginf": 0, "max_abs": 4.0, "min_nonzero_abs": 1.0,
+                 "numel": 4}
+
+
+def test_tensor_stats_opcheck():
+    counts, values = new_stats_buffers(4)
+    for x in (torch.randn(5, 7), torch.randn(7, 5).t(), torch.randn(0), torch.randn(3, dtype=torch.float64)):
+        torch.library.opcheck(op, (x, counts, values, 2))
+
+
+def test_tensor_stats_bad_arguments():
+    x = torch.randn(4)
+    counts, values = new_stats_buffers(2)
+    with pytest.raises(ValueError, match="slot"):
+        tensor_stats_(x, counts, values, 2)
+    with pytest.raises(ValueError, match="counts"):
+        tensor_stats_(x, counts.float(), values, 0)
+    with pytest.raises(ValueError, match="values"):
+        tensor_stats_(x, counts, values[:, :1].contiguous(), 0)
+    with pytest.raises(TypeError, match="x must be float16"):
+        tensor_stats_(torch.arange(3), counts, values, 0)
+    # the C layer checks again for direct calls
+    with pytest.raises(RuntimeError, match="slot 5 is out of range"):
+        op(x, counts, values, 5)
+    with pytest.raises(RuntimeError, match="slot -1"):
+        op(x, counts, values, -1)
+    with pytest.raises(RuntimeError, match="counts must be"):
+        op(x, values, values, 0)
+    with pytest.raises(RuntimeError, match="values must be"):
+        op(x, counts, values.float(), 0)
+    with pytest.raises(RuntimeError, match="3 slots but values has 2"):
+        op(x, torch.zeros(3, 3, dtype=torch.int64), values, 0)
+    with pytest.raises(RuntimeError, match="x must be"):
+        op(torch.arange(3), counts, values, 0)
+
+
+# ---- watch: models ------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.act = nn.GELU()
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(x + self.act(self.fc(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, d=16, n=4):
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.layers = nn.ModuleList(Block(d) for _ in range(n))
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h)
+
+
+class NaNAfter(nn.Module):
+    """Identity until armed, then writes NaN into its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x):
+        y = x * 1.0
+        if self.armed:
+            y = y.clone()
+            y[..., 0] = math.nan
+        return y
+
+
+class _NaNGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * math.nan
+
+
+class NaNInBackward(nn.Module):
+    """Finite forward; its backward turns a finite gradient into NaN."""
+
+    def forward(self, x):
+        return _NaNGrad.apply(x)
+
+
+def loss_of(model, x):
+    return model(x).pow(2).mean()
+
+
+def train_step(model, x, w=None):
+    model.zero_grad(set_to_none=True)
+    loss_of(model, x).backward()
+    return w.check() if w is not None else None
+
+
+def test_clean_model_reports_nothing():
+    torch.manual_seed(0)
+    m = Net()
+    x = torch.randn(5, 8)
+    with nanguard.watch(m) as w:
+        for _ in range(3):
+            train_step(m, x)
+            assert w.num_recorded > 0
+            assert w.step() is None
+
+
+def test_forward_nan_named_exactly():
+    torch.manual_seed(0)
+    m = Net()
+    m.layers[2].act = NaNAfter()
+    x = torch.randn(5, 8)
+    w = nanguard.watch(m)
+    train_step(m, x)
+    assert w.step() is None
+    m.layers[2].act.armed = True
+    train_step(m, x)
+    with pytest.raises(NonFiniteError) as ei:
+        w.step()
+    r = ei.value.report
+    assert r.module == "layers.2.act"
+    assert r.cls == "NaNAfter"
+    assert r.pass_ == FORWARD
+    assert r.step == 1
+    assert r.tensor.nan == 5 and r.tensor.which == "output"
+    assert [s.which for s in r.inputs] == ["input[0]"]
+    assert r.inputs[0].finite
+    assert "layers.2.act" in str(ei.value)
+    w.remove()
+
+
+def test_backward_only_nan_named_exactly():
+    torch.manual_seed(0)
+    m = Net()
+    m.layers[1].fc = nn.Sequential(nn.Linear(16, 16), NaNInBackward())
+    x = torch.randn(5, 8)
+    w = nanguard.watch(m, policy="record")
+    model_out = m(x)
+    assert torch.isfinite(model_out).all()
+    model_out.pow(2).mean().backward()
+    r = w.check()
+    assert r is not None
+    assert r.module == "layers.1.fc.1"
+    assert r.cls == "NaNInBackward"
+    assert r.pass_ == BACKWARD
+    assert r.tensor.nan > 0
+    assert r.inputs and all(s.finite for s in r.inputs)  # its output gradient was finite
+    assert w.records == [r]
+    w.remove()
+
+
+def test_first_in_execution_order_not_definition_order():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = NaNAfter()  # defined first, runs second
+            self.b = NaNAfter()
+
+        def forward(self, x):
+            return self.a(self.b(x) + 1.0)
+
+    m = Two()
+    m.a.armed = m.b.armed = True
+    with pytest.raises(NonFiniteError) as ei:
+        with nanguard.watch(m):
+            m(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    r = ei.value.report
+    assert r.module == "b" and r.pass_ == FORWARD
+    assert r.n_nonfinite > 1
+
+
+def test_parameter_grad_only():
+    class _BadWeightGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x @ w.t()
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g @ w, (g.t() @ x) * math.inf
+
+    class Lin(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            return _BadWeightGrad.apply(x, self.weight)
+
+    m = nn.Sequential(nn.Linear(4, 4), Lin(), nn.Tanh())
+    w = nanguard.watch(m, policy="record")
+    m(torch.randn(2, 4)).sum().backward()
+    r = w.check()
+    assert r is not None and r.module == "1" and r.pass_ == PARAM_GRAD
+    assert r.tensor.which == "weight.grad"
+    w.remove()
+
+
+def test_loss_nan_reports_root_output_gradient():
+    m = Net()
+    w = nanguard.watch(m, policy="record")
+    out = m(torch.randn(3, 8))
+    (out.sum() * math.nan).backward()
+    r = w.check()
+    # the model's output is the output of `out` (innermost first) and of the root
+    assert r.module == "out" and r.pass_ == BACKWARD
+    assert r.tensor.which == "grad of output"
+    assert "outside the watched modules" in r.note
+    w.remove()
+
+
+def test_dict_and_model_output_outputs():
+    class DictOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return {"hidden": y, "aux": (y * 2, None), "logits": y.log()}  # log of negatives: NaN
+
+    m = DictOut()
+    with pytest.raises(NonFiniteError) as ei:
+        with nanguard.watch(m, backward=False):
+            torch.manual_seed(0)
+            m(torch.randn(8, 4))
+    r = ei.value.report
+    assert r.module == "" and r.tensor.which == "output['logits']"
+
+
+def test_external_neg_inf_mask_is_not_an_offence_but_nan_input_is():
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 5, 8)
+    mask = nn.Transformer.generate_square_subsequent_mask(5)  # -inf above the diagonal
+    with nanguard.watch(mha) as w:
+        mha(x, x, x, attn_mask=mask)[0].sum().backward()
+        assert w.check() is None
+    x2 = x.clone()
+    x2[0, 0, 0] = math.nan
+    w = nanguard.watch(mha, policy="record")
+    mha(x2, x2, x2, attn_mask=mask)
+    r = w.check()
+    assert r.pass_ == FORWARD and r.tensor.which.startswith("input") and "check_batch" in r.note
+    w.remove()
+
+
+def test_inplace_modules_keep_working():
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 1))
+
+    class AddInplace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            y.add_(1.0)
+            return y
+
+    m2 = nn.Sequential(AddInplace(), nn.Linear(4, 1))
+    for model in (m, m2):
+        with nanguard.watch(model) as w:
+            model(torch.randn(3, 4)).sum().backward()
+            assert w.check() is None
+
+
+# ---- no sync per module ------------------------------------------------------------------
+
+
+class ReadCounter:
+    """Counts Python-level host reads of tensors (item, tolist, cpu, numpy,
+    bool, float, int) while active."""
+
+    NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "to")
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        for name in self.NAMES:
+            orig = getattr(torch.Tensor, name)
+
+            def wrapped(*a, __orig=orig, **k):
+                self.n += 1
+                return __orig(*a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, wrapped)
+
+
+def test_cpu_buffer_read_only_at_check(monkeypatch):
+    torch.manual_seed(0)
+    m = Net()
+    x = torch.randn(5, 8)
+    w = nanguard.watch(m)
+    train_step(m, x)  # warm: the buffer grows in the first step
+    w.step()
+    counter = ReadCounter(monkeypatch)
+    cap = dict(w.capacity)
+    bufs = {d: b[0].data_ptr() for d, b in w._bufs.items()}
+    for _ in range(2):
+        m.zero_grad()
+        loss_of(m, x).backward()
+        assert counter.n == 0, "a tensor was read during forward/backward"
+        assert w.num_recorded > 50
+        w.step()
+        assert counter.n >= 1  # the one read of the step
+        counter.n = 0
+    assert w.capacity == cap and {d: b[0].data_ptr() for d, b in w._bufs.items()} == bufs
+    w.remove()
+
+
+@requires_cuda
+def test_cuda_no_sync_until_check():
+    torch.manual_seed(0)
+    m = Net().cuda()
+    x = torch.randn(5, 8, device="cuda")
+    w = nanguard.watch(m)
+    train_step(m, x)
+    w.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        m.zero_grad()
+        loss_of(m, x).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert w.step() is None
+    m.layers[0].fc.weight.data[0, 0] = math.inf
+    train_step(m, x)
+    with pytest.raises(NonFiniteError) as ei:
+        w.step()
+    assert ei.value.report.module == "layers.0.fc"
+    w.remove()
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_tensor_stats_large(dtype):
+    x = (torch.randn(5_000_003, dtype=torch.float64) * 50).to(dtype)
+    x[3] = math.nan
+    x[4_000_000] = math.inf
+    x = x.cuda()
+    assert run_stats(x) == reference(x)
+    assert run_stats(x[::3]) == reference(x[::3])
+
+
+# ---- options ------------------------------------------------------------------------------
+
+
+def test_policies():
+    m = nn.Sequential(nn.Linear(4, 4), NaNAfter())
+    m[1].armed = True
+    x = torch.randn(2, 4)
+    w = nanguard.watch(m, policy="warn")
+    m(x)
+    with pytest.warns(RuntimeWarning, match="first non-finite value"):
+        r = w.check()
+    assert r.module == "1"
+    w.remove()
+    w = nanguard.watch(m, policy="record", max_records=2)
+    for _ in range(4):
+        m(x)
+        w.step()
+    assert len(w.records) == 2 and [r.step for r in w.records] == [0, 1]
+    w.remove()
+    with pytest.raises(ValueError, match="policy"):
+        nanguard.watch(m, policy="explode")
+    with pytest.raises(ValueError, match="every"):
+        nanguard.watch(m, every=0)
+    with pytest.raises(TypeError, match="nn.Module"):
+        nanguard.watch(lambda x: x)
+
+
+def test_every_n_steps():
+    m = Net()
+    x = torch.randn(2, 8)
+    w = nanguard.watch(m, every=3, policy="record")
+    seen = []
+    for _ in range(7):
+        train_step(m, x)
+        seen.append(w.num_recorded > 0)
+        w.step()
+    assert seen == [True, False, False, True, False, False, True]
+    w.remove()
+
+
+def test_module_filters():
+    m = Net()
+    w = nanguard.watch(m, modules=["layers.*.fc"])
+    assert w.watched == [f"layers.{i}.fc" for i in range(4)]
+    w.remove()
+    w = nanguard.watch(m, modules=nn.LayerNorm)
+    assert w.watched == [f"layers.{i}.norm" for i in range(4)]
+    w.remove()
+    m.layers[3].act = NaNAfter()
+    m.layers[3].act.armed = True
+    w = nanguard.watch(m, modules=[nn.Linear, "layers.3.norm"], policy="record")
+    m(torch.randn(2, 8))
+    r = w.check()
+    assert r.module == "layers.3.norm"  # the first watched module that saw it
+    w.remove()
+
+
+def test_buffer_grows_geometrically_then_stays():
+    m = Net()
+    x = torch.randn(2, 8)
+    w = nanguard.watch(m, capacity=4)
+    train_step(m, x)
+    n = w.num_recorded
+    cap = w.capacity[torch.device("cpu")]
+    assert cap >= n and cap < 2 * n and cap & (cap - 1) == 0
+    w.step()
+    for _ in range(3):
+        train_step(m, x)
+        w.step()
+    assert w.capacity[torch.device("cpu")] == cap
+    w.remove()
+
+
+def test_remove_and_context_manager():
+    m = Net()
+    w = nanguard.watch(m)
+    assert any(mod._forward_hooks for mod in m.modules())
+    w.remove()
+    assert not any(mod._forward_hooks or mod._forward_pre_hooks for mod in m.modules())
+    m.layers[0].act = NaNAfter()
+    m.layers[0].act.armed = True
+    m(torch.randn(2, 8))  # no watcher: nothing raised
+    with pytest.raises(NonFiniteError):
+        with nanguard.watch(m):
+            m(torch.randn(2, 8))
+    assert not any(mod._forward_hooks for mod in m.modules())
+    # an exception inside the block is not masked by the watcher
+    with pytest.raises(KeyError):
+        with nanguard.watch(m):
+            m(torch.randn(2, 8))
+            raise KeyError("user error")
+
+
+def test_optimizer_step_checks_first():
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    w = nanguard.watch(m, optimizer=opt)
+    train_step(m, torch.randn(2, 8))
+    opt.step()
+    assert w.step_index == 1
+    m.layers[1].act = NaNAfter()
+    m.layers[1].act.armed = True
+    before = m.out.weight.detach().clone()
+    train_step(m, torch.randn(2, 8))
+    with pytest.raises(NonFiniteError):
+        opt.step()
+    assert torch.equal(m.out.weight, before)  # the poisoned step was not applied
+    w.remove()
+
+
+# ---- Hugging Face -------------------------------------------------------------------------
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def test_hf_llama_clean_and_named_layer():
+    model = _tiny_llama()
+    ids = torch.randint(0, 64, (2, 10))
+    w = nanguard.watch(model)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert w.step() is None
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = math.inf
+    model.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(NonFiniteError) as ei:
+        w.step()
+    r = ei.value.report
+    assert r.module == "model.layers.1.mlp.down_proj" and r.pass_ == FORWARD
+    assert r.cls == "Linear"
+    w.remove()
