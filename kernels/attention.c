@@ -84,11 +84,13 @@ static inline float ng_expf_poly(float x) {
     return x != x ? x : y;
 }
 
-/* ---- micro-kernels: C[M][N] (+)= A[M][K] B[K][N], M % 4 == 0, N % 16 == 0 */
+/* ---- micro-kernels: C[M][N] (+)= A[M][K] B[K][N], M % 4 == 0, N % 16 == 0.
+ * A's element (i, k) is A[i * sai + k * sak], so A may be read transposed
+ * (P^T dout, dS^T Q in the backward) without a copy. */
 
 #define NG_GEMM_PLAIN(NAME, T)                                                                    \
-    static void NAME(int64_t M, int64_t N, int64_t K, const T *A, int64_t lda, const T *B,         \
-                     int64_t ldb, T *C, int64_t ldc, int acc) {                                    \
+    static void NAME(int64_t M, int64_t N, int64_t K, const T *A, int64_t sai, int64_t sak,       \
+                     const T *B, int64_t ldb, T *C, int64_t ldc, int acc) {                        \
         for (int64_t i = 0; i < M; i += 4)                                                         \
             for (int64_t n = 0; n < N; n += 8) {                                                   \
                 T c0[8], c1[8], c2[8], c3[8];                                                      \
@@ -100,8 +102,8 @@ static inline float ng_expf_poly(float x) {
                 }                                                                                  \
                 for (int64_t k = 0; k < K; k++) {                                                  \
                     const T *b = B + k * ldb + n;                                                  \
-                    T a0 = A[i * lda + k], a1 = A[(i + 1) * lda + k];                              \
-                    T a2 = A[(i + 2) * lda + k], a3 = A[(i + 3) * lda + k];                        \
+                    T a0 = A[i * sai + k * sak], a1 = A[(i + 1) * sai + k * sak];                  \
+                    T a2 = A[(i + 2) * sai + k * sak], a3 = A[(i + 3) * sai + k * sak];            \
                     _Pragma("omp simd") for (int x = 0; x < 8; x++) {                              \
                         c0[x] += a0 * b[x];                                                        \
                         c1[x] += a1 * b[x];                                                        \
@@ -123,10 +125,10 @@ NG_GEMM_PLAIN(ng_gemm_f64_base, double)
 
 #if NG_X86
 /* 4 rows x 16 floats: 8 ymm accumulators, 2 loads + 4 broadcasts per 8 FMAs. */
-NG_TARGET_AVX2 static void ng_gemm_f32_avx2(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
-                                            const float *B, int64_t ldb, float *C, int64_t ldc, int acc) {
+NG_TARGET_AVX2 static void ng_gemm_f32_avx2(int64_t M, int64_t N, int64_t K, const float *A, int64_t sai,
+                                            int64_t sak, const float *B, int64_t ldb, float *C, int64_t ldc, int acc) {
     for (int64_t i = 0; i < M; i += 4) {
-        const float *a0 = A + i * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+        const float *a0 = A + i * sai, *a1 = a0 + sai, *a2 = a1 + sai, *a3 = a2 + sai;
         float *r0 = C + i * ldc, *r1 = r0 + ldc, *r2 = r1 + ldc, *r3 = r2 + ldc;
         for (int64_t n = 0; n < N; n += 16) {
             __m256 c00, c01, c10, c11, c20, c21, c30, c31;
@@ -141,13 +143,13 @@ NG_TARGET_AVX2 static void ng_gemm_f32_avx2(int64_t M, int64_t N, int64_t K, con
             const float *b = B + n;
             for (int64_t k = 0; k < K; k++, b += ldb) {
                 __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-                __m256 x = _mm256_broadcast_ss(a0 + k);
+                __m256 x = _mm256_broadcast_ss(a0 + k * sak);
                 c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
-                x = _mm256_broadcast_ss(a1 + k);
+                x = _mm256_broadcast_ss(a1 + k * sak);
                 c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11);
-                x = _mm256_broadcast_ss(a2 + k);
+                x = _mm256_broadcast_ss(a2 + k * sak);
                 c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21);
-                x = _mm256_broadcast_ss(a3 + k);
+                x = _mm256_broadcast_ss(a3 + k * sak);
                 c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31);
             }
             _mm256_storeu_ps(r0 + n, c00); _mm256_storeu_ps(r0 + n + 8, c01);
@@ -159,10 +161,10 @@ NG_TARGET_AVX2 static void ng_gemm_f32_avx2(int64_t M, int64_t N, int64_t K, con
 }
 
 /* 4 rows x 8 doubles. */
-NG_TARGET_AVX2 static void ng_gemm_f64_avx2(int64_t M, int64_t N, int64_t K, const double *A, int64_t lda,
-                                            const double *B, int64_t ldb, double *C, int64_t ldc, int acc) {
+NG_TARGET_AVX2 static void ng_gemm_f64_avx2(int64_t M, int64_t N, int64_t K, const double *A, int64_t sai,
+                                            int64_t sak, const double *B, int64_t ldb, double *C, int64_t ldc, int acc) {
     for (int64_t i = 0; i < M; i += 4) {
-        const double *a0 = A + i * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+        const double *a0 = A + i * sai, *a1 = a0 + sai, *a2 = a1 + sai, *a3 = a2 + sai;
         double *r0 = C + i * ldc, *r1 = r0 + ldc, *r2 = r1 + ldc, *r3 = r2 + ldc;
         for (int64_t n = 0; n < N; n += 8) {
             __m256d c00, c01, c10, c11, c20, c21, c30, c31;
@@ -177,13 +179,13 @@ NG_TARGET_AVX2 static void ng_gemm_f64_avx2(int64_t M, int64_t N, int64_t K, con
             const double *b = B + n;
             for (int64_t k = 0; k < K; k++, b += ldb) {
                 __m256d b0 = _mm256_loadu_pd(b), b1 = _mm256_loadu_pd(b + 4);
-                __m256d x = _mm256_broadcast_sd(a0 + k);
+                __m256d x = _mm256_broadcast_sd(a0 + k * sak);
                 c00 = _mm256_fmadd_pd(x, b0, c00); c01 = _mm256_fmadd_pd(x, b1, c01);
-                x = _mm256_broadcast_sd(a1 + k);
+                x = _mm256_broadcast_sd(a1 + k * sak);
                 c10 = _mm256_fmadd_pd(x, b0, c10); c11 = _mm256_fmadd_pd(x, b1, c11);
-                x = _mm256_broadcast_sd(a2 + k);
+                x = _mm256_broadcast_sd(a2 + k * sak);
                 c20 = _mm256_fmadd_pd(x, b0, c20); c21 = _mm256_fmadd_pd(x, b1, c21);
-                x = _mm256_broadcast_sd(a3 + k);
+                x = _mm256_broadcast_sd(a3 + k * sak);
                 c30 = _mm256_fmadd_pd(x, b0, c30); c31 = _mm256_fmadd_pd(x, b1, c31);
             }
             _mm256_storeu_pd(r0 + n, c00); _mm256_storeu_pd(r0 + n + 4, c01);
@@ -195,9 +197,10 @@ NG_TARGET_AVX2 static void ng_gemm_f64_avx2(int64_t M, int64_t N, int64_t K, con
 }
 #endif
 
-/* p[j] = exp(x[j] - m) in place, returns the sum (m finite or NaN). */
+/* p[j] = exp(x[j] - m) in place, returns the sum (m finite or NaN). Kept
+ * out of line: inlined into the tile loop, GCC 12 leaves it scalar. */
 #define NG_EXP_ROW_F32(NAME, ATTRS)                                            \
-    ATTRS static float NAME(float *x, int64_t n, float m) {                    \
+    ATTRS __attribute__((noinline)) static float NAME(float *x, int64_t n, float m) { \
         float sum = 0.0f;                                                      \
         _Pragma("omp simd reduction(+ : sum)") for (int64_t j = 0; j < n; j++) { \
             float p = ng_expf_poly(x[j] - m);                                  \
@@ -208,7 +211,48 @@ NG_TARGET_AVX2 static void ng_gemm_f64_avx2(int64_t M, int64_t N, int64_t K, con
     }
 
 NG_EXP_ROW_F32(ng_exp_row_f32_base, )
-NG_EXP_ROW_F32(ng_exp_row_f32_avx2, NG_TARGET_AVX2)
+
+#if NG_X86
+/* ng_expf_poly on 8 lanes (same polynomial, FMA-contracted). */
+NG_TARGET_AVX2 static inline __m256 ng_exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
+    __m256 xc = _mm256_min_ps(_mm256_max_ps(x, lo), hi); /* NaN -> -87, restored below */
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    y = _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), y);          /* exp(-inf) = 0 */
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)); /* NaN stays NaN */
+}
+
+NG_TARGET_AVX2 __attribute__((noinline)) static float ng_exp_row_f32_avx2(float *x, int64_t n, float m) {
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 p = ng_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm));
+        _mm256_storeu_ps(x + j, p);
+        acc = _mm256_add_ps(acc, p);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for (; j < n; j++) {
+        x[j] = ng_expf_poly(x[j] - m);
+        sum += x[j];
+    }
+    return sum;
+}
+#endif
 
 static double ng_exp_row_f64(double *x, int64_t n, double m) {
     double sum = 0.0;
