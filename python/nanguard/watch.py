@@ -211,7 +211,7 @@ class Watch:
         # per record: (device, slot, kind, call or None, label, shape, dtype, extra)
         self._meta: List[tuple] = []
         self._calls: List[_Call] = []
-        self._produced: Dict[int, Tuple[Any, int]] = {}  # id(tensor) -> (weakref, record)
+        self._produced: Dict[int, Tuple[Any, int, int]] = {}  # id -> (weakref, record, version)
         self._consumers: Dict[int, List[_Call]] = {}  # record -> calls that took it as input
         self._stack: Dict[int, List[_Call]] = {}  # id(module) -> calls in flight
         self._handles: list = []
@@ -272,10 +272,11 @@ class Watch:
                     if not _recordable(t):
                         continue
                     hit = produced.get(id(t))
-                    if hit is not None and hit[0]() is t:
+                    if hit is not None and hit[0]() is t and hit[2] == t._version:
                         r = hit[1]
                     else:
                         r = self._record(t, _IN, call, label)
+                        produced[id(t)] = (weakref.ref(t), r, t._version)
                     call.inputs.append((label, r))
                     self._consumers.setdefault(r, []).append(call)
             return None
@@ -292,12 +293,19 @@ class Watch:
             call = stack.pop()
             found: List[Tuple[str, torch.Tensor]] = []
             _flatten(output, "output", found)
+            produced = self._produced
             for label, t in found:
                 if not _recordable(t):
                     continue
+                hit = produced.get(id(t))
+                if hit is not None and hit[0]() is t and hit[2] == t._version:
+                    # already recorded, unchanged: the output of an inner
+                    # module passed through, or an input returned as is
+                    call.outputs.append((label, hit[1]))
+                    continue
                 r = self._record(t, _OUT, call, label)
                 call.outputs.append((label, r))
-                self._produced[id(t)] = (weakref.ref(t), r)
+                produced[id(t)] = (weakref.ref(t), r, t._version)
                 if backward and t.requires_grad:
                     t.register_hook(self._make_grad(call, label, r))
             return None
