@@ -335,6 +335,16 @@ static __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(ng_at
 
 ng_status cuda_check() { return cudaGetLastError() == cudaSuccess ? NG_OK : NG_ERR_CUDA; }
 
+/* Dynamic shared memory above 48 KiB (K and V tiles of head dims > 192) must
+ * be opted into per kernel; sm_80 and sm_90 allow far more than we use. */
+template <typename Kernel>
+ng_status allow_smem(Kernel kernel, size_t bytes) {
+    if (bytes <= 48 * 1024) return NG_OK;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes) == cudaSuccess
+               ? NG_OK
+               : NG_ERR_CUDA;
+}
+
 /* Grid limits: y and z are at most 65535. */
 ng_status grid_ok(const ng_attention_args *a, int64_t heads) {
     return (a->B <= 65535 && heads <= 65535) ? NG_OK : NG_ERR_UNSUPPORTED;
@@ -344,6 +354,7 @@ template <ng_dtype T, int NT>
 ng_status launch_fwd(const ng_attention_args *a, cudaStream_t st) {
     dim3 grid((unsigned)NG_CEIL_DIV(a->L, (int64_t)kFwdBQ), (unsigned)a->Hq, (unsigned)a->B);
     size_t sm = sizeof(float) * (size_t)(kBK * (a->E + a->Ev));
+    NG_TRY(allow_smem(attention_fwd_kernel<T, NT>, sm));
     attention_fwd_kernel<T, NT><<<grid, kThreads, sm, st>>>(*a);
     return cuda_check();
 }
@@ -353,12 +364,14 @@ ng_status launch_bwd(const ng_attention_args *a, cudaStream_t st) {
     if (a->S > 0) {
         dim3 grid((unsigned)NG_CEIL_DIV(a->S, (int64_t)kBwdBlock), (unsigned)a->Hkv, (unsigned)a->B);
         size_t sm = sizeof(float) * (size_t)(kBwdBQ * (a->E + a->Ev) + 2 * kBwdBQ);
+        NG_TRY(allow_smem(attention_bwd_dkdv_kernel<T, NT>, sm));
         attention_bwd_dkdv_kernel<T, NT><<<grid, kThreads, sm, st>>>(*a);
         NG_TRY(cuda_check());
     }
     if (a->L == 0) return NG_OK;
     dim3 grid((unsigned)NG_CEIL_DIV(a->L, (int64_t)kBwdBlock), (unsigned)a->Hq, (unsigned)a->B);
     size_t sm = sizeof(float) * (size_t)(kBK * (a->E + a->Ev));
+    NG_TRY(allow_smem(attention_bwd_dq_kernel<T, NT>, sm));
     attention_bwd_dq_kernel<T, NT><<<grid, kThreads, sm, st>>>(*a);
     return cuda_check();
 }

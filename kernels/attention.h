@@ -65,9 +65,9 @@ ng_status ng_attention_check(const ng_attention_args *a, int backward);
 ng_status ng_attention_fwd(const ng_attention_args *a, ng_parallel_fn par);
 ng_status ng_attention_bwd(const ng_attention_args *a, ng_parallel_fn par);
 
-/* CUDA launchers (kernels/attention.cu): fp32 / fp16 / bf16, stream is a
- * cudaStream_t. The bwd launcher allocates its fp32 workspace with
- * cudaMallocAsync on the same stream. */
+/* CUDA launchers (kernels/attention.cu): fp32 / fp16 / bf16 (fp64 gives
+ * NG_ERR_DTYPE), lse fp32, stream is a cudaStream_t. Neither allocates: the
+ * backward is two kernels (dk/dv per key block, dq per query block). */
 ng_status ng_attention_fwd_cuda(const ng_attention_args *a, void *stream);
 ng_status ng_attention_bwd_cuda(const ng_attention_args *a, void *stream);
 
