@@ -10,8 +10,8 @@ PyTorch does). ``guard_`` is the general form used by
 :class:`nanguard.amp.GradScaler`: it also unscales and reports NaN / Inf
 counts and the first offending tensor.
 
-Lists are grouped by (device, dtype), one op call per group and per
-``MAX_LIST`` tensors; the per-call statistics are combined on the device
+Lists are grouped by (device, dtype), one op call per group (and per
+``MAX_LIST`` tensors); the per-call statistics are combined on the device
 (and across ranks with ``process_group=``) between the two passes.
 """
 
@@ -28,8 +28,9 @@ __all__ = ["clip_grad_norm_", "guard_", "GuardStats", "MAX_LIST", "STATS_LAYOUT"
 
 _ops = torch.ops.nanguard
 
-#: Tensors per op call (the C boundary owns a bounded number of handles).
-MAX_LIST = 48
+#: Tensors per op call. The C layer takes lists of any length; this bound
+#: only caps the host-side tables of one call.
+MAX_LIST = 1024
 
 #: Meaning of the four float64 entries of a stats tensor.
 STATS_LAYOUT = ("norm_acc", "nan_count", "inf_count", "first_bad")

@@ -317,10 +317,17 @@ def test_direct_op_calls_raise_not_crash():
         ops.fused_unscale_clip_(g, s, torch.zeros(2), 1.0, 2.0)
     with pytest.raises(RuntimeError, match="stats must be a contiguous float64"):
         ops.grad_guard_apply_(g, s, torch.zeros(3, dtype=torch.float64), f, 1.0, 2.0)
-    with pytest.raises(RuntimeError, match="at most"):
-        ops.grad_guard_reduce([torch.randn(2) for _ in range(60)], s, 2.0)
-    with pytest.raises(RuntimeError):
-        ops.grad_guard_reduce([torch.randn(2) for _ in range(200)], s, 2.0)
+    # long lists: errors release every handle (no leaked references)
+    many = [torch.randn(2) for _ in range(300)]
+    many[250] = many[250].double()
+    uses = [t._use_count() for t in many]
+    with pytest.raises(RuntimeError, match="tensor 250 is float64"):
+        ops.grad_guard_reduce(many, s, 2.0)
+    with pytest.raises(RuntimeError, match="found_inf"):
+        ops.fused_unscale_clip_(many[:200], s, torch.zeros(3), 1.0, 2.0)
+    st = ops.grad_guard_reduce(many[:250], s, 2.0)
+    ops.grad_guard_apply_(many[:250], s, st, f, 1.0, 2.0)
+    assert uses == [t._use_count() for t in many]
     # still alive, still right
     tn, st = ops.fused_unscale_clip_([torch.tensor([3.0, 4.0])], s, f, 10.0, 2.0)
     assert tn.item() == 5.0 and f.item() == 0.0
