@@ -16,10 +16,11 @@
  * (pointer, numel); numel may be 0 (the pointer is then ignored).
  *
  * CPU: fp32, fp16, bf16, fp64; inv_scale, stats, found_inf are host pointers.
- * CUDA: fp32, fp16, bf16; inv_scale, stats, found_inf, the norm output and the
- * workspace are device pointers and nothing is synchronised with the host:
- * the apply pass reads its coefficient from device memory. The pointer and
- * numel arrays themselves are host arrays (they travel as kernel arguments).
+ * CUDA: fp32, fp16, bf16 (and fp64, which the op layer does not expose);
+ * inv_scale, stats, found_inf, the norm output and the workspace are device
+ * pointers and nothing is synchronised with the host: the apply pass reads
+ * its coefficient from device memory. The pointer and numel arrays
+ * themselves are host arrays (they travel as kernel arguments).
  */
 #ifndef NG_KERNELS_GRAD_GUARD_H
 #define NG_KERNELS_GRAD_GUARD_H
