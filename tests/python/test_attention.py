@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nanguard
 from nanguard.functional import safe_sdpa
@@ -500,6 +502,49 @@ def test_direct_op_calls_raise_not_crash():
     with pytest.raises(RuntimeError, match="attn_mask requires grad"):
         ops.safe_sdpa.masked(q, k, k, m, *args)
     torch.testing.assert_close(ops.safe_sdpa(q, k, k, *args)[0], F.scaled_dot_product_attention(q, k, k, scale=0.3))
+
+
+# ---- property-based fuzzing ----------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    B=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    group=st.integers(1, 3),
+    L=st.integers(1, 70),
+    S=st.integers(0, 70),
+    E=st.integers(1, 40),
+    Ev=st.integers(1, 40),
+    dtype=st.sampled_from(DTYPES),
+    mask=st.sampled_from([None, "bool", "neginf", "lowest", "additive"]),
+    causal=st.booleans(),
+    transpose=st.booleans(),
+    guard=st.sampled_from([None, "clamp", "softcap"]),
+    seed=st.integers(0, 2**16),
+)
+def test_fuzz_shapes_strides_dtypes(B, hkv, group, L, S, E, Ev, dtype, mask, causal, transpose, guard, seed):
+    Hq = hkv * group
+    q = rand((B, Hq, L, E), dtype, seed, 1.5)
+    k = rand((B, hkv, S, E), dtype, seed + 1, 1.5)
+    v = rand((B, hkv, S, Ev), dtype, seed + 2)
+    if transpose:  # [B, L, H, E] memory viewed as [B, H, L, E]
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+        k = k.transpose(1, 2).contiguous().transpose(1, 2)
+    m = None if mask is None or S == 0 else make_mask(mask, (B, 1, L, S), dtype, seed + 3, full_rows=seed % 2 == 0)
+    kw = {"max_score": 2.0} if guard == "clamp" else {"softcap": 2.5} if guard == "softcap" else {}
+    qs, ks, vs = (t.requires_grad_() for t in (q, k, v))
+    out = safe_sdpa(qs, ks, vs, attn_mask=m, is_causal=causal, enable_gqa=True, **kw)
+    g = rand(out.shape, dtype, seed + 4)
+    grads = torch.autograd.grad(out, (qs, ks, vs), g, allow_unused=True)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = ref_sdpa(*leaves, mask=m, causal=causal, max_score=kw.get("max_score"), softcap=kw.get("softcap"))
+    ref_grads = torch.autograd.grad(ref, leaves, g.double(), allow_unused=True)
+    assert_close(out, ref, "out", dtype)
+    for got, want, t in zip(grads, ref_grads, (q, k, v)):
+        got = torch.zeros_like(t) if got is None else got
+        want = torch.zeros_like(t, dtype=torch.float64) if want is None else want
+        assert_close(got, want, "grad", dtype)
 
 
 # ---- CUDA --------------------------------------------------------------------------------
