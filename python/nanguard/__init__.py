@@ -19,10 +19,11 @@ from . import functional, nn  # noqa: E402
 from ._info import info  # noqa: E402
 from .tensor_stats import tensor_stats, tensor_stats_  # noqa: E402
 from .watch import NonFiniteError, watch  # noqa: E402
+from .doctor import check_batch, doctor  # noqa: E402
 from .hf import patch, unpatch  # noqa: E402  (transformers is imported on first use)
 
 __version__ = "0.1.0"
 
 __all__ = ["functional", "nn", "info", "__version__", "amp", "clip_grad_norm_"]
-__all__ += ["tensor_stats", "tensor_stats_", "watch", "NonFiniteError"]
+__all__ += ["tensor_stats", "tensor_stats_", "watch", "NonFiniteError", "check_batch", "doctor"]
 __all__ += ["patch", "unpatch"]

@@ -11,6 +11,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, loaded libraries, and the devices of every op")
     sub.add_parser("demo", help="the failures nanguard prevents, stock PyTorch side by side")
+    sub.add_parser("doctor", help="audit a model built from a config: python -m nanguard doctor --model-type llama")
     args, rest = parser.parse_known_args(argv)
     import nanguard
 
@@ -21,6 +22,10 @@ def main(argv=None) -> int:
         from . import demo
 
         return demo.main(rest)
+    if args.command == "doctor":
+        from .doctor import cli_main
+
+        return cli_main(rest)
     return 0
 
 
