@@ -146,9 +146,15 @@ def _group(grads: Sequence[torch.Tensor]):
     return groups
 
 
+def _to(t: torch.Tensor, device: torch.device, dtype=None) -> torch.Tensor:
+    """Copy to device without a host sync where that is safe: a copy to the
+    CPU must complete before a CPU kernel reads it, so it blocks."""
+    return t.to(device=device, dtype=dtype, non_blocking=device.type != "cpu")
+
+
 def _per_device(t: torch.Tensor, device: torch.device, cache: Dict[torch.device, torch.Tensor]):
     if device not in cache:
-        cache[device] = t.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
+        cache[device] = _to(t, device, torch.float32).reshape(())
     return cache[device]
 
 
@@ -156,10 +162,10 @@ def _combine(parts: List[torch.Tensor], firsts: List[torch.Tensor], inf_norm: bo
     """Combine [4] stats of several calls into one [4] tensor on `device`.
     firsts hold each call's first bad index already mapped to the caller's
     list (inf when none)."""
-    s = torch.stack([p.to(device, non_blocking=True) for p in parts])
+    s = torch.stack([_to(p, device) for p in parts])
     acc = s[:, 0].amax() if inf_norm else s[:, 0].sum()
     counts = s[:, 1:3].sum(0)
-    first = torch.stack([f.to(device, non_blocking=True) for f in firsts]).amin()
+    first = torch.stack([_to(f, device) for f in firsts]).amin()
     first = torch.where(torch.isinf(first), torch.full_like(first, -1.0), first)
     return torch.cat([acc.reshape(1), counts, first.reshape(1)])
 
@@ -226,7 +232,7 @@ class _Plan:
                 st = _ops.grad_guard_reduce(ts, self.scales[dev], self.norm_type)
                 parts.append(st)
                 # the call's first bad index, as an index into the caller's list
-                lut = torch.tensor(idx, dtype=torch.float64).to(dev, non_blocking=True)
+                lut = _to(torch.tensor(idx, dtype=torch.float64), dev)
                 fb = st[3]
                 mapped = lut.index_select(0, fb.clamp(min=0).long().reshape(1)).reshape(())
                 firsts.append(torch.where(fb >= 0, mapped, torch.full_like(mapped, math.inf)))
@@ -246,7 +252,7 @@ class _Plan:
         stats_on: Dict[torch.device, torch.Tensor] = {}
         for dev, ts, _ in self.batches:
             if dev not in stats_on:
-                stats_on[dev] = stats.to(dev, non_blocking=True)
+                stats_on[dev] = _to(stats, dev)
             tn = _ops.grad_guard_apply_(
                 ts, self.scales[dev], stats_on[dev], self.found_inf[dev], max_norm, self.norm_type
             )
