@@ -181,6 +181,17 @@ def test_groups_by_dtype_and_reports_first_bad_in_caller_order():
     assert (h["nan_count"], h["inf_count"], h["first_bad"]) == (1, 1, 101)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_split_into_several_calls(monkeypatch, norm_type):
+    monkeypatch.setattr(gg, "MAX_LIST", 7)  # 60 tensors -> 9 calls, stats combined
+    grads = make_grads(60, torch.float32, seed=11)
+    check_against_reference([g.clone() for g in grads], 0.25, 1.0, norm_type)
+    grads[44].view(-1)[1] = math.inf  # (every 7th tensor from index 3 is empty)
+    grads[50].view(-1)[0] = math.nan
+    h = check_against_reference(grads, 0.25, 1.0, norm_type).as_dict()
+    assert (h["nan_count"], h["inf_count"], h["first_bad"]) == (1, 1, 44)
+
+
 def test_fp16_norm_beyond_fp16_range_and_fp32_squares_overflow():
     # fp16 gradients whose norm is > 65504: the fp16 norm PyTorch returns is
     # inf (and clip_grad_norm_ then zeroes every gradient); ours is finite.
