@@ -58,6 +58,8 @@ FORWARD = "forward"
 BACKWARD = "backward"
 PARAM_GRAD = "parameter grad"
 _POLICIES = ("raise", "warn", "record")
+#: a buffer this large means step() / check() is probably never called
+_MANY_SLOTS = 1 << 20
 
 # record kinds
 _OUT = 0  # output of a module call (forward)
@@ -337,6 +339,10 @@ class Watch:
         cap = self._capacity if old is None else old[0].shape[0]
         while cap < need:
             cap *= 2
+        if cap >= _MANY_SLOTS and (old is None or old[0].shape[0] < _MANY_SLOTS):
+            warnings.warn(f"nanguard.watch has recorded {need} tensors without a check: call "
+                          "w.step() (or w.check()) once per training step", RuntimeWarning,
+                          stacklevel=4)
         counts = torch.zeros((cap, len(COUNT_FIELDS)), dtype=torch.int64, device=dev)
         values = torch.zeros((cap, len(VALUE_FIELDS)), dtype=torch.float64, device=dev)
         if old is not None:
