@@ -173,7 +173,6 @@ def _combine(parts: List[torch.Tensor], firsts: List[torch.Tensor], inf_norm: bo
 def _all_reduce(stats: torch.Tensor, inf_norm: bool, process_group) -> torch.Tensor:
     import torch.distributed as dist
 
-    stats = stats.clone()
     if inf_norm:
         head = stats[0:1].clone()
         dist.all_reduce(head, op=dist.ReduceOp.MAX, group=process_group)
