@@ -1,0 +1,175 @@
+"""safe_sdpa against torch.nn.functional.scaled_dot_product_attention and the
+naive module people write to dodge NaN ("matmul, clamp, masked_fill(-1e4),
+softmax, matmul").
+
+B=4, H=8, D=64, L = S in {512, 1024, 2048}, fp32 and bf16, with no mask, a
+padding mask (bool [B, 1, 1, S], the last quarter of keys padded in half the
+batch) and causal; forward and forward+backward, in the same process and run,
+candidates interleaved. Reports median times, ratios (other time / nanguard
+time: > 1 means nanguard is faster), achieved GFLOP/s, and the peak memory of
+one forward+backward of each candidate (CPU: peak RSS growth of a fresh
+process beyond its inputs, read from VmHWM; CUDA: torch.cuda.max_memory_allocated
+beyond the inputs).
+
+    python bench/bench_attention.py [--device cuda] [--repeats 5] [--no-memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+import nanguard  # noqa: E402
+from nanguard.functional import safe_sdpa  # noqa: E402
+
+B, H, D = 4, 8, 64
+LENGTHS = [512, 1024, 2048]
+VARIANTS = ["none", "padding", "causal"]
+
+
+def naive(q, k, v, mask, causal):
+    """The hand-written NaN dodge: clamp, masked_fill(-1e4), softmax."""
+    s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    s = s.clamp(-1e4, 1e4)
+    if mask is not None:
+        s = s.masked_fill(~mask, -1e4)
+    if causal:
+        L, S = s.shape[-2:]
+        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=s.device).triu(1), -1e4)
+    return torch.softmax(s, -1) @ v
+
+
+CANDIDATES = {
+    "nanguard": lambda q, k, v, m, c: safe_sdpa(q, k, v, attn_mask=m, is_causal=c),
+    "torch": lambda q, k, v, m, c: F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=c),
+    "naive": naive,
+}
+
+
+def inputs(L, dtype, variant, device):
+    g = torch.Generator().manual_seed(0)
+    q, k, v, gy = (torch.randn(B, H, L, D, generator=g).to(device, dtype) for _ in range(4))
+    mask = None
+    if variant == "padding":
+        mask = torch.ones(B, 1, 1, L, dtype=torch.bool)
+        mask[: B // 2, ..., 3 * L // 4 :] = False
+        mask = mask.to(device)
+    return q, k, v, gy, mask, variant == "causal"
+
+
+def flops(L, causal, backward):
+    """2 matmuls forward (4 B H L^2 D), 2.5x that for the backward; causal halves."""
+    f = 4.0 * B * H * L * L * D * (0.5 if causal else 1.0)
+    return f * (3.5 if backward else 1.0)
+
+
+def _rss_kib(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _memory_child(spec: str) -> None:
+    """Run one fwd+bwd of one candidate and print the peak memory it added
+    beyond its inputs (bytes)."""
+    name, L, dtype, variant, device = json.loads(spec)
+    dtype = getattr(torch, dtype)
+    q, k, v, gy, mask, causal = inputs(L, dtype, variant, device)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    if device == "cpu":
+        with open("/proc/self/clear_refs", "w") as f:  # reset the peak-RSS mark (VmHWM)
+            f.write("5")
+        base = _rss_kib("VmRSS")
+        CANDIDATES[name](q, k, v, mask, causal).backward(gy)
+        print((_rss_kib("VmHWM") - base) * 1024)
+    else:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        CANDIDATES[name](q, k, v, mask, causal).backward(gy)
+        torch.cuda.synchronize()
+        print(torch.cuda.max_memory_allocated() - base)
+
+
+def peak_memory(name, L, dtype, variant, device):
+    spec = json.dumps([name, L, str(dtype).replace("torch.", ""), variant, device])
+    r = subprocess.run([sys.executable, __file__, "--memory-child", spec], capture_output=True, text=True,
+                       timeout=600)
+    try:
+        return int(r.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=3 if _common.quick() else 5)
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--memory-child")
+    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    args = p.parse_args()
+    if args.memory_child:
+        _memory_child(args.memory_child)
+        return
+    dev = args.device
+    lengths = [int(x) for x in args.lengths.split(",")]
+    print(f"threads: {torch.get_num_threads()}, device: {dev}")
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for L in lengths:
+            for variant in VARIANTS:
+                q, k, v, gy, mask, causal = inputs(L, dtype, variant, dev)
+                for mode in ("fwd", "fwd+bwd"):
+                    if mode == "fwd":
+                        def mk(f):
+                            def run():
+                                with torch.no_grad():
+                                    f(q, k, v, mask, causal)
+                            return run
+                    else:
+                        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+                        def mk(f, qg=qg, kg=kg, vg=vg):
+                            def run():
+                                f(qg, kg, vg, mask, causal).backward(gy)
+                                qg.grad = kg.grad = vg.grad = None
+                            return run
+                    fns = {n: mk(f) for n, f in CANDIDATES.items()}
+                    t = _common.time_fns(fns, repeats=args.repeats, warmup=1, device=dev)
+                    fl = flops(L, causal, mode != "fwd")
+                    row = {
+                        "dtype": str(dtype).replace("torch.", ""),
+                        "L": L,
+                        "mask": variant,
+                        "mode": mode,
+                        "nanguard_ms": t["nanguard"] * 1e3,
+                        "torch_ms": t["torch"] * 1e3,
+                        "naive_ms": t["naive"] * 1e3,
+                        "vs_torch": t["torch"] / t["nanguard"],
+                        "vs_naive": t["naive"] / t["nanguard"],
+                        "nanguard_GFLOPs": fl / t["nanguard"] / 1e9,
+                    }
+                    if mode == "fwd+bwd" and L == max(lengths) and not args.no_memory:
+                        for n in CANDIDATES:
+                            row[f"{n}_peak_MiB"] = peak_memory(n, L, dtype, variant, dev) / 2**20
+                    rows.append(row)
+                    print(row, flush=True)
+    cols = ["dtype", "L", "mask", "mode", "nanguard_ms", "torch_ms", "naive_ms", "vs_torch", "vs_naive",
+            "nanguard_GFLOPs", "nanguard_peak_MiB", "torch_peak_MiB", "naive_peak_MiB"]
+    _common.write_results(f"attention_{dev}", rows, cols, {"B": B, "H": H, "D": D})
+
+
+if __name__ == "__main__":
+    main()
