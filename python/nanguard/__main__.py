@@ -10,7 +10,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanguard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, loaded libraries, and the devices of every op")
-    sub.add_parser("demo", help="the failures nanguard prevents, stock PyTorch side by side")
+    sub.add_parser("demo", help="a small Hugging Face causal LM trained in fp16 twice, stock and with nanguard, side by side")
     sub.add_parser("doctor", help="audit a model built from a config: python -m nanguard doctor --model-type llama")
     args, rest = parser.parse_known_args(argv)
     import nanguard

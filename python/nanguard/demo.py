@@ -1,12 +1,251 @@
-"""``python -m nanguard demo``: the failure modes nanguard exists for, side by
-side with what stock PyTorch code gives on the same inputs."""
+"""``python -m nanguard demo``: one small Hugging Face causal LM trained twice
+under the same seed and the same fp16 mixed-precision loop, stock and then
+with nanguard, side by side.
+
+The failure is the one nanguard exists for, produced for real, nothing
+injected:
+
+- **fp16 autocast** (``torch.autocast(dtype=torch.float16)`` with a loss
+  scaler), on the CPU or on CUDA when present;
+- **transformers' eager attention** (``attn_implementation="eager"``: the
+  reference implementation, and what transformers falls back to whenever
+  SDPA cannot serve a model or a feature such as ``output_attentions``). It
+  forms ``q @ k.T`` with an fp16 matmul;
+- **no warmup and a high learning rate** (AdamW at ``lr=0.1`` from step 0):
+  the "attention logit growth" instability, which small models reproduce at
+  high learning rates (Wortsman et al., 2023, "Small-scale proxies for
+  large-scale Transformer training instabilities"). The raw scores ``q . k``
+  grow as the *product* of two activations, so they pass fp16's 65504 while
+  every activation is still small (``nanguard.watch`` shows the inputs of
+  the attention's output projection finite up to max |x| ~ 40 one step
+  before).
+
+From that step on the stock model's scores hold ``inf``, softmax turns them
+into NaN, and the loss is NaN; the loss scaler skips every step and halves
+its scale towards 0, so training is dead. The patched model
+(``nanguard.patch``: attention through ``safe_sdpa``, which keeps scores in
+fp32, and the norms through ``stable_layernorm``) with the gradient guard
+(``nanguard.amp.GradScaler.unscale_and_clip_``) sees exactly the same
+weights, data and loop, and keeps learning. ``nanguard.watch`` names the
+module where the stock run first went non-finite.
+
+The data is bytes of text that ships with Python itself (the source of the
+standard library's ``argparse`` module): a byte-level language model,
+nothing downloaded.
+"""
 
 from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import math
+import os
+import sys
+import time
+from typing import Callable, List, Optional
 
 import torch
 import torch.nn.functional as F
 
 from .functional import layer_norm, rms_norm
+
+#: the survival test trains the stock model until its loss is NaN (at most
+#: this many steps), then both a few steps further
+SURVIVAL_MAX_STEPS = 80
+
+
+@dataclasses.dataclass
+class Config:
+    steps: int = 40
+    lr: float = 0.1
+    batch: int = 8
+    seq: int = 32
+    n_embd: int = 64
+    n_layer: int = 2
+    n_head: int = 1  # one head of 64: the raw score is a sum of 64 products
+    max_norm: float = 1.0
+    seed: int = 0
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclasses.dataclass
+class Run:
+    name: str
+    losses: List[float] = dataclasses.field(default_factory=list)
+    grad_norms: List[float] = dataclasses.field(default_factory=list)
+    skipped: List[int] = dataclasses.field(default_factory=list)  #: cumulative skipped steps
+    report: Optional[object] = None  #: first nanguard.watch report, if any
+    patch_summary: Optional[object] = None
+    seconds: float = 0.0
+
+
+# ---- data and model ---------------------------------------------------------------------------
+
+
+def corpus() -> torch.Tensor:
+    """Bytes of a text that ships with every Python: the standard library's
+    ``argparse.py`` (about 100 KB of English and code)."""
+    import argparse as _ap
+
+    with open(_ap.__file__, "rb") as f:
+        data = f.read()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def batches(cfg: Config, data: torch.Tensor):
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    while True:
+        start = torch.randint(0, data.numel() - cfg.seq - 1, (cfg.batch,), generator=g)
+        yield torch.stack([data[s : s + cfg.seq] for s in start.tolist()])
+
+
+def build_model(cfg: Config):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(cfg.seed)
+    config = GPT2Config(
+        vocab_size=256, n_positions=cfg.seq, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        attn_implementation="eager",
+    )
+    return GPT2LMHeadModel(config).to(cfg.device)
+
+
+# ---- the training loop -----------------------------------------------------------------------
+
+
+def train(cfg: Config, patched: bool, progress: Optional[Callable[[str], None]] = print,
+          use_watch: bool = True, stop: Optional[Callable[[Run], bool]] = None) -> Run:
+    """Train from the same seed on the same batches. Stock: the textbook
+    fp16 loop (``GradScaler.unscale_`` then ``clip_grad_norm_``). nanguard:
+    ``nanguard.patch(model)`` and ``GradScaler.unscale_and_clip_``."""
+    import nanguard
+
+    run = Run("nanguard" if patched else "stock")
+    model = build_model(cfg).train()
+    if patched:
+        run.patch_summary = nanguard.patch(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    dev = torch.device(cfg.device).type
+    if patched:
+        scaler = nanguard.amp.GradScaler(dev)
+    else:
+        scaler = torch.amp.GradScaler(dev)
+    watcher = None
+    if use_watch and hasattr(nanguard, "watch"):
+        watcher = nanguard.watch(model, policy="record", parameters=False)
+    data = batches(cfg, corpus())
+    skipped = 0
+    t0 = time.perf_counter()
+    for step in range(cfg.steps):
+        ids = next(data).to(cfg.device)
+        with torch.autocast(dev, dtype=torch.float16):
+            loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scale_before = scaler.get_scale()
+        if patched:
+            gn = scaler.unscale_and_clip_(opt, max_norm=cfg.max_norm)
+        else:
+            scaler.unscale_(opt)
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
+        scaler.step(opt)
+        scaler.update()
+        if scaler.get_scale() < scale_before:  # update() backs off only after a skipped step
+            skipped += 1
+        if watcher is not None:
+            rep = watcher.step()
+            if rep is not None and run.report is None:
+                run.report = rep
+        run.losses.append(float(loss.item()))
+        run.grad_norms.append(float(gn.item()))
+        run.skipped.append(skipped)
+        if progress is not None and (step % 10 == 9 or step == cfg.steps - 1):
+            progress(f"  [{run.name:8s}] step {step + 1:3d}/{cfg.steps}  loss {run.losses[-1]:7.4f}  "
+                     f"skipped {skipped:3d}  {time.perf_counter() - t0:5.1f} s")
+        if stop is not None and stop(run):
+            break
+    run.seconds = time.perf_counter() - t0
+    if watcher is not None:
+        watcher.remove()
+    return run
+
+
+def stock_model_modules(cfg: Config):
+    """(name, module) of the model the demo builds, for naming classes."""
+    return build_model(dataclasses.replace(cfg, device="cpu")).named_modules()
+
+
+# ---- reporting ---------------------------------------------------------------------------------
+
+
+def _f(x: float) -> str:
+    return f"{x:.4f}" if math.isfinite(x) else str(x)
+
+
+def verdict(run: Run) -> str:
+    bad = [i for i, x in enumerate(run.losses) if not math.isfinite(x)]
+    fin = [x for x in run.losses if math.isfinite(x)]
+    if bad:
+        return (f"NaN loss from step {bad[0] + 1} ({len(bad)} of {len(run.losses)} steps non-finite); "
+                f"{run.skipped[-1]} steps skipped, training stalled at loss {_f(fin[-1]) if fin else 'nan'}")
+    k = max(1, len(fin) // 5)
+    first, last = sum(fin[:k]) / k, sum(fin[-k:]) / k
+    trend = "decreasing" if last < first else "not decreasing"
+    return (f"finite at every step; loss {_f(fin[0])} -> {_f(fin[-1])} "
+            f"(mean of first/last {k}: {first:.3f} -> {last:.3f}, {trend}); {run.skipped[-1]} steps skipped")
+
+
+def table(stock: Run, ours: Run) -> List[str]:
+    lines = [f"{'step':>5}  {'stock loss':>11}  {'nanguard loss':>13}  {'skipped (stock/ng)':>18}  "
+             f"{'grad norm (stock / nanguard)':>30}"]
+    n = len(stock.losses)
+    every = max(1, n // 20)
+    for i in range(n):
+        if i % every and i != n - 1 and not (math.isfinite(stock.losses[i - 1]) and not math.isfinite(stock.losses[i])):
+            continue
+        lines.append(f"{i + 1:5d}  {_f(stock.losses[i]):>11}  {_f(ours.losses[i]):>13}  "
+                     f"{stock.skipped[i]:>8d} / {ours.skipped[i]:<7d}  "
+                     f"{stock.grad_norms[i]:>13.4g} / {ours.grad_norms[i]:<13.4g}")
+    return lines
+
+
+def write_csv(path: str, stock: Run, ours: Run) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "stock_loss", "nanguard_loss", "stock_skipped", "nanguard_skipped",
+                    "stock_grad_norm", "nanguard_grad_norm"])
+        for i in range(len(stock.losses)):
+            w.writerow([i + 1, stock.losses[i], ours.losses[i], stock.skipped[i], ours.skipped[i],
+                        stock.grad_norms[i], ours.grad_norms[i]])
+
+
+def plot(path: str, stock: Run, ours: Run, cfg: Config) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = list(range(1, len(stock.losses) + 1))
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    ax.plot(steps, ours.losses, label="nanguard (patched, gradient guard)", color="tab:green")
+    ax.plot(steps, [x if math.isfinite(x) else float("nan") for x in stock.losses], label="stock", color="tab:red")
+    fin = [x for x in stock.losses + ours.losses if math.isfinite(x)]
+    top = max(fin) if fin else 1.0
+    bad = [s for s, x in zip(steps, stock.losses) if not math.isfinite(x)]
+    if bad:
+        ax.scatter(bad, [top] * len(bad), marker="x", color="tab:red", label="stock loss NaN")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"GPT-2 ({cfg.n_layer} layers, {cfg.n_embd} wide), fp16 autocast, AdamW lr={cfg.lr}, no warmup")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---- op-level cases (kept short) ----------------------------------------------------------------------
 
 
 def _fmt(t: torch.Tensor) -> str:
@@ -21,20 +260,15 @@ def norm_cases() -> list[tuple[str, str, str]]:
     """(case, stock result, nanguard result) for the normalization failures."""
     g = torch.Generator().manual_seed(0)
     rows = []
-    # 1. constant rows with eps = 0 (padding rows, dead features): 0/0 in stock
     x = torch.full((4, 64), 0.5)
     rows.append(("LayerNorm, constant rows, eps=0",
                  _fmt(F.layer_norm(x, (64,), eps=0.0)), _fmt(layer_norm(x, (64,), eps=0.0))))
-    # 2. all-zero rows through RMSNorm with eps = 0
     z = torch.zeros(4, 64)
     rows.append(("RMSNorm, all-zero rows, eps=0",
                  _fmt(F.rms_norm(z, (64,), eps=0.0)), _fmt(rms_norm(z, (64,), eps=0.0))))
-    # 3. fp16 activations near the top of the range through an RMSNorm written
-    #    the usual way in the activation dtype (x * rsqrt(mean(x^2) + eps))
     h = (6.0e4 + 5000 * torch.rand(4, 64, generator=g)).clamp(max=65504).half()
     hand = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
     rows.append(("RMSNorm in fp16, |x| ~ 6e4 (x^2 overflows)", _fmt(hand), _fmt(rms_norm(h, (64,), eps=1e-6))))
-    # 4. a NaN in one row: it must stay visible, and only in that row
     x = torch.randn(4, 64, generator=g)
     x[1, 3] = float("nan")
     ours = layer_norm(x, (64,))
@@ -44,14 +278,76 @@ def norm_cases() -> list[tuple[str, str, str]]:
     return rows
 
 
-def main(argv=None) -> int:
-    import nanguard
-
-    nanguard.info()
-    print()
+def print_norm_cases() -> None:
     rows = norm_cases()
     w = [max(len(r[i]) for r in rows + [("case", "stock PyTorch", "nanguard")]) for i in range(3)]
     print(f"{'case':<{w[0]}}  {'stock PyTorch':<{w[1]}}  nanguard")
     for case, stock, ours in rows:
         print(f"{case:<{w[0]}}  {stock:<{w[1]}}  {ours}")
+
+
+# ---- main ------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nanguard demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=Config.steps, help="training steps per run (default %(default)s)")
+    p.add_argument("--lr", type=float, default=Config.lr, help="AdamW learning rate, no warmup (default %(default)s)")
+    p.add_argument("--device", default=Config.device, help="cpu or cuda (default %(default)s)")
+    p.add_argument("--seed", type=int, default=Config.seed)
+    p.add_argument("--out", default=".", help="folder for nanguard_demo.png and nanguard_demo.csv")
+    p.add_argument("--no-watch", action="store_true", help="do not run nanguard.watch")
+    p.add_argument("--ops", action="store_true", help="also print the op-level normalization cases")
+    args = p.parse_args(argv)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("the demo needs transformers: pip install 'nanguard[transformers]' (scripts/setup.sh does)",
+              file=sys.stderr)
+        return 2
+    import nanguard
+
+    cfg = Config(steps=args.steps, lr=args.lr, device=args.device, seed=args.seed)
+    t0 = time.perf_counter()
+    print(f"nanguard {nanguard.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"device {cfg.device}")
+    print(f"GPT-2 byte-level LM ({cfg.n_layer} layers, width {cfg.n_embd}, {cfg.n_head} heads), batch "
+          f"{cfg.batch} x {cfg.seq} bytes of argparse.py, fp16 autocast + loss scaling, AdamW lr={cfg.lr} "
+          f"with no warmup, clip {cfg.max_norm}, seed {cfg.seed}, {cfg.steps} steps")
+    print("stock: attn_implementation='eager' as built; nanguard: the same model after nanguard.patch(model), "
+          "GradScaler.unscale_and_clip_")
+    stock = train(cfg, patched=False, use_watch=not args.no_watch)
+    ours = train(cfg, patched=True, use_watch=not args.no_watch)
+    print()
+    print(ours.patch_summary)
+    print()
+    for line in table(stock, ours):
+        print(line)
+    print()
+    os.makedirs(args.out, exist_ok=True)
+    csv_path = os.path.join(args.out, "nanguard_demo.csv")
+    png_path = os.path.join(args.out, "nanguard_demo.png")
+    write_csv(csv_path, stock, ours)
+    plot(png_path, stock, ours, cfg)
+    if stock.report is not None:
+        print("nanguard.watch on the stock run (it counts steps from 0):")
+        print(stock.report)
+        parent = stock.report.module.rpartition(".")[0]
+        if stock.report.pass_ == "forward" and parent and any(
+                t.which.startswith("input") and not t.finite for t in [stock.report.tensor]):
+            kind = type(dict(stock_model_modules(cfg)).get(parent, object())).__name__
+            print(f"  -> the NaN was made inside '{parent}' ({kind}) before it reached that submodule: "
+                  "the attention arithmetic of its forward (eager: fp16 q @ k.T, then softmax)")
+    elif not args.no_watch and hasattr(nanguard, "watch"):
+        print("nanguard.watch on the stock run: every watched tensor finite")
+    if not args.no_watch and hasattr(nanguard, "watch"):
+        print("nanguard.watch on the nanguard run: "
+              + ("every watched tensor finite" if ours.report is None else str(ours.report).splitlines()[0]))
+    print()
+    print(f"verdict stock: {verdict(stock)}")
+    print(f"verdict nanguard: {verdict(ours)}")
+    print(f"table: {csv_path}  plot: {png_path}  ({time.perf_counter() - t0:.0f} s)")
+    if args.ops:
+        print()
+        print_norm_cases()
     return 0
