@@ -220,7 +220,11 @@ class Watch:
         self.watched: List[str] = []  #: qualified names of the watched modules
         self._attach(model, modules, backward, parameters)
         if optimizer is not None:
-            self._handles.append(optimizer.register_step_pre_hook(lambda *a, **k: self.step()))
+            def before_step(opt, args, kwargs):
+                self.step()  # raises under policy "raise": the step is not applied
+                return None
+
+            self._handles.append(optimizer.register_step_pre_hook(before_step))
 
     # ---- hooks ---------------------------------------------------------------------
 
@@ -381,6 +385,7 @@ class Watch:
         self._calls.clear()
         self._produced.clear()
         self._consumers.clear()
+        self._stack.clear()
         self._used.clear()
 
     def _first_bad(self) -> Tuple[int, int, Dict[torch.device, torch.Tensor]]:

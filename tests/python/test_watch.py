@@ -572,6 +572,11 @@ def test_optimizer_step_checks_first():
         opt.step()
     assert torch.equal(m.out.weight, before)  # the poisoned step was not applied
     w.remove()
+    w = nanguard.watch(m, optimizer=opt, policy="record")
+    train_step(m, torch.randn(2, 8))
+    opt.step()  # recorded, not raised
+    assert len(w.records) == 1 and w.records[0].module == "layers.1.act"
+    w.remove()
 
 
 # ---- Hugging Face -------------------------------------------------------------------------
