@@ -107,6 +107,35 @@ def test_tensor_stats_large_parallel():
     assert run_stats(x[1:].view(1000, 3000).t()) == reference(x[1:].view(1000, 3000))
 
 
+def test_tensor_stats_fuzz_layouts():
+    """Property-based: random shapes, permutations, slice steps, dtypes and poison."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=150, deadline=None, derandomize=True)
+    @hypothesis.given(
+        shape=st.lists(st.integers(0, 7), min_size=0, max_size=5),
+        perm_seed=st.integers(0, 10_000),
+        steps=st.lists(st.integers(1, 3), min_size=5, max_size=5),
+        dtype=st.sampled_from(DTYPES),
+        n_bad=st.integers(0, 4),
+    )
+    def prop(shape, perm_seed, steps, dtype, n_bad):
+        g = torch.Generator().manual_seed(perm_seed)
+        base = (torch.randn(shape, generator=g, dtype=torch.float64) * 1e3).to(dtype)
+        flat = base.view(-1)
+        if flat.numel():
+            for k in range(n_bad):
+                i = int(torch.randint(0, flat.numel(), (1,), generator=g))
+                flat[i] = (math.nan, math.inf, -math.inf, 0.0)[k % 4]
+        v = base[tuple(slice(None, None, s) for s in steps[: base.dim()])]
+        if v.dim() > 1:
+            v = v.permute(*torch.randperm(v.dim(), generator=g).tolist())
+        assert run_stats(v) == reference(v)
+
+    prop()
+
+
 def test_tensor_stats_convenience():
     d = nanguard.tensor_stats(torch.tensor([1.0, -4.0, math.nan, math.inf]))
     assert d == {"nan": 1, "posinf": 1, "neginf": 0, "max_abs": 4.0, "min_nonzero_abs": 1.0,
