@@ -441,6 +441,10 @@ static const tcase g_cases[] = {
     {"dropout",        1, 2, 2,   37,  70,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0.3, 1},
     {"dropout_mask",   1, 2, 1,   20,  20,  8,   8,  MASK_BOOL,    MB_FULL, 1, 1, 0, 0, 0, 0.5, 1},
     {"empty_S",        1, 2, 2,   5,   0,   8,   8,  MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1},
+    /* >= 64 forward tasks: several query blocks share each K/V tile (nsub 2 and 4) */
+    {"many_heads",     4, 8, 4,   300, 70,  8,   8,  MASK_BOOL,    MB_PAD,  1, 0, 0, 0, 0, 0, 1},
+    {"many_causal",    4, 8, 8,   260, 260, 8,   8,  MASK_NONE,    MB_FULL, 0, 1, 1, 0, 0, 0, 1},
+    {"nsub2_drop",     2, 8, 8,   400, 40,  8,   8,  MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0.2, 1},
 };
 
 /* fp16 inputs whose q.k exceeds 65504: the output stays finite and matches. */
