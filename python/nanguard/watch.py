@@ -15,8 +15,8 @@ tensor's device:
 * after backward: each parameter's accumulated gradient.
 
 Nothing is read back until :meth:`Watch.check` (or :meth:`Watch.step`, which
-also advances the step counter): one device-to-host copy of the counts per
-step. If anything was non-finite, the first offender in execution order is
+also advances the step counter): the step's counts and magnitudes are copied
+to the host asynchronously and the stream is synchronised once. If anything was non-finite, the first offender in execution order is
 reported as a :class:`Report`: module qualified name, class, pass
 (``"forward"``, ``"backward"``, ``"parameter grad"``), step, the tensor's
 census and the census of the inputs it was computed from.
@@ -388,12 +388,29 @@ class Watch:
         self._stack.clear()
         self._used.clear()
 
-    def _first_bad(self) -> Tuple[int, int, Dict[torch.device, torch.Tensor]]:
+    def _read(self) -> Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]]:
+        """Counts and values of the step on the host: on CUDA both are copied
+        asynchronously and the stream is synchronised once."""
+        host = {}
+        for dev, n in self._used.items():
+            if n == 0:
+                continue
+            counts, values = self._bufs[dev]
+            if dev.type == "cuda":
+                host[dev] = (counts[:n].to("cpu", non_blocking=True),
+                             values[:n].to("cpu", non_blocking=True))
+                torch.cuda.current_stream(dev).synchronize()
+            else:  # .cpu() of a CPU tensor is the tensor itself: views, used
+                # before the next record overwrites them
+                host[dev] = (counts[:n].cpu(), values[:n].cpu())
+        return host
+
+    def _first_bad(self) -> Tuple[int, int, Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]]]:
         """(index of the first offending record or -1, number of offending
-        records, host counts per device). One device-to-host copy per device."""
-        host = {d: self._bufs[d][0][:n].cpu() for d, n in self._used.items() if n > 0}
+        records, host (counts, values) per device)."""
+        host = self._read()
         first, total = -1, 0
-        for dev, c in host.items():
+        for dev, (c, _) in host.items():
             lenient = torch.zeros(c.shape[0], dtype=torch.bool)
             idx = [m[1] for m in self._meta if m[0] == dev and m[2] == _IN]
             if idx:
@@ -410,24 +427,20 @@ class Watch:
                     first = g
         return first, total, host
 
-    def _stats(self, r: int, host, values: Dict[torch.device, torch.Tensor],
-               which: Optional[str] = None) -> TensorStats:
+    def _stats(self, r: int, host, which: Optional[str] = None) -> TensorStats:
         dev, slot, kind, call, label, shape, dtype, extra = self._meta[r]
-        if dev not in values:
-            values[dev] = self._bufs[dev][1][: self._used[dev]].cpu()
-        c = host[dev][slot].tolist()
-        v = values[dev][slot].tolist()
+        c = host[dev][0][slot].tolist()
+        v = host[dev][1][slot].tolist()
         return TensorStats(which or label, tuple(shape), dtype, int(c[0]), int(c[1]), int(c[2]),
                            float(v[0]), float(v[1]))
 
     def _finite(self, r: int, host) -> bool:
         dev, slot = self._meta[r][0], self._meta[r][1]
-        return int(host[dev][slot].sum()) == 0
+        return int(host[dev][0][slot].sum()) == 0
 
     def _report(self, first: int, total: int, host) -> Report:
-        values: Dict[torch.device, torch.Tensor] = {}
         dev, slot, kind, call, label, shape, dtype, extra = self._meta[first]
-        st = lambda r, which=None: self._stats(r, host, values, which)  # noqa: E731
+        st = lambda r, which=None: self._stats(r, host, which)  # noqa: E731
         if kind == _PGRAD:
             name, cls = call
             return Report(name, cls, PARAM_GRAD, self._step, st(first), [], n_nonfinite=total)
@@ -467,8 +480,8 @@ class Watch:
                       n_nonfinite=total)
 
     def check(self) -> Optional[Report]:
-        """Read what was recorded since the last check (one device-to-host
-        copy per device) and act on the first non-finite tensor, by policy.
+        """Read what was recorded since the last check (one synchronisation
+        per device) and act on the first non-finite tensor, by policy.
         Returns the :class:`Report`, or None when everything was finite."""
         if not self._meta:
             return None
