@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import pathlib
 import sys
 from collections import defaultdict
@@ -117,8 +118,10 @@ def main():
     cols = ["set", "tensors", "values_M", "dtype", "stock_ms", "unscale_and_clip_ms", "guard_ms",
             "ratio", "ratio_guard", "nanguard_GBps", "pct_copy_bw"]
     suffix = f"_t{args.threads}" if args.threads else ""
+    # a shared machine's load says how far to trust the absolute numbers
     _common.write_results(f"grad_guard_{dev.split(':')[0]}{suffix}", rows, cols,
-                          {"copy_GBps": bw, "repeats": args.repeats})
+                          {"copy_GBps": bw, "repeats": args.repeats,
+                           "loadavg_1_5_15": list(os.getloadavg())})
 
 
 if __name__ == "__main__":
