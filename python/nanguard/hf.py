@@ -439,6 +439,11 @@ def _plan(model: nn.Module, table: Dict[str, str], by_type: Dict[type, str], sum
                 continue
             if (kind == "mha" and not attention_mha) or (kind != "mha" and not norm):
                 continue
+            if "forward" in child.__dict__:
+                # e.g. accelerate's device hooks wrap forward on the instance:
+                # a replacement would either lose them or run the old forward
+                summary.skipped[qual] = f"{cls.__name__}: its forward is replaced on the instance (accelerate hooks?)"
+                continue
             try:
                 if kind == "mha":
                     new = SafeMultiheadAttention.from_module(child, max_score=max_score)
@@ -534,7 +539,8 @@ def _patch_hf_attention(model, record, summary, max_score, softcap):
     _register()
     configs = _hf_configs(model)
     before = model.config._attn_implementation
-    if not model._can_set_attn_implementation():
+    can_set = getattr(model, "_can_set_attn_implementation", lambda: True)
+    if not can_set():
         summary.skipped["attention"] = "the model does not dispatch through AttentionInterface; attention left as is"
         return
     for c in configs:
@@ -604,7 +610,7 @@ def _patch_class(cls: type, **opts) -> PatchSummary:
 
     def post_init(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
-        if type(self) is cls or isinstance(self, cls) and getattr(self, _PATCH_ATTR, None) is None:
+        if isinstance(self, cls) and getattr(self, _PATCH_ATTR, None) is None:
             patch(self, **opts)
         return out
 
