@@ -148,6 +148,21 @@ def test_tensor_stats_opcheck():
         torch.library.opcheck(op, (x, counts, values, 2))
 
 
+def test_tensor_stats_under_torch_compile():
+    counts, values = new_stats_buffers(4)
+
+    def f(x, c, v):
+        y = x * 2
+        torch.ops.nanguard.tensor_stats_(y, c, v, 1)
+        return y + 1
+
+    g = torch.compile(f, fullgraph=True, backend="aot_eager")
+    x = torch.tensor([1.0, math.nan, -3.0])
+    out = g(x, counts, values)
+    assert torch.equal(out.isnan(), torch.tensor([False, True, False]))
+    assert counts[1].tolist() == [1, 0, 0] and values[1].tolist() == [6.0, 2.0]
+
+
 def test_tensor_stats_bad_arguments():
     x = torch.randn(4)
     counts, values = new_stats_buffers(2)
