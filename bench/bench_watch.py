@@ -55,8 +55,12 @@ class TinyLM(nn.Module):
 
 def isnan_hooks(model):
     def hook(mod, args, out):
-        ts = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)] \
-            if isinstance(out, (tuple, list)) else []
+        if isinstance(out, torch.Tensor):
+            ts = [out]
+        elif isinstance(out, (tuple, list)):
+            ts = [t for t in out if isinstance(t, torch.Tensor)]
+        else:
+            ts = []
         for t in ts:
             if t.is_floating_point() and torch.isnan(t).any():
                 raise RuntimeError(f"NaN in {type(mod).__name__}")

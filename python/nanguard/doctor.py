@@ -14,9 +14,8 @@ suspicious batch), not every step; :func:`nanguard.watch` is the per-step tool.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn

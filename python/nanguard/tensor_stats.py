@@ -62,7 +62,8 @@ def tensor_stats_(x: torch.Tensor, counts: torch.Tensor, values: torch.Tensor, s
     (layout in the module docstring; :func:`new_stats_buffers` makes them).
     Asynchronous on CUDA; never allocates."""
     _check_x("x", x)
-    for name, buf, dtype, width in (("counts", counts, torch.int64, 3), ("values", values, torch.float64, 2)):
+    for name, buf, dtype, width in (("counts", counts, torch.int64, 3),
+                                    ("values", values, torch.float64, 2)):
         if not isinstance(buf, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
         if buf.dtype != dtype or buf.dim() != 2 or buf.shape[1] != width or not buf.is_contiguous():

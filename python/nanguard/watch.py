@@ -16,10 +16,11 @@ tensor's device:
 
 Nothing is read back until :meth:`Watch.check` (or :meth:`Watch.step`, which
 also advances the step counter): the step's counts and magnitudes are copied
-to the host asynchronously and the stream is synchronised once. If anything was non-finite, the first offender in execution order is
-reported as a :class:`Report`: module qualified name, class, pass
-(``"forward"``, ``"backward"``, ``"parameter grad"``), step, the tensor's
-census and the census of the inputs it was computed from.
+to the host asynchronously and the stream is synchronised once. If anything
+was non-finite, the first offender in execution order is reported as a
+:class:`Report`: module qualified name, class, pass (``"forward"``,
+``"backward"``, ``"parameter grad"``), step, the tensor's census and the
+census of the inputs it was computed from.
 
 Who made a backward NaN? The gradient hooks see the gradient of each
 module's *output*. When the first non-finite gradient is the one arriving at
@@ -41,7 +42,7 @@ import math
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -153,6 +154,18 @@ def _flatten(obj, label: str, out: List[Tuple[str, torch.Tensor]], depth: int = 
     elif isinstance(obj, dict):  # ModelOutput is an OrderedDict
         for k, v in obj.items():
             _flatten(v, f"{label}[{k!r}]", out, depth + 1)
+
+
+def _version(t: torch.Tensor):
+    """The in-place version counter; None for inference tensors, which have
+    none (their records are then never reused)."""
+    return None if t.is_inference() else t._version
+
+
+def _unchanged(hit, t: torch.Tensor) -> bool:
+    """hit = (weakref, record, version) or None: is it a record of t, and t
+    not modified in place since?"""
+    return hit is not None and hit[0]() is t and hit[2] is not None and hit[2] == _version(t)
 
 
 def _recordable(t: torch.Tensor) -> bool:
@@ -278,11 +291,11 @@ class Watch:
                     if not _recordable(t):
                         continue
                     hit = produced.get(id(t))
-                    if hit is not None and hit[0]() is t and hit[2] == t._version:
+                    if _unchanged(hit, t):
                         r = hit[1]
                     else:
                         r = self._record(t, _IN, call, label)
-                        produced[id(t)] = (weakref.ref(t), r, t._version)
+                        produced[id(t)] = (weakref.ref(t), r, _version(t))
                     call.inputs.append((label, r))
                     self._consumers.setdefault(r, []).append(call)
             return None
@@ -304,14 +317,14 @@ class Watch:
                 if not _recordable(t):
                     continue
                 hit = produced.get(id(t))
-                if hit is not None and hit[0]() is t and hit[2] == t._version:
+                if _unchanged(hit, t):
                     # already recorded, unchanged: the output of an inner
                     # module passed through, or an input returned as is
                     call.outputs.append((label, hit[1]))
                     continue
                 r = self._record(t, _OUT, call, label)
                 call.outputs.append((label, r))
-                produced[id(t)] = (weakref.ref(t), r, t._version)
+                produced[id(t)] = (weakref.ref(t), r, _version(t))
                 if backward and t.requires_grad:
                     t.register_hook(self._make_grad(call, label, r))
             return None

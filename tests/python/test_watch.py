@@ -8,7 +8,6 @@ models and a Hugging Face model."""
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import nanguard
 from nanguard.tensor_stats import new_stats_buffers, tensor_stats_
 from nanguard.watch import BACKWARD, FORWARD, PARAM_GRAD, NonFiniteError
 
-from conftest import CUDA, DEVICES, requires_cuda
+from conftest import DEVICES, requires_cuda
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 op = torch.ops.nanguard.tensor_stats_.default
@@ -144,7 +143,8 @@ def test_tensor_stats_convenience():
 
 def test_tensor_stats_opcheck():
     counts, values = new_stats_buffers(4)
-    for x in (torch.randn(5, 7), torch.randn(7, 5).t(), torch.randn(0), torch.randn(3, dtype=torch.float64)):
+    for x in (torch.randn(5, 7), torch.randn(7, 5).t(), torch.randn(0),
+              torch.randn(3, dtype=torch.float64)):
         torch.library.opcheck(op, (x, counts, values, 2))
 
 
@@ -429,6 +429,20 @@ def test_inplace_modules_keep_working():
         with nanguard.watch(model) as w:
             model(torch.randn(3, 4)).sum().backward()
             assert w.check() is None
+
+
+def test_inference_mode_and_no_grad():
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), NaNAfter())
+    w = nanguard.watch(m, policy="record")
+    for ctx in (torch.inference_mode, torch.no_grad):
+        with ctx():
+            m(torch.randn(2, 4))
+        assert w.check() is None
+    m[2].armed = True
+    with torch.inference_mode():
+        m(torch.randn(2, 4))
+    assert w.check().module == "2"
+    w.remove()
 
 
 # ---- no sync per module ------------------------------------------------------------------
