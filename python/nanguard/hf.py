@@ -550,7 +550,10 @@ def _patch_hf_attention(model, record, summary, max_score, softcap):
         raise RuntimeError("transformers did not accept nanguard's attention implementation on every sub-model")
     n = 0
     for m in model.modules():
-        if "Attention" in type(m).__name__ and hasattr(m, "scaling"):
+        # the innermost modules named *Attention are the ones that call the
+        # attention function (BertAttention wraps BertSelfAttention)
+        if "Attention" in type(m).__name__ and not any(
+                "Attention" in type(c).__name__ for c in m.modules() if c is not m):
             n += 1
             if max_score is not None or softcap is not None:
                 object.__setattr__(m, _OPTS_ATTR, {"max_score": max_score, "softcap": softcap})
