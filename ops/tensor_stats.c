@@ -25,40 +25,14 @@
 
 #define TS_OP "nanguard::tensor_stats_"
 
-/* counts is int64, which ng_view (floating dtypes only) does not take: read
- * the few fields this op checks straight from the ABI. */
-typedef struct ts_counts_view {
-    void *data;
-    int32_t device_type, device_index;
-    int64_t ndim;
-    const int64_t *sizes, *strides;
-} ts_counts_view;
-
-static void ts_view_counts(ng_frame *f, AtenTensorHandle h, ts_counts_view *v) {
-    int32_t dt = 0, layout = 0;
-    int64_t *sizes = NULL, *strides = NULL;
-    NG_SHIM_CHECK(f, aoti_torch_get_layout(h, &layout));
-    NG_SHIM_CHECK(f, aoti_torch_get_dtype(h, &dt));
-    if (layout != aoti_torch_layout_strided() || dt != aoti_torch_dtype_int64())
-        ng_fail(f, "counts must be a dense int64 tensor of shape [slots, %d]", (int)NG_TS_NCOUNTS);
-    NG_SHIM_CHECK(f, aoti_torch_get_dim(h, &v->ndim));
-    NG_SHIM_CHECK(f, aoti_torch_get_sizes(h, &sizes));
-    NG_SHIM_CHECK(f, aoti_torch_get_strides(h, &strides));
-    NG_SHIM_CHECK(f, aoti_torch_get_device_type(h, &v->device_type));
-    NG_SHIM_CHECK(f, aoti_torch_get_device_index(h, &v->device_index));
-    NG_SHIM_CHECK(f, aoti_torch_get_data_ptr(h, &v->data));
-    v->sizes = sizes;
-    v->strides = strides;
-}
-
 static void ts_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
     (void)na, (void)no;
     ng_frame f;
     ng_frame_init(&f, TS_OP);
-    ng_tensor x, values;
-    ts_counts_view counts;
+    ng_tensor x, counts, values;
     ng_view(&f, ng_arg_tensor(&f, stack, 0), "x", &x);
-    ts_view_counts(&f, ng_arg_tensor(&f, stack, 1), &counts);
+    /* counts is int64: the view without ng_view's floating-dtype check */
+    const int32_t counts_dtype = ng_view_raw(&f, ng_arg_tensor(&f, stack, 1), "counts", &counts);
     ng_view(&f, ng_arg_tensor(&f, stack, 2), "values", &values);
     const int64_t slot = ng_arg_int(stack, 3);
 
@@ -67,15 +41,13 @@ static void ts_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
     if (probe.dtype == NG_F64) probe.dtype = NG_F32;
     ng_check_device_dtype(&f, &probe, "x");
     ng_check_same_device(&f, &x, "x", &values, "values");
-    if (counts.device_type != x.device_type || counts.device_index != x.device_index)
-        ng_fail(&f, "counts must be on the device of x");
+    ng_check_same_device(&f, &x, "x", &counts, "counts");
     if (values.dtype != NG_F64 || values.ndim != 2 || values.sizes[1] != NG_TS_NVALUES ||
         !ng_is_contiguous(&values))
         ng_fail(&f, "values must be a contiguous float64 tensor of shape [slots, %d]",
                 (int)NG_TS_NVALUES);
-    if (counts.ndim != 2 || counts.sizes[1] != NG_TS_NCOUNTS ||
-        (counts.sizes[0] > 1 && counts.strides[0] != NG_TS_NCOUNTS) ||
-        (counts.sizes[1] > 1 && counts.strides[1] != 1))
+    if (counts_dtype != aoti_torch_dtype_int64() || counts.ndim != 2 ||
+        counts.sizes[1] != NG_TS_NCOUNTS || !ng_is_contiguous(&counts))
         ng_fail(&f, "counts must be a contiguous int64 tensor of shape [slots, %d]",
                 (int)NG_TS_NCOUNTS);
     if (counts.sizes[0] != values.sizes[0])
