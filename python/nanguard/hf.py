@@ -274,15 +274,17 @@ class SafeMultiheadAttention(nn.MultiheadAttention):
     """
 
     max_score: Optional[float] = None
+    softcap: Optional[float] = None
 
     @classmethod
-    def from_module(cls, module: nn.MultiheadAttention, *, max_score=None) -> "SafeMultiheadAttention":
+    def from_module(cls, module: nn.MultiheadAttention, *, max_score=None, softcap=None) -> "SafeMultiheadAttention":
         if type(module) is not nn.MultiheadAttention:
             raise _Unknown("a subclass of nn.MultiheadAttention with its own forward")
         if module.bias_k is not None or module.add_zero_attn:
             raise _Unknown("add_bias_kv / add_zero_attn are not supported by SafeMultiheadAttention")
         new = _share(module, cls)
         new.max_score = max_score
+        new.softcap = softcap
         new.register_forward_pre_hook(_no_fastpath_hook)
         return new
 
@@ -316,7 +318,7 @@ class SafeMultiheadAttention(nn.MultiheadAttention):
         mask = _mha_mask(attn_mask, key_padding_mask, B, H, L, S, q.dtype)
         causal = bool(is_causal) and mask is None
         out = safe_sdpa(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                        is_causal=causal, max_score=self.max_score)
+                        is_causal=causal, max_score=self.max_score, softcap=self.softcap)
         out = out.permute(2, 0, 1, 3).reshape(L, B, E)
         out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
         if unbatched:
@@ -419,7 +421,7 @@ def _hf_pretrained_base():
 
 
 def _plan(model: nn.Module, table: Dict[str, str], by_type: Dict[type, str], summary: PatchSummary,
-          norm: bool, attention_mha: bool, max_score):
+          norm: bool, attention_mha: bool, max_score, softcap=None):
     """(parent, name, old, new) for every module to swap; unknown modules go
     to ``summary.skipped``. Nothing is changed here."""
     swaps = []
@@ -446,7 +448,7 @@ def _plan(model: nn.Module, table: Dict[str, str], by_type: Dict[type, str], sum
                 continue
             try:
                 if kind == "mha":
-                    new = SafeMultiheadAttention.from_module(child, max_score=max_score)
+                    new = SafeMultiheadAttention.from_module(child, max_score=max_score, softcap=softcap)
                 else:
                     new = NORM_HELPERS[kind](child)
             except _Unknown as e:
@@ -502,7 +504,7 @@ def patch(model_or_class, *, attention: bool = True, norm: bool = True, max_scor
         swaps = _plan(model, FAMILIES[mtype], {}, summary, norm, False, max_score)
     else:
         summary = PatchSummary(model_type=type(model).__name__)
-        swaps = _plan(model, {}, TORCH_MODULES, summary, norm, attention, max_score)
+        swaps = _plan(model, {}, TORCH_MODULES, summary, norm, attention, max_score, softcap)
     record.summary = summary
     try:
         for parent, name, old, new in swaps:
