@@ -24,7 +24,8 @@ From that step on the stock model's scores hold ``inf``, softmax turns them
 into NaN, and the loss is NaN; the loss scaler skips every step and halves
 its scale towards 0, so training is dead. The patched model
 (``nanguard.patch``: attention through ``safe_sdpa``, which keeps scores in
-fp32, and the norms through ``stable_layernorm``) with the gradient guard
+fp32, the norms through ``stable_layernorm``, GPT-2's fp16-fragile
+``gelu_new`` through PyTorch's fused tanh GELU) with the gradient guard
 (``nanguard.amp.GradScaler.unscale_and_clip_``) sees exactly the same
 weights, data and loop, and keeps learning. ``nanguard.watch`` names the
 module where the stock run first went non-finite.

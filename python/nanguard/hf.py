@@ -23,6 +23,9 @@ What is patched, by data rather than by copied model code:
   Mistral, Qwen2, Qwen3) and Gemma-style ``1 + weight`` ``*RMSNorm`` (Gemma,
   Gemma-2) -> a generated subclass of the original class whose ``forward``
   calls :func:`nanguard.functional.rms_norm` with the original's dtype rules.
+- **activations** whose 16-bit arithmetic overflows: GPT-2's
+  ``NewGELUActivation`` (``x**3`` in fp16) -> the same function through
+  PyTorch's fused ``F.gelu(approximate="tanh")``.
 
 The model types nanguard knows are the rows of :data:`FAMILIES`; one helper
 per kind of module lives in :data:`NORM_HELPERS`. A model type not in the
@@ -76,7 +79,7 @@ FAMILIES: Dict[str, Dict[str, str]] = {
     "qwen3": {"Qwen3RMSNorm": "hf_rms"},
     "gemma": {"GemmaRMSNorm": "hf_rms_unit_offset"},
     "gemma2": {"Gemma2RMSNorm": "hf_rms_unit_offset"},
-    "gpt2": {"LayerNorm": "layernorm"},
+    "gpt2": {"LayerNorm": "layernorm", "NewGELUActivation": "gelu_tanh"},
     "bert": {"LayerNorm": "layernorm"},
 }
 
@@ -236,6 +239,24 @@ def _mha(m: nn.Module) -> nn.Module:
     return SafeMultiheadAttention.from_module(m)
 
 
+class _GELUTanh:
+    """``forward`` of GPT-2's ``gelu_new``, ``0.5 x (1 + tanh(sqrt(2/pi) (x +
+    0.044715 x^3)))``, as PyTorch's fused kernel (``F.gelu(approximate="tanh")``,
+    the same function, with float math for 16-bit inputs). Written out in
+    fp16 as transformers does, ``x**3`` overflows for |x| > 40 and the
+    backward's ``3 x**2`` for |x| > 148, where ``0 * inf`` makes a NaN
+    gradient from finite inputs."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.gelu(input, approximate="tanh")
+
+
+def _act_gelu_tanh(m: nn.Module) -> nn.Module:
+    if list(m.parameters()) or list(m.children()):
+        raise _Unknown("not the parameter-free NewGELUActivation")
+    return _share(m, _subclass(type(m), _GELUTanh))
+
+
 #: helper kind -> function(old module) -> replacement sharing its parameters
 NORM_HELPERS: Dict[str, Callable[[nn.Module], nn.Module]] = {
     "hf_rms": _norm_hf_rms,
@@ -243,7 +264,11 @@ NORM_HELPERS: Dict[str, Callable[[nn.Module], nn.Module]] = {
     "layernorm": _norm_layernorm,
     "rmsnorm": _norm_rmsnorm,
     "mha": _mha,
+    "gelu_tanh": _act_gelu_tanh,
 }
+
+#: helper kinds that are activations (patched when ``activation=True``)
+_ACTIVATIONS = {"gelu_tanh"}
 
 
 class _Unknown(Exception):
@@ -421,7 +446,7 @@ def _hf_pretrained_base():
 
 
 def _plan(model: nn.Module, table: Dict[str, str], by_type: Dict[type, str], summary: PatchSummary,
-          norm: bool, attention_mha: bool, max_score, softcap=None):
+          norm: bool, attention_mha: bool, max_score, softcap=None, activation: bool = True):
     """(parent, name, old, new) for every module to swap; unknown modules go
     to ``summary.skipped``. Nothing is changed here."""
     swaps = []
@@ -439,7 +464,13 @@ def _plan(model: nn.Module, table: Dict[str, str], by_type: Dict[type, str], sum
                 if (normish or attnish) and not any(True for _ in child.children()):
                     summary.skipped[qual] = f"{cls.__name__}: not in nanguard's table"
                 continue
-            if (kind == "mha" and not attention_mha) or (kind != "mha" and not norm):
+            if kind == "mha":
+                if not attention_mha:
+                    continue
+            elif kind in _ACTIVATIONS:
+                if not activation:
+                    continue
+            elif not norm:
                 continue
             if "forward" in child.__dict__:
                 # e.g. accelerate's device hooks wrap forward on the instance:
@@ -463,7 +494,7 @@ def _is_ours(m: nn.Module) -> bool:
 
 
 def patch(model_or_class, *, attention: bool = True, norm: bool = True, max_score: Optional[float] = None,
-          softcap: Optional[float] = None):
+          softcap: Optional[float] = None, activation: bool = True):
     """Make a model NaN-safe in place; returns a :class:`PatchSummary`.
 
     Args:
@@ -474,6 +505,8 @@ def patch(model_or_class, *, attention: bool = True, norm: bool = True, max_scor
             instances are patched as they are built).
         attention: route attention through ``safe_sdpa``.
         norm: swap norm layers for nanguard's.
+        activation: swap activations whose 16-bit arithmetic overflows
+            (GPT-2's ``NewGELUActivation``) for PyTorch's fused equivalent.
         max_score: clamp scaled attention scores to ``±max_score`` (off by default).
         softcap: soft-cap scores with ``softcap * tanh(s / softcap)`` for models
             that have no soft-cap of their own (a model's own, like Gemma-2's,
@@ -483,7 +516,8 @@ def patch(model_or_class, *, attention: bool = True, norm: bool = True, max_scor
     patched model raises; :func:`unpatch` undoes it exactly.
     """
     if isinstance(model_or_class, type):
-        return _patch_class(model_or_class, attention=attention, norm=norm, max_score=max_score, softcap=softcap)
+        return _patch_class(model_or_class, attention=attention, norm=norm, max_score=max_score, softcap=softcap,
+                            activation=activation)
     model = model_or_class
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch expects an nn.Module or a model class, got {type(model).__name__}")
@@ -501,7 +535,7 @@ def patch(model_or_class, *, attention: bool = True, norm: bool = True, max_scor
         if mtype not in FAMILIES:
             summary.skipped[mtype] = "model type not in nanguard's table (nanguard.hf.FAMILIES); model left untouched"
             return summary
-        swaps = _plan(model, FAMILIES[mtype], {}, summary, norm, False, max_score)
+        swaps = _plan(model, FAMILIES[mtype], {}, summary, norm, False, max_score, activation=activation)
     else:
         summary = PatchSummary(model_type=type(model).__name__)
         swaps = _plan(model, {}, TORCH_MODULES, summary, norm, attention, max_score, softcap)

@@ -199,9 +199,12 @@ def test_unknown_module_in_known_model_is_listed_not_patched():
 
 def test_options_select_parts():
     m = build("gpt2")
-    s = nanguard.patch(m, attention=False)
+    s = nanguard.patch(m, attention=False, activation=False)
     assert m.config._attn_implementation != "nanguard" and s.attn_implementation is None
     assert s.patched == {"LayerNorm -> StableLayerNorm": 5}
+    nanguard.unpatch(m)
+    s = nanguard.patch(m, attention=False, norm=False)
+    assert s.patched == {"NewGELUActivation -> StableNewGELUActivation": 2}
     nanguard.unpatch(m)
     s = nanguard.patch(m, norm=False)
     assert m.config._attn_implementation == "nanguard"
@@ -292,6 +295,25 @@ def test_llama_norm_dtype_promotion_matches():
     a, b = norm(x), ours(x)  # fp32 weight * bf16 -> fp32, as the original
     assert a.dtype == b.dtype == torch.float32
     torch.testing.assert_close(b, a)
+
+
+def test_gpt2_gelu_new_backward_is_finite_in_fp16():
+    """GPT-2's gelu_new written out in fp16: x**3 overflows, and for
+    |x| > 148 its backward's 3 x**2 too, so 0 * inf gives NaN gradients from
+    finite inputs. The patched activation is PyTorch's fused tanh GELU."""
+    m = build("gpt2")
+    act = m.transformer.h[0].mlp.act
+    ours = hf.NORM_HELPERS["gelu_tanh"](act)
+    x = torch.tensor([-300.0, -150.0, -41.0, -1.0, 0.5, 41.0, 150.0, 300.0], dtype=torch.float16)
+    xs, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    act(xs).sum().backward()
+    ours(xo).sum().backward()
+    assert not torch.isfinite(xs.grad).all()  # stock: NaN where |x| > 148
+    assert torch.isfinite(xo.grad).all()
+    ref = torch.nn.functional.gelu(x.double(), approximate="tanh")
+    torch.testing.assert_close(ours(x).double(), ref, atol=1e-3, rtol=2e-3)
+    y = torch.randn(64, generator=torch.Generator().manual_seed(6)) * 4
+    torch.testing.assert_close(ours(y), act(y), atol=1e-6, rtol=1e-6)
 
 
 def test_gemma2_softcap_and_max_score_options():
