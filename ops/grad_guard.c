@@ -32,33 +32,18 @@
 #define GG_REDUCE_OP "nanguard::grad_guard_reduce"
 #define GG_APPLY_OP "nanguard::grad_guard_apply_"
 
-/* The Tensor[] argument. A list may hold hundreds of gradients, more than an
- * ng_frame holds, so its handles are owned here instead: gg_list variables
- * are declared GG_LIST_OWNER, whose cleanup releases the handles both on the
- * normal path and while an error raised by ng_fail unwinds through the boxed
- * kernel (GCC / Clang run cleanup attributes during unwinding in code built
- * with -fexceptions, as this library is). */
+/* The Tensor[] argument and what the kernels need of it. Every array lives
+ * in the frame (handles owned by it, the rest frame scratch), so lists of any
+ * length are released on every path, errors included. */
 typedef struct gg_list {
     size_t n;
-    AtenTensorHandle *h; /* owned */
+    AtenTensorHandle *h;
     ng_tensor *t;
     void **ptrs;
     int64_t *numels;
     ng_dtype dtype;
     ng_tensor scale; /* inv_scale: the list's device, also for an empty list */
 } gg_list;
-
-static void gg_list_release(gg_list *l) {
-    for (size_t k = 0; k < l->n; k++)
-        if (l->h && l->h[k]) aoti_torch_delete_tensor_object(l->h[k]);
-    free(l->h);
-    free(l->t);
-    free(l->ptrs);
-    free(l->numels);
-    memset(l, 0, sizeof *l);
-}
-
-#define GG_LIST_OWNER __attribute__((cleanup(gg_list_release)))
 
 static ng_gg_norm gg_norm_arg(ng_frame *f, double norm_type) {
     if (norm_type == 2.0) return NG_GG_NORM_2;
@@ -77,31 +62,13 @@ static void gg_check_scalar(ng_frame *f, const ng_tensor *ref, const ng_tensor *
                 ng_dtype_name(t->dtype), (long long)t->numel);
 }
 
-/* Take the Tensor[] at stack[i] into l (l must be a GG_LIST_OWNER), then read
- * inv_scale at stack[i + 1] and validate the list against it. */
+/* Take the Tensor[] at stack[i] into l, then read inv_scale at stack[i + 1]
+ * and validate the list against it. */
 static void gg_read_list(ng_frame *f, const StableIValue *stack, uint64_t i, gg_list *l) {
-    StableListHandle list = (StableListHandle)(uintptr_t)stack[i];
-    size_t len = 0;
-    if (torch_list_size(list, &len) != 0) {
-        torch_delete_list(list);
-        ng_fail(f, "could not read the grads list");
-    }
-    size_t cap = len ? len : 1;
-    l->h = (AtenTensorHandle *)calloc(cap, sizeof *l->h);
-    l->t = (ng_tensor *)calloc(cap, sizeof *l->t);
-    l->ptrs = (void **)calloc(cap, sizeof *l->ptrs);
-    l->numels = (int64_t *)calloc(cap, sizeof *l->numels);
-    int oom = !l->h || !l->t || !l->ptrs || !l->numels;
-    for (size_t k = 0; k < len; k++) {
-        StableIValue v = 0;
-        if (torch_list_get_item(list, k, &v) != 0 || !v) continue;
-        if (oom) /* elements are owning: release what cannot be kept */
-            aoti_torch_delete_tensor_object((AtenTensorHandle)(uintptr_t)v);
-        else
-            l->h[k] = (AtenTensorHandle)(uintptr_t)v;
-    }
-    torch_delete_list(list);
-    if (oom) ng_fail(f, "out of host memory reading %zu gradients", len);
+    size_t len = ng_arg_tensor_list(f, stack, i, &l->h);
+    l->t = (ng_tensor *)ng_frame_calloc(f, len, sizeof *l->t);
+    l->ptrs = (void **)ng_frame_calloc(f, len, sizeof *l->ptrs);
+    l->numels = (int64_t *)ng_frame_calloc(f, len, sizeof *l->numels);
     l->n = len;
 
     ng_view(f, ng_arg_tensor(f, stack, i + 1), "inv_scale", &l->scale);
@@ -109,7 +76,6 @@ static void gg_read_list(ng_frame *f, const StableIValue *stack, uint64_t i, gg_
     l->dtype = NG_F32;
     for (size_t k = 0; k < len; k++) {
         ng_tensor *t = &l->t[k];
-        if (!l->h[k]) ng_fail(f, "could not read grads[%zu]", k);
         ng_view(f, l->h[k], "grads", t);
         ng_check_device_dtype(f, t, "grads");
         ng_check_same_device(f, &l->scale, "inv_scale", t, "grads");
@@ -193,7 +159,7 @@ static void gg_reduce_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
     (void)na, (void)no;
     ng_frame f;
     ng_frame_init(&f, GG_REDUCE_OP);
-    GG_LIST_OWNER gg_list l = {0};
+    gg_list l = {0};
     gg_read_list(&f, stack, 0, &l);
     ng_gg_norm norm = gg_norm_arg(&f, ng_arg_double(stack, 2));
     AtenTensorHandle st = gg_reduce(&f, &l, norm);
@@ -206,7 +172,7 @@ static void gg_apply_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
     (void)na, (void)no;
     ng_frame f;
     ng_frame_init(&f, GG_APPLY_OP);
-    GG_LIST_OWNER gg_list l = {0};
+    gg_list l = {0};
     gg_read_list(&f, stack, 0, &l);
     ng_tensor st, fi;
     ng_view(&f, ng_arg_tensor(&f, stack, 2), "stats", &st);
@@ -226,7 +192,7 @@ static void gg_fused_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
     (void)na, (void)no;
     ng_frame f;
     ng_frame_init(&f, GG_OP);
-    GG_LIST_OWNER gg_list l = {0};
+    gg_list l = {0};
     gg_read_list(&f, stack, 0, &l);
     ng_tensor fi;
     ng_view(&f, ng_arg_tensor(&f, stack, 2), "found_inf", &fi);

@@ -10,28 +10,77 @@
 #include "shim/shim.h"
 
 #include <stdarg.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 
 void ng_frame_init(ng_frame *f, const char *op) {
     f->op = op;
     f->n = 0;
+    f->cap = NG_FRAME_INLINE;
+    f->owned = f->inline_owned;
+    f->mem = NULL;
+    f->nmem = f->capmem = 0;
     f->guard = NULL;
 }
 
+/* Room for `extra` more handles; false when out of memory. */
+static bool frame_reserve(ng_frame *f, size_t extra) {
+    if ((size_t)f->n + extra <= (size_t)f->cap) return true;
+    size_t cap = (size_t)f->cap;
+    while (cap < (size_t)f->n + extra) cap *= 2;
+    if (cap > (size_t)INT32_MAX) return false;
+    AtenTensorHandle *p = (AtenTensorHandle *)malloc(cap * sizeof *p);
+    if (!p) return false;
+    memcpy(p, f->owned, (size_t)f->n * sizeof *p);
+    if (f->owned != f->inline_owned) free(f->owned);
+    f->owned = p;
+    f->cap = (int)cap;
+    return true;
+}
+
 AtenTensorHandle ng_frame_own(ng_frame *f, AtenTensorHandle h) {
-    if (f->n >= NG_FRAME_MAX) {
+    if (!frame_reserve(f, 1)) {
         aoti_torch_delete_tensor_object(h);
-        ng_fail(f, "too many tensors in one call (at most %d)", NG_FRAME_MAX);
+        ng_fail(f, "out of host memory");
     }
     f->owned[f->n++] = h;
     return h;
+}
+
+/* Make a malloc'd block part of the frame's scratch (freed with it). */
+static void *frame_adopt(ng_frame *f, void *p) {
+    if (f->nmem == f->capmem) {
+        int cap = f->capmem ? 2 * f->capmem : 4;
+        void **m = (void **)realloc(f->mem, (size_t)cap * sizeof *m);
+        if (!m) {
+            free(p);
+            ng_fail(f, "out of host memory");
+        }
+        f->mem = m;
+        f->capmem = cap;
+    }
+    f->mem[f->nmem++] = p;
+    return p;
+}
+
+void *ng_frame_calloc(ng_frame *f, size_t count, size_t size) {
+    void *p = calloc(count ? count : 1, size ? size : 1);
+    if (!p) ng_fail(f, "out of host memory (%zu x %zu bytes)", count, size);
+    return frame_adopt(f, p);
 }
 
 void ng_frame_release(ng_frame *f) {
     for (int i = 0; i < f->n; i++)
         if (f->owned[i]) aoti_torch_delete_tensor_object(f->owned[i]);
     f->n = 0;
+    if (f->owned != f->inline_owned) free(f->owned);
+    f->owned = f->inline_owned;
+    f->cap = NG_FRAME_INLINE;
+    for (int i = 0; i < f->nmem; i++) free(f->mem[i]);
+    free(f->mem);
+    f->mem = NULL;
+    f->nmem = f->capmem = 0;
     if (f->guard) {
         aoti_torch_delete_device_guard(f->guard);
         f->guard = NULL;
@@ -67,35 +116,39 @@ int64_t ng_arg_int(const StableIValue *stack, uint64_t i) { return (int64_t)stac
 
 bool ng_arg_bool(const StableIValue *stack, uint64_t i) { return (stack[i] & 0xff) != 0; }
 
-void ng_arg_tensor_list(ng_frame *f, const StableIValue *stack, uint64_t i,
-                        AtenTensorHandle **out, size_t *n) {
+size_t ng_arg_tensor_list(ng_frame *f, const StableIValue *stack, uint64_t i,
+                          AtenTensorHandle **out) {
     StableListHandle list = (StableListHandle)(uintptr_t)stack[i];
     size_t len = 0;
     if (torch_list_size(list, &len) != 0) {
         torch_delete_list(list);
         ng_fail(f, "could not read a Tensor[] argument");
     }
-    size_t first = (size_t)f->n;
-    if (first + len > NG_FRAME_MAX) {
-        /* take ownership of everything so nothing leaks, then raise */
-        for (size_t k = 0; k < len; k++) {
-            StableIValue v = 0;
-            if (torch_list_get_item(list, k, &v) == 0 && v)
-                aoti_torch_delete_tensor_object((AtenTensorHandle)(uintptr_t)v);
-        }
-        torch_delete_list(list);
-        ng_fail(f, "a Tensor[] argument of %zu tensors is longer than one call takes (%d); "
-                   "the Python wrapper splits longer lists",
-                (size_t)len, NG_FRAME_MAX - (int)first);
-    }
+    /* Elements are owning handles. Make room for all of them first, so that
+     * nothing can fail between reading an element and the frame owning it. */
+    AtenTensorHandle *h = (AtenTensorHandle *)calloc(len ? len : 1, sizeof *h);
+    bool room = h && frame_reserve(f, len);
     for (size_t k = 0; k < len; k++) {
         StableIValue v = 0;
-        torch_list_get_item(list, k, &v);
-        f->owned[f->n++] = (AtenTensorHandle)(uintptr_t)v; /* elements are owning */
+        if (torch_list_get_item(list, k, &v) != 0) v = 0;
+        AtenTensorHandle e = (AtenTensorHandle)(uintptr_t)v;
+        if (room) {
+            h[k] = e;
+            if (e) f->owned[f->n++] = e;
+        } else if (e) {
+            aoti_torch_delete_tensor_object(e);
+        }
     }
     torch_delete_list(list);
-    *out = &f->owned[first];
-    *n = len;
+    if (!room) {
+        free(h);
+        ng_fail(f, "out of host memory reading a Tensor[] of %zu tensors", len);
+    }
+    frame_adopt(f, h);
+    for (size_t k = 0; k < len; k++)
+        if (!h[k]) ng_fail(f, "could not read element %zu of a Tensor[] argument", k);
+    *out = h;
+    return len;
 }
 
 void ng_ret_tensor(ng_frame *f, StableIValue *stack, uint64_t i, AtenTensorHandle h) {

@@ -127,12 +127,18 @@ typedef struct ng_tensor {
     int64_t numel;
 } ng_tensor;
 
-/* The handles one boxed call owns. ng_fail releases them all and raises. */
-#define NG_FRAME_MAX 64
+/* What one boxed call owns: tensor handles and scratch memory. ng_fail and
+ * ng_frame_release release all of it, so no error path can leak. The first
+ * NG_FRAME_INLINE handles live in the frame; more go to the heap. A frame
+ * refers to itself: never copy one. */
+#define NG_FRAME_INLINE 16
 typedef struct ng_frame {
     const char *op; /* "nanguard::stable_layernorm", for messages */
-    int n;
-    AtenTensorHandle owned[NG_FRAME_MAX];
+    int n, cap;
+    AtenTensorHandle *owned;
+    AtenTensorHandle inline_owned[NG_FRAME_INLINE];
+    void **mem; /* scratch blocks from ng_frame_calloc */
+    int nmem, capmem;
     DeviceGuardHandle guard;
 } ng_frame;
 
@@ -140,6 +146,8 @@ void ng_frame_init(ng_frame *f, const char *op);
 /* Take ownership of h (released by ng_frame_release / ng_fail). */
 AtenTensorHandle ng_frame_own(ng_frame *f, AtenTensorHandle h);
 void ng_frame_release(ng_frame *f);
+/* Zeroed scratch memory freed with the frame; raises when out of memory. */
+void *ng_frame_calloc(ng_frame *f, size_t count, size_t size);
 
 /* Release the frame and raise RuntimeError("<op>: <message>"). Unwinds
  * through the caller: nothing after it runs. */
@@ -162,10 +170,11 @@ AtenTensorHandle ng_arg_tensor(ng_frame *f, const StableIValue *stack, uint64_t 
 double ng_arg_double(const StableIValue *stack, uint64_t i);
 int64_t ng_arg_int(const StableIValue *stack, uint64_t i);
 bool ng_arg_bool(const StableIValue *stack, uint64_t i);
-/* A Tensor[] argument: points *out at n handles owned by f. The list itself
- * is freed; at most NG_FRAME_MAX handles fit in one frame. */
-void ng_arg_tensor_list(ng_frame *f, const StableIValue *stack, uint64_t i,
-                        AtenTensorHandle **out, size_t *n);
+/* A Tensor[] argument of any length: its handles become owned by f and are
+ * copied to *out (frame scratch, stable for the call); the list itself is
+ * freed. Returns the length. */
+size_t ng_arg_tensor_list(ng_frame *f, const StableIValue *stack, uint64_t i,
+                          AtenTensorHandle **out);
 /* Put an owned output on the stack; the frame gives up ownership. */
 void ng_ret_tensor(ng_frame *f, StableIValue *stack, uint64_t i, AtenTensorHandle h);
 
