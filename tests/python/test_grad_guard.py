@@ -26,21 +26,11 @@ import nanguard
 from nanguard import grad_guard as gg
 from nanguard.amp import GradScaler
 
-from conftest import DEVICES, requires_cuda
+from conftest import DEVICES, TOLERANCES, requires_cuda
 
 ops = torch.ops.nanguard
 
-#: (atol, rtol) for gradients vs the fp64 reference. Inputs are identical;
-#: what differs is the rounding of the result: fp32 one multiply by an fp32
-#: coefficient (two roundings); fp16 / bf16 one rounding to 11 / 8 bits
-#: (the stock path rounds twice: unscale, then clip); fp64 the norm's
-#: summation order. Norms are accumulated in fp64 in every case: 1e-6.
-TOL = {
-    torch.float64: (1e-14, 1e-12),
-    torch.float32: (1e-12, 3e-7),
-    torch.float16: (1e-7, 1e-3),
-    torch.bfloat16: (1e-30, 8e-3),
-}
+TOL = TOLERANCES["grad_guard"]
 NORM_RTOL = 1e-6
 
 
