@@ -173,11 +173,6 @@ def train(cfg: Config, patched: bool, progress: Optional[Callable[[str], None]] 
     return run
 
 
-def stock_model_modules(cfg: Config):
-    """(name, module) of the model the demo builds, for naming classes."""
-    return build_model(dataclasses.replace(cfg, device="cpu")).named_modules()
-
-
 # ---- reporting ---------------------------------------------------------------------------------
 
 
@@ -337,12 +332,6 @@ def main(argv=None) -> int:
     if stock.report is not None:
         print("nanguard.watch on the stock run (it counts steps from 0):")
         print(stock.report)
-        parent = stock.report.module.rpartition(".")[0]
-        if stock.report.pass_ == "forward" and parent and any(
-                t.which.startswith("input") and not t.finite for t in [stock.report.tensor]):
-            kind = type(dict(stock_model_modules(cfg)).get(parent, object())).__name__
-            print(f"  -> the NaN was made inside '{parent}' ({kind}) before it reached that submodule: "
-                  "the attention arithmetic of its forward (eager: fp16 q @ k.T, then softmax)")
     elif not args.no_watch and hasattr(nanguard, "watch"):
         print("nanguard.watch on the stock run: every watched tensor finite")
     if not args.no_watch and hasattr(nanguard, "watch"):

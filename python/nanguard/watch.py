@@ -462,10 +462,15 @@ class Watch:
             return Report(call.name, call.cls, FORWARD, call.step, st(first), ins,
                           n_nonfinite=total)
         if kind == _IN:
+            if call.name == "":
+                where = "it came in with the model's inputs (check the batch: nanguard.check_batch)"
+            else:
+                parent = call.name.rpartition(".")[0]
+                where = (f"it was computed by the forward of '{parent or '(the model)'}' itself, "
+                         "outside its submodules (or passed in from the model's inputs)")
             return Report(call.name, call.cls, FORWARD, call.step, st(first), [],
-                          note="this input entered the module already non-finite and was not "
-                               "produced by a watched module (check the batch: "
-                               "nanguard.check_batch)",
+                          note="this input entered the module already non-finite and no watched "
+                               "module produced it: " + where,
                           n_nonfinite=total)
         # a gradient arriving at an output of `call`: made by a consumer of that output
         cands = []
