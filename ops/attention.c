@@ -72,31 +72,18 @@ static void check_qkv(ng_frame *f, ng_tensor *t, const char *name, const ng_tens
     if (t->sizes[3] > 1 && t->strides[3] != 1) ng_make_contiguous(f, t);
 }
 
-/* The mask is bool or float: ng_view takes floats only, so bool is read here. */
+/* The mask is bool (True = attend) or an additive float of any of the four
+ * floating dtypes. */
 static void view_mask(ng_frame *f, AtenTensorHandle h, ng_tensor *m, ng_mask_kind *kind) {
-    int32_t dt = 0;
-    NG_SHIM_CHECK(f, aoti_torch_get_dtype(h, &dt));
-    if (dt != aoti_torch_dtype_bool()) {
-        ng_view(f, h, "attn_mask", m);
-        *kind = NG_MASK_ADD;
+    int32_t dt = ng_view_raw(f, h, "attn_mask", m);
+    if (dt == aoti_torch_dtype_bool()) {
+        *kind = NG_MASK_BOOL;
         return;
     }
-    int32_t layout = 0;
-    int64_t *sizes = NULL, *strides = NULL;
-    NG_SHIM_CHECK(f, aoti_torch_get_layout(h, &layout));
-    if (layout != aoti_torch_layout_strided()) ng_fail(f, "attn_mask must be a strided (dense) tensor");
-    m->h = h;
-    m->dtype = NG_F32; /* unused for bool */
-    NG_SHIM_CHECK(f, aoti_torch_get_dim(h, &m->ndim));
-    NG_SHIM_CHECK(f, aoti_torch_get_sizes(h, &sizes));
-    NG_SHIM_CHECK(f, aoti_torch_get_strides(h, &strides));
-    NG_SHIM_CHECK(f, aoti_torch_get_numel(h, &m->numel));
-    NG_SHIM_CHECK(f, aoti_torch_get_device_type(h, &m->device_type));
-    NG_SHIM_CHECK(f, aoti_torch_get_device_index(h, &m->device_index));
-    NG_SHIM_CHECK(f, aoti_torch_get_data_ptr(h, &m->data));
-    m->sizes = sizes;
-    m->strides = strides;
-    *kind = NG_MASK_BOOL;
+    if (ng_dtype_from_torch(dt) < 0)
+        ng_fail(f, "attn_mask must be bool or float16, bfloat16, float32 or float64 (got dtype code %d)",
+                (int)dt);
+    *kind = NG_MASK_ADD;
 }
 
 /* Shapes of q, k, v (and the mask) into the kernel args. */

@@ -498,7 +498,7 @@ def test_direct_op_calls_raise_not_crash():
         ops.safe_sdpa.masked(q, k, k, torch.ones(1, 1, 5, 7, dtype=torch.bool), *args)
     with pytest.raises(RuntimeError, match="attn_mask must be 4-d"):
         ops.safe_sdpa.masked(q, k, k, torch.ones(5, 6, dtype=torch.bool), *args)
-    with pytest.raises(RuntimeError, match="attn_mask must be float16"):
+    with pytest.raises(RuntimeError, match="attn_mask must be bool or float16"):
         ops.safe_sdpa.masked(q, k, k, torch.ones(1, 1, 5, 6, dtype=torch.int32), *args)
     out, lse = ops.safe_sdpa(q, k, k, *args)
     with pytest.raises(RuntimeError, match="lse must be"):
