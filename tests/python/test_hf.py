@@ -26,17 +26,15 @@ from torch import nn
 import nanguard
 from nanguard import hf
 
+from conftest import TOLERANCES
+
 T = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install 'nanguard[transformers]'); "
     "scripts/setup.sh installs it for CI"
 )
 
-#: fp32 patched-vs-stock tolerances (atol, rtol). The two sides compute the
-#: same math in a different order (flash-style online softmax vs a full score
-#: matrix; fused vs separate norm multiply), so they differ by fp32 rounding
-#: amplified through two layers; gradients sum over the batch and sequence.
-TOL_LOGITS = (2e-5, 1e-4)
-TOL_GRADS = (5e-5, 2e-3)
+TOL_LOGITS = TOLERANCES["hf_logits"][torch.float32]
+TOL_GRADS = TOLERANCES["hf_grads"][torch.float32]
 
 VOCAB, SEQ, BATCH = 64, 10, 3
 TF_MAJOR = int(T.__version__.split(".")[0])
