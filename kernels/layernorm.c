@@ -75,12 +75,18 @@ static void ln_row_fwd_f64(const double *x, double *y, const double *w, const do
     if (!rms) {
         for (int64_t i = 0; i < n; i++) s += x[i] - shift;
     }
-    double md = s / (double)n;
+    double md = s / (double)n, c = 0.0;
     for (int64_t i = 0; i < n; i++) {
-        double d = (x[i] - shift) - md;
-        v += d * d;
+        double e = (x[i] - shift) - md;
+        c += e;
+        v += e * e;
     }
-    double rstd = ng_ln_rstd_f64(v / (double)n, eps);
+    /* the corrected two-pass of layernorm_rows.inc (c == 0 for RMSNorm) */
+    const double cm = rms ? 0.0 : c / (double)n;
+    md += cm;
+    double var = v == INFINITY ? INFINITY : v / (double)n - cm * cm;
+    if (var < 0.0) var = 0.0;
+    double rstd = ng_ln_rstd_f64(var, eps);
     if (mean_out) *mean_out = shift + md;
     *rstd_out = rstd;
     for (int64_t i = 0; i < n; i++) {

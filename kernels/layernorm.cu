@@ -64,14 +64,22 @@ static __device__ void row_stats(const void *x, ng_dtype t, int64_t base, int64_
         for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += ng_load_f32(x, t, base + i) - shift;
         s = block_sum(s, red);
     }
-    const float md = s * inv_n;
-    float v = 0.0f;
+    float md = s * inv_n;
+    /* the corrected two-pass of layernorm_rows.inc: the mean of e = d - md
+     * repairs the rounding of the first sum */
+    float v = 0.0f, c = 0.0f;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        float d = (ng_load_f32(x, t, base + i) - shift) - md;
-        v += d * d;
+        float e = (ng_load_f32(x, t, base + i) - shift) - md;
+        c += e;
+        v += e * e;
     }
     v = block_sum(v, red);
-    float rstd = ng_ln_rstd_f32(v * inv_n, eps);
+    c = rms ? 0.0f : block_sum(c, red);
+    const float cm = c * inv_n;
+    md += cm;
+    float var = v == INFINITY ? INFINITY : v * inv_n - cm * cm;
+    if (var < 0.0f) var = 0.0f;
+    float rstd = ng_ln_rstd_f32(var, eps);
     if (v == INFINITY) { /* rare: finite row whose squares overflow, or a row with Inf */
         float amax = 0.0f;
         for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {

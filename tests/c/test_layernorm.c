@@ -261,6 +261,32 @@ static void huge_rows(ng_dtype t) {
     free(xb);
 }
 
+/* Rows whose first value (the shift of the statistics) sits far from the
+ * mean: moderately, and as an outlier 1000 away. The corrected second pass
+ * must repair the rounding of the shifted first sum in both. */
+static void shifted_rows(ng_dtype t) {
+    /* wide rows: the first sum's rounding grows with n */
+    enum { n = 4097 };
+    const int64_t rows = 2;
+    static double x[2 * n], y[2 * n], got[2 * n];
+    double m[2], r[2];
+    ng_rng rng = {13};
+    for (int64_t i = 0; i < rows * n; i++) x[i] = ng_rng_unif(&rng);
+    x[0] = -1.7;   /* var ~ 1/3, md ~ 1.7 */
+    x[n] = 1000.0; /* an outlier first */
+    void *xb = make_buf(t, x, rows * n);
+    void *yb = malloc(sizeof y), *mb = malloc(16), *rb = malloc(16);
+    ng_layernorm_args a = {t, rows, n, 0, 1e-5, xb, NULL, NULL, mb, rb, yb, NULL, NULL, NULL, NULL};
+    NG_EXPECT(ng_layernorm_fwd(&a, NULL) == NG_OK);
+    ref_fwd(x, NULL, NULL, rows, n, 1e-5, 0, y, m, r);
+    to_f64(yb, t, rows * n, got);
+    tol tl = tol_for(t);
+    ng_expect_close("shifted rows y", got, y, rows * n, tl.atol, tl.rtol);
+    stat_to_f64(rb, t, rows, got);
+    ng_expect_close("shifted rows rstd", got, r, rows, 1e-5, 1e-5);
+    free(xb); free(yb); free(mb); free(rb);
+}
+
 int main(void) {
     const int64_t widths[] = {1, 3, 127, 4097};
     const ng_dtype types[] = {NG_F64, NG_F32, NG_BF16, NG_F16};
@@ -283,6 +309,9 @@ int main(void) {
         fp16_large();
         huge_rows(NG_F32);
         huge_rows(NG_BF16);
+        shifted_rows(NG_F32);
+        shifted_rows(NG_F64);
+        shifted_rows(NG_BF16);
     }
     /* empty shapes */
     float m[2], r[2];
