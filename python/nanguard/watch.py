@@ -286,16 +286,10 @@ class Watch:
                 if kwargs:
                     for k, v in kwargs.items():
                         _flatten(v, k, found)
-                produced = self._produced
                 for label, t in found:
                     if not _recordable(t):
                         continue
-                    hit = produced.get(id(t))
-                    if _unchanged(hit, t):
-                        r = hit[1]
-                    else:
-                        r = self._record(t, _IN, call, label)
-                        produced[id(t)] = (weakref.ref(t), r, _version(t))
+                    r, _ = self._record_once(t, _IN, call, label)
                     call.inputs.append((label, r))
                     self._consumers.setdefault(r, []).append(call)
             return None
@@ -312,24 +306,29 @@ class Watch:
             call = stack.pop()
             found: List[Tuple[str, torch.Tensor]] = []
             _flatten(output, "output", found)
-            produced = self._produced
             for label, t in found:
                 if not _recordable(t):
                     continue
-                hit = produced.get(id(t))
-                if _unchanged(hit, t):
-                    # already recorded, unchanged: the output of an inner
-                    # module passed through, or an input returned as is
-                    call.outputs.append((label, hit[1]))
-                    continue
-                r = self._record(t, _OUT, call, label)
+                # an unchanged tensor already recorded (the output of an inner
+                # module passed through, or an input returned as is) is not
+                # read again, nor hooked twice
+                r, new = self._record_once(t, _OUT, call, label)
                 call.outputs.append((label, r))
-                produced[id(t)] = (weakref.ref(t), r, _version(t))
-                if backward and t.requires_grad:
+                if new and backward and t.requires_grad:
                     t.register_hook(self._make_grad(call, label, r))
             return None
 
         return post
+
+    def _record_once(self, t: torch.Tensor, kind: int, call: _Call, label: str):
+        """(record index, newly recorded?): reuse the record of a tensor
+        already recorded and unchanged since (same object, same version)."""
+        hit = self._produced.get(id(t))
+        if _unchanged(hit, t):
+            return hit[1], False
+        r = self._record(t, kind, call, label)
+        self._produced[id(t)] = (weakref.ref(t), r, _version(t))
+        return r, True
 
     def _make_grad(self, call: _Call, label: str, fwd_record: int):
         gen = self._gen
