@@ -256,6 +256,22 @@ bool ng_is_contiguous(const ng_tensor *t) {
     return true;
 }
 
+void ng_arg_host_int64s(ng_frame *f, const StableIValue *stack, uint64_t i, const char *name,
+                        int64_t n, int64_t *out) {
+    ng_tensor t;
+    const int32_t dt = ng_view_raw(f, ng_arg_tensor(f, stack, i), name, &t);
+    if (t.device_type != ng_device_cpu())
+        ng_fail(f, "%s must be a CPU tensor (its values are read on the host), got a %s tensor",
+                name, device_name(t.device_type));
+    if (dt != aoti_torch_dtype_int64())
+        ng_fail(f, "%s must be an int64 tensor, got dtype code %d", name, (int)dt);
+    if (t.numel != n)
+        ng_fail(f, "%s must have exactly %lld elements, got %lld", name, (long long)n,
+                (long long)t.numel);
+    if (!ng_is_contiguous(&t)) ng_fail(f, "%s must be contiguous", name);
+    if (n > 0) memcpy(out, t.data, (size_t)n * sizeof *out);
+}
+
 /* ---- allocation --------------------------------------------------------------- */
 
 AtenTensorHandle ng_empty(ng_frame *f, int64_t ndim, const int64_t *sizes, ng_dtype dtype,

@@ -175,6 +175,13 @@ bool ng_arg_bool(const StableIValue *stack, uint64_t i);
  * freed. Returns the length. */
 size_t ng_arg_tensor_list(ng_frame *f, const StableIValue *stack, uint64_t i,
                           AtenTensorHandle **out);
+/* A Tensor argument that carries a few int64 values for the host (a dropout
+ * [seed, offset] pair): it must be a contiguous CPU int64 tensor of exactly n
+ * elements, whatever device the op runs on, so that a CUDA op can read it
+ * before launching. The handle becomes owned by f; the values are copied to
+ * out. Raises naming `name` otherwise. */
+void ng_arg_host_int64s(ng_frame *f, const StableIValue *stack, uint64_t i, const char *name,
+                        int64_t n, int64_t *out);
 /* Put an owned output on the stack; the frame gives up ownership. */
 void ng_ret_tensor(ng_frame *f, StableIValue *stack, uint64_t i, AtenTensorHandle h);
 
