@@ -4,12 +4,12 @@
  *
  * Schemas (no `Tensor?`: the mask is an overload):
  *   safe_sdpa(Tensor query, Tensor key, Tensor value, float dropout_p, bool is_causal,
- *             float scale, float max_score, float softcap, int seed, int offset)
+ *             float scale, float max_score, float softcap, Tensor rng)
  *       -> (Tensor out, Tensor lse)
  *   safe_sdpa.masked(query, key, value, Tensor attn_mask, dropout_p, ...) -> (out, lse)
  *   safe_sdpa_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out,
  *                      Tensor lse, float dropout_p, bool is_causal, float scale,
- *                      float max_score, float softcap, int seed, int offset)
+ *                      float max_score, float softcap, Tensor rng)
  *       -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)
  *   safe_sdpa_backward.masked(grad_out, query, key, value, attn_mask, out, lse, ...)
  *
@@ -21,6 +21,12 @@
  * (fp64 for fp64 inputs), -inf for fully masked rows. max_score / softcap
  * <= 0 turn the guards off. The Python layer (python/nanguard/attention.py)
  * maps F.scaled_dot_product_attention's shapes onto these.
+ *
+ * rng is dropout's Philox [seed, offset]: a contiguous CPU int64 tensor of 2
+ * elements, on the CPU even when query is a CUDA tensor (its two values are
+ * read on the host before the launch). A tensor rather than two ints, so that
+ * under torch.compile the draw is an op in the graph, not a value the tracer
+ * must know. The backward takes the forward's rng and regenerates its mask.
  *
  * Only the last dim of query/key/value/grad_out must be contiguous; other
  * strides (e.g. a [B, L, H, E] tensor transposed to [B, H, L, E]) are passed
@@ -41,15 +47,17 @@ typedef struct sdpa_params {
     int64_t seed, offset;
 } sdpa_params;
 
-static sdpa_params read_params(const StableIValue *stack, uint64_t i) {
+static sdpa_params read_params(ng_frame *f, const StableIValue *stack, uint64_t i) {
     sdpa_params p;
+    int64_t rng[2];
     p.dropout_p = ng_arg_double(stack, i);
     p.is_causal = ng_arg_bool(stack, i + 1);
     p.scale = ng_arg_double(stack, i + 2);
     p.max_score = ng_arg_double(stack, i + 3);
     p.softcap = ng_arg_double(stack, i + 4);
-    p.seed = ng_arg_int(stack, i + 5);
-    p.offset = ng_arg_int(stack, i + 6);
+    ng_arg_host_int64s(f, stack, i + 5, "rng", 2, rng);
+    p.seed = rng[0];
+    p.offset = rng[1];
     return p;
 }
 
@@ -160,7 +168,7 @@ static void sdpa_forward(StableIValue *stack, int has_mask) {
     ng_view(&f, ng_arg_tensor(&f, stack, i++), "key", &k);
     ng_view(&f, ng_arg_tensor(&f, stack, i++), "value", &v);
     if (has_mask) view_mask(&f, ng_arg_tensor(&f, stack, i++), &m, &kind);
-    sdpa_params p = read_params(stack, i);
+    sdpa_params p = read_params(&f, stack, i);
     check_params(&f, &p);
     check_qkv(&f, &q, "query", NULL);
     check_qkv(&f, &k, "key", &q);
@@ -204,7 +212,7 @@ static void sdpa_backward(StableIValue *stack, int has_mask) {
     if (has_mask) view_mask(&f, ng_arg_tensor(&f, stack, i++), &m, &kind);
     ng_view(&f, ng_arg_tensor(&f, stack, i++), "out", &o);
     ng_view(&f, ng_arg_tensor(&f, stack, i++), "lse", &lse);
-    sdpa_params p = read_params(stack, i);
+    sdpa_params p = read_params(&f, stack, i);
     check_params(&f, &p);
     check_qkv(&f, &q, "query", NULL);
     check_qkv(&f, &k, "key", &q);
@@ -260,7 +268,7 @@ static void sdpa_backward(StableIValue *stack, int has_mask) {
 static void sdpa_bwd_plain(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; sdpa_backward(s, 0); }
 static void sdpa_bwd_masked(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; sdpa_backward(s, 1); }
 
-#define SDPA_ARGS "float dropout_p, bool is_causal, float scale, float max_score, float softcap, int seed, int offset"
+#define SDPA_ARGS "float dropout_p, bool is_causal, float scale, float max_score, float softcap, Tensor rng"
 
 void ng_register_attention(const ng_registrar *r) {
     ng_def(r, "safe_sdpa(Tensor query, Tensor key, Tensor value, " SDPA_ARGS ") -> (Tensor, Tensor)");

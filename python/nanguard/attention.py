@@ -71,34 +71,38 @@ for _name in ("nanguard::safe_sdpa_backward", "nanguard::safe_sdpa_backward.mask
 
 def _make_setup(masked: bool):
     def setup_context(ctx, inputs, output):
+        # inputs end with (dropout_p, is_causal, scale, max_score, softcap, rng)
         if masked:
-            query, key, value, mask, *params = inputs
+            query, key, value, mask, *params, rng = inputs
             if mask.requires_grad:
                 raise RuntimeError(
                     "nanguard.safe_sdpa: attn_mask requires grad; gradients with respect to an "
                     "attention mask are not supported (pass attn_mask.detach())"
                 )
         else:
-            query, key, value, *params = inputs
+            query, key, value, *params, rng = inputs
             mask = None
         out, lse = output
-        ctx.save_for_backward(query, key, value, mask, out, lse)
-        ctx.params = params
+        # rng is saved like any tensor: the backward regenerates the forward's
+        # dropout mask from the same [seed, offset] values.
+        ctx.save_for_backward(query, key, value, mask, out, lse, rng)
+        ctx.params = tuple(params)
 
     return setup_context
 
 
 def _make_backward(masked: bool):
     def backward(ctx, grad_out, _grad_lse):
-        query, key, value, mask, out, lse = ctx.saved_tensors
+        query, key, value, mask, out, lse, rng = ctx.saved_tensors
         grad_out = grad_out.contiguous()
+        no_grads = (None,) * (len(ctx.params) + 1)  # the scalars and rng
         if masked:
             dq, dk, dv = _ops.safe_sdpa_backward.masked(
-                grad_out, query, key, value, mask, out, lse, *ctx.params
+                grad_out, query, key, value, mask, out, lse, *ctx.params, rng
             )
-            return (dq, dk, dv, None) + (None,) * len(ctx.params)
-        dq, dk, dv = _ops.safe_sdpa_backward(grad_out, query, key, value, out, lse, *ctx.params)
-        return (dq, dk, dv) + (None,) * len(ctx.params)
+            return (dq, dk, dv, None) + no_grads
+        dq, dk, dv = _ops.safe_sdpa_backward(grad_out, query, key, value, out, lse, *ctx.params, rng)
+        return (dq, dk, dv) + no_grads
 
     return backward
 
@@ -136,14 +140,19 @@ def _check_guard(name: str, value) -> float:
     return value
 
 
-def _draw_seed_offset(dropout_p: float) -> tuple[int, int]:
-    """Philox key and counter offset from PyTorch's default CPU generator, so
-    ``torch.manual_seed`` makes dropout reproducible and CPU and CUDA draw the
-    same mask."""
+def _draw_rng(dropout_p: float) -> torch.Tensor:
+    """Dropout's Philox ``[seed, offset]`` as a CPU int64 tensor of 2 elements,
+    drawn from PyTorch's default CPU generator, so ``torch.manual_seed`` makes
+    dropout reproducible and CPU and CUDA draw the same mask for the same
+    tensor. It stays a tensor (never ``.tolist()``): under ``torch.compile``
+    the draw is an op of the graph, not a value the tracer would have to know.
+
+    Without dropout the ops ignore it. It is a new zeros tensor per call, not
+    a cached module-level one: a cached real tensor would meet fake tensors
+    when the call is traced, and a caller could modify it in place."""
     if dropout_p == 0.0:
-        return 0, 0
-    seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64).tolist()
-    return seed, offset
+        return torch.zeros(2, dtype=torch.int64, device="cpu")
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device="cpu")
 
 
 def safe_sdpa(
@@ -173,9 +182,11 @@ def safe_sdpa(
     scores to ``±max_score``; ``softcap`` maps them through
     ``softcap * tanh(s / softcap)``. Both apply before the mask is added.
 
-    Dropout draws a Philox key from PyTorch's default generator (so under
-    ``torch.compile`` a call with ``dropout_p > 0`` breaks the graph there).
-    Head dims up to 256; float64 on the CPU only.
+    Dropout (``dropout_p > 0``) draws a Philox ``[seed, offset]`` pair from
+    PyTorch's default CPU generator as a 2-element int64 tensor, so
+    ``torch.manual_seed`` makes it reproducible, CPU and CUDA drop the same
+    elements for the same pair, and ``torch.compile(fullgraph=True)`` traces
+    it without a graph break. Head dims up to 256; float64 on the CPU only.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         _checks.check_tensor(name, t)
@@ -207,8 +218,7 @@ def safe_sdpa(
     softcap = _check_guard("softcap", softcap)
 
     q4, k4, v4, batch, Hq = _to_4d(query, key, value, enable_gqa)
-    seed, offset = _draw_seed_offset(dropout_p)
-    params = (dropout_p, is_causal, float(scale), max_score, softcap, seed, offset)
+    params = (dropout_p, is_causal, float(scale), max_score, softcap, _draw_rng(dropout_p))
     if attn_mask is None:
         out, _ = _ops.safe_sdpa(q4, k4, v4, *params)
     else:

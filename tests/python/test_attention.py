@@ -287,12 +287,19 @@ def test_empty_and_thread_count():
 # ---- dropout -------------------------------------------------------------------------
 
 
+def rng(seed=0, offset=0):
+    """The ops' dropout argument: Philox [seed, offset] as a CPU int64 tensor."""
+    return torch.tensor([seed, offset], dtype=torch.int64)
+
+
+
 def dropped_probs(B, H, L, S, p, seed, offset, dtype=torch.float64, device="cpu"):
-    """P * keep / (1 - p) read back through value = identity."""
+    """P * keep / (1 - p) read back through value = identity. rng stays on
+    the CPU whatever the device."""
     q = rand((B, H, L, 8), dtype, 1).to(device)
     k = rand((B, H, S, 8), dtype, 2).to(device)
     eye = torch.eye(S, dtype=dtype, device=device).expand(B, H, S, S)
-    out, _ = ops.safe_sdpa(q, k, eye, p, False, 1 / math.sqrt(8), 0.0, 0.0, seed, offset)
+    out, _ = ops.safe_sdpa(q, k, eye, p, False, 1 / math.sqrt(8), 0.0, 0.0, rng(seed, offset))
     return q, k, out
 
 
@@ -318,7 +325,7 @@ def test_dropout_forward_backward_consistent():
     keep = d != 0
     q, k, v = (rand(s, torch.float64, i).requires_grad_() for i, s in
                enumerate([(B, H, L, 8), (B, H, S, 8), (B, H, S, 5)]))
-    args = (p, False, 1 / math.sqrt(8), 0.0, 0.0, seed, off)
+    args = (p, False, 1 / math.sqrt(8), 0.0, 0.0, rng(seed, off))
     out, _ = ops.safe_sdpa(q, k, v, *args)
     ref = ref_sdpa(q, k, v, keep=keep, dropout_p=p)
     torch.testing.assert_close(out, ref)
@@ -329,15 +336,43 @@ def test_dropout_forward_backward_consistent():
 
 
 def test_dropout_follows_torch_manual_seed():
-    q, k, v = (rand((1, 2, 16, 8), torch.float32, s) for s in (1, 2, 3))
+    q, k, v = (rand((1, 2, 16, 8), torch.float32, s).requires_grad_() for s in (1, 2, 3))
+
+    def step():
+        out = safe_sdpa(q, k, v, dropout_p=0.5)
+        return out, torch.autograd.grad(out.sum(), (q, k, v))
+
     torch.manual_seed(0)
-    a = safe_sdpa(q, k, v, dropout_p=0.5)
+    a, ga = step()
     torch.manual_seed(0)
-    b = safe_sdpa(q, k, v, dropout_p=0.5)
-    c = safe_sdpa(q, k, v, dropout_p=0.5)
+    b, gb = step()
+    c, _ = step()
     assert torch.equal(a, b) and not torch.equal(a, c)
-    m = SafeAttention(dropout=0.5).eval()
+    assert all(torch.equal(x, y) for x, y in zip(ga, gb))
+    m = SafeAttention(dropout=0.5)
+    torch.manual_seed(3)
+    ya = m(q, k, v)
+    torch.manual_seed(3)
+    assert torch.equal(m(q, k, v), ya)
+    m.eval()
     torch.testing.assert_close(m(q, k, v), safe_sdpa(q, k, v))
+
+
+def test_dropout_rng_is_the_default_generators_next_draw():
+    """safe_sdpa's dropout equals the op called with the default CPU
+    generator's next torch.randint(0, 2**62, (2,)) as rng, also when the
+    default device is another one (the pair always lives on the CPU)."""
+    q, k, v = (rand((1, 2, 16, 8), torch.float32, s) for s in (1, 2, 3))
+    torch.manual_seed(5)
+    a = safe_sdpa(q, k, v, dropout_p=0.3)
+    torch.manual_seed(5)
+    want = torch.randint(0, 2**62, (2,), dtype=torch.int64)
+    b, _ = ops.safe_sdpa(q, k, v, 0.3, False, 1 / math.sqrt(8), 0.0, 0.0, want)
+    assert torch.equal(a, b)
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        c = safe_sdpa(q, k, v, dropout_p=0.3)
+    assert torch.equal(a, c)
 
 
 # ---- gradcheck / opcheck / compile -------------------------------------------------------
@@ -378,8 +413,8 @@ def _opcheck_cases():
     v = rand((2, 2, 7, 6), torch.float32, 3).requires_grad_()
     m = make_mask("bool", (2, 1, 5, 7), torch.float32, 4)
     fm = make_mask("neginf", (1, 4, 5, 7), torch.float32, 5, full_rows=True)
-    args = (0.0, False, 0.35, 0.0, 0.0, 0, 0)
-    guards = (0.2, True, 0.35, 2.0, 3.0, 11, 5)
+    args = (0.0, False, 0.35, 0.0, 0.0, rng())
+    guards = (0.2, True, 0.35, 2.0, 3.0, rng(11, 5))
     yield ops.safe_sdpa.default, (q, k, v, *args)
     yield ops.safe_sdpa.default, (q, k, v, *guards)
     yield ops.safe_sdpa.masked, (q, k, v, m, *args)
@@ -420,6 +455,43 @@ def test_torch_compile_fullgraph():
     (g,) = torch.autograd.grad(y.sum(), x)
     (g_eager,) = torch.autograd.grad(y_eager.sum(), x)
     torch.testing.assert_close(g, g_eager)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph_dropout(backend):
+    """dropout_p > 0 traces without a graph break (fullgraph=True raises on
+    one); forward and backward use one mask, whose keep rate is 1 - p. With
+    value = identity the output is the dropped, rescaled probabilities
+    P * keep / (1 - p), so the mask can be read from it."""
+    torch._dynamo.reset()
+    B, H, L, S, p = 2, 2, 64, 100, 0.3
+    m = SafeAttention(dropout=p)  # training mode: dropout on
+    q = rand((B, H, L, 8), torch.float64, 1).requires_grad_()
+    k = rand((B, H, S, 8), torch.float64, 2).requires_grad_()
+    v = torch.eye(S, dtype=torch.float64).repeat(B, H, 1, 1).requires_grad_()
+    compiled = torch.compile(m, fullgraph=True, backend=backend)
+    d = compiled(q, k, v)
+    g = rand(d.shape, torch.float64, 3)
+    grads = torch.autograd.grad(d, (q, k, v), g)
+    assert torch.isfinite(d).all() and all(torch.isfinite(t).all() for t in grads)
+    keep = d != 0
+    rate = keep.double().mean().item()  # sd = sqrt(.21 / 25600) = 2.9e-3
+    assert abs(rate - (1 - p)) < 1.5e-2, rate
+    # the backward regenerated the forward's mask: gradients equal the fp64
+    # reference that uses the mask read from the output
+    ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
+    ref = ref_sdpa(ql, kl, vl, keep=keep, dropout_p=p)
+    torch.testing.assert_close(d, ref)
+    for got, want in zip(grads, torch.autograd.grad(ref, (ql, kl, vl), g)):
+        torch.testing.assert_close(got, want)
+    # torch.manual_seed makes the compiled dropout reproducible too
+    torch.manual_seed(7)
+    d1 = compiled(q, k, v)
+    torch.manual_seed(7)
+    assert torch.equal(compiled(q, k, v), d1) and not torch.equal(d1, d)
+    if backend == "aot_eager":  # runs torch.randint itself: eager's very mask
+        torch.manual_seed(7)
+        assert torch.equal(m(q, k, v), d1)
 
 
 def test_module_has_no_state_and_repr():
@@ -475,7 +547,7 @@ def test_bad_inputs_raise_clear_errors():
 def test_direct_op_calls_raise_not_crash():
     q = torch.randn(2, 3, 5, 8)
     k = torch.randn(2, 3, 6, 8)
-    args = (0.0, False, 0.3, 0.0, 0.0, 0, 0)
+    args = (0.0, False, 0.3, 0.0, 0.0, rng())
     with pytest.raises(RuntimeError, match="query must be float16"):
         ops.safe_sdpa(q.long(), k, k, *args)
     with pytest.raises(RuntimeError, match="key must be 4-d"):
@@ -487,7 +559,7 @@ def test_direct_op_calls_raise_not_crash():
     with pytest.raises(RuntimeError, match="multiple of key/value heads"):
         ops.safe_sdpa(q, k[:, :2], k[:, :2], *args)
     with pytest.raises(RuntimeError, match="dropout_p"):
-        ops.safe_sdpa(q, k, k, 1.5, False, 0.3, 0.0, 0.0, 0, 0)
+        ops.safe_sdpa(q, k, k, 1.5, False, 0.3, 0.0, 0.0, rng())
     with pytest.raises(RuntimeError, match="attn_mask's key length"):
         ops.safe_sdpa.masked(q, k, k, torch.ones(1, 1, 5, 7, dtype=torch.bool), *args)
     with pytest.raises(RuntimeError, match="attn_mask must be 4-d"):
@@ -502,6 +574,21 @@ def test_direct_op_calls_raise_not_crash():
     m = torch.zeros(1, 1, 5, 6, requires_grad=True)
     with pytest.raises(RuntimeError, match="attn_mask requires grad"):
         ops.safe_sdpa.masked(q, k, k, m, *args)
+    bad_rng = {
+        "rng must be an int64 tensor": torch.zeros(2, dtype=torch.int32),
+        "rng must have exactly 2 elements, got 3": torch.zeros(3, dtype=torch.int64),
+        "rng must have exactly 2 elements, got 0": torch.zeros(0, dtype=torch.int64),
+        "rng must be contiguous": torch.zeros(4, dtype=torch.int64)[::2],
+    }
+    for msg, r in bad_rng.items():
+        for call in (lambda: ops.safe_sdpa(q, k, k, *args[:-1], r),
+                     lambda: ops.safe_sdpa.masked(q, k, k, torch.ones(1, 1, 1, 1, dtype=torch.bool), *args[:-1], r),
+                     lambda: ops.safe_sdpa_backward(out, q, k, k, out, lse, *args[:-1], r)):
+            with pytest.raises(RuntimeError, match=msg):
+                call()
+    # any 2-element contiguous int64 layout is read as [seed, offset]
+    torch.testing.assert_close(ops.safe_sdpa(q, k, k, *args[:-1], torch.zeros(1, 2, dtype=torch.int64))[0],
+                               ops.safe_sdpa(q, k, k, *args)[0])
     torch.testing.assert_close(ops.safe_sdpa(q, k, k, *args)[0], F.scaled_dot_product_attention(q, k, k, scale=0.3))
 
 
@@ -583,6 +670,23 @@ def test_cuda_dropout_draws_the_cpu_mask():
     _, _, cpu = dropped_probs(1, 2, 40, 50, 0.3, 5, 9, torch.float32)
     _, _, gpu = dropped_probs(1, 2, 40, 50, 0.3, 5, 9, torch.float32, "cuda")
     assert torch.equal(cpu != 0, gpu.cpu() != 0)
+
+
+@requires_cuda
+def test_cuda_rng_must_stay_on_the_cpu():
+    q = torch.randn(1, 1, 4, 8, device="cuda")
+    with pytest.raises(RuntimeError, match="rng must be a CPU tensor"):
+        ops.safe_sdpa(q, q, q, 0.1, False, 0.3, 0.0, 0.0, rng().cuda())
+
+
+@requires_cuda
+def test_cuda_dropout_under_torch_compile():
+    torch._dynamo.reset()
+    q, k, v = (rand((2, 2, 32, 16), torch.float32, s).cuda().requires_grad_() for s in (1, 2, 3))
+    f = torch.compile(lambda q, k, v: safe_sdpa(q, k, v, dropout_p=0.25), fullgraph=True, backend="aot_eager")
+    out = f(q, k, v)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
 @requires_cuda
