@@ -543,6 +543,8 @@ def test_demo_short_mode_end_to_end(tmp_path):
     env = dict(os.environ)
     root = pathlib.Path(nanguard.__file__).resolve().parent.parent
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    if env.get("NANGUARD_LIB_DIR"):  # the child runs in tmp_path: load the libraries this process loaded
+        env["NANGUARD_LIB_DIR"] = str(pathlib.Path(env["NANGUARD_LIB_DIR"]).resolve())
     proc = subprocess.run(
         [sys.executable, "-m", "nanguard", "demo", "--steps", "5", "--out", str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path,
