@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "kernels/attention.h"
+#include "kernels/attention_mma.h"
 #include "tests/c/ng_test.h"
 
 /* NG_EXPECT with a printf-style explanation. */
@@ -537,10 +538,224 @@ static void test_bad_args(void) {
     CHECK(ng_attention_check(NULL, 0) == NG_ERR_INVALID_ARG, "NULL args rejected");
 }
 
+/* ---- tensor-core fragments (kernels/attention_mma.h) ----------------------
+ * The CUDA kernels' fragment loads run here on plain memory, one call per
+ * lane, and are checked against the PTX ISA's fragment tables for
+ * mma.m16n8k16 (written out below, independently of the loads). An emulated
+ * warp-wide mma built on the same tables then multiplies tiles the way the
+ * kernels do (S = Q K^T over k-steps, P V through ng_mma_c_to_a). Values are
+ * small integers, exact in fp16 and in fp32 sums, so every check is exact. */
+
+static void spec_a(int lane, int i, int *row, int *col) { /* a0..a7 */
+    int g = lane >> 2, t = lane & 3;
+    *row = g + (((i >= 2 && i < 4) || i >= 6) ? 8 : 0);
+    *col = 2 * t + (i & 1) + (i >= 4 ? 8 : 0);
+}
+
+static void spec_b(int lane, int i, int *row, int *col) { /* b0..b3 */
+    int g = lane >> 2, t = lane & 3;
+    *row = 2 * t + (i & 1) + (i >= 2 ? 8 : 0);
+    *col = g;
+}
+
+static void spec_c(int lane, int i, int *row, int *col) { /* c0..c3 */
+    int g = lane >> 2, t = lane & 3;
+    *row = g + (i >= 2 ? 8 : 0);
+    *col = 2 * t + (i & 1);
+}
+
+/* Element i of a fragment: register i / 2, the low half first. */
+static uint16_t frag_elem(const uint32_t *regs, int i) { return (uint16_t)(regs[i / 2] >> (16 * (i & 1))); }
+
+/* The 16x16 A matrix the warp's registers describe; every element must be
+ * held by exactly one (lane, i). */
+static int gather_a(double m[16][16], uint32_t a[32][4]) {
+    int seen[16][16] = {{0}}, ok = 1;
+    for (int lane = 0; lane < 32; lane++)
+        for (int i = 0; i < 8; i++) {
+            int r, c;
+            spec_a(lane, i, &r, &c);
+            m[r][c] = ng_f16_to_f32(frag_elem(a[lane], i));
+            seen[r][c]++;
+        }
+    for (int r = 0; r < 16; r++)
+        for (int c = 0; c < 16; c++) ok &= seen[r][c] == 1;
+    return ok;
+}
+
+static int gather_b(double m[16][8], uint32_t b[32][2]) {
+    int seen[16][8] = {{0}}, ok = 1;
+    for (int lane = 0; lane < 32; lane++)
+        for (int i = 0; i < 4; i++) {
+            int r, c;
+            spec_b(lane, i, &r, &c);
+            m[r][c] = ng_f16_to_f32(frag_elem(b[lane], i));
+            seen[r][c]++;
+        }
+    for (int r = 0; r < 16; r++)
+        for (int c = 0; c < 8; c++) ok &= seen[r][c] == 1;
+    return ok;
+}
+
+/* Emulated mma.m16n8k16 with fp32 accumulators: c[lane] += (A B)[spec_c]. */
+static void emulate_mma(float c[32][4], uint32_t a[32][4], uint32_t b[32][2]) {
+    double A[16][16], B[16][8];
+    CHECK(gather_a(A, a), "A fragment covers the 16x16 block once");
+    CHECK(gather_b(B, b), "B fragment covers the 16x8 block once");
+    for (int lane = 0; lane < 32; lane++)
+        for (int i = 0; i < 4; i++) {
+            int r, col;
+            spec_c(lane, i, &r, &col);
+            double acc = 0.0;
+            for (int k = 0; k < 16; k++) acc += A[r][k] * B[k][col];
+            c[lane][i] += (float)acc;
+        }
+}
+
+enum { MMA_D = 64, MMA_LD = MMA_D + 8, MMA_ROWS = 64 };
+
+/* Tile element (r, c) = a small signed integer unique per position mod 31. */
+static void fill_tile(uint16_t *tile, int salt) {
+    for (int r = 0; r < MMA_ROWS; r++)
+        for (int c = 0; c < MMA_LD; c++)
+            tile[r * MMA_LD + c] = ng_f32_to_f16((float)((r * 7 + c * 3 + salt) % 31 - 15));
+}
+
+static double tile_at(const uint16_t *tile, int r, int c) { return ng_f16_to_f32(tile[r * MMA_LD + c]); }
+
+static void test_mma_fragments(void) {
+    static uint16_t x[MMA_ROWS * MMA_LD], y[MMA_ROWS * MMA_LD];
+    fill_tile(x, 1);
+    fill_tile(y, 5);
+
+    /* loads against the tables, at offsets that are not 0 */
+    uint32_t a[32][4], b[32][2];
+    double A[16][16], B[16][8];
+    int bad = 0;
+    for (int lane = 0; lane < 32; lane++) ng_mma_frag_a(a[lane], x, MMA_LD, 16, 32, lane);
+    CHECK(gather_a(A, a), "frag_a covers the block once");
+    for (int r = 0; r < 16; r++)
+        for (int c = 0; c < 16; c++) bad += A[r][c] != tile_at(x, 16 + r, 32 + c);
+    CHECK(bad == 0, "frag_a(r0=16, k0=32): %d elements differ from tile[16+r][32+c]", bad);
+
+    bad = 0;
+    for (int lane = 0; lane < 32; lane++) ng_mma_frag_b_rows(b[lane], y, MMA_LD, 24, 16, lane);
+    CHECK(gather_b(B, b), "frag_b_rows covers the block once");
+    for (int k = 0; k < 16; k++)
+        for (int n = 0; n < 8; n++) bad += B[k][n] != tile_at(y, 24 + n, 16 + k);
+    CHECK(bad == 0, "frag_b_rows(n0=24, k0=16): %d elements differ from tile[24+n][16+k]", bad);
+
+    bad = 0;
+    for (int lane = 0; lane < 32; lane++) ng_mma_frag_b_cols(b[lane], y, MMA_LD, 32, 40, lane);
+    CHECK(gather_b(B, b), "frag_b_cols covers the block once");
+    for (int k = 0; k < 16; k++)
+        for (int n = 0; n < 8; n++) bad += B[k][n] != tile_at(y, 32 + k, 40 + n);
+    CHECK(bad == 0, "frag_b_cols(k0=32, n0=40): %d elements differ from tile[32+k][40+n]", bad);
+
+    /* C fragments of two 8-column halves -> A fragment of the 16x16 block */
+    bad = 0;
+    for (int lane = 0; lane < 32; lane++) {
+        uint32_t half[2][2];
+        for (int h = 0; h < 2; h++)
+            for (int p = 0; p < 2; p++) {
+                int r0, c0, r1, c1;
+                spec_c(lane, 2 * p, &r0, &c0);
+                spec_c(lane, 2 * p + 1, &r1, &c1);
+                half[h][p] = ng_mma_pack(x[r0 * MMA_LD + 8 * h + c0], x[r1 * MMA_LD + 8 * h + c1]);
+            }
+        ng_mma_c_to_a(a[lane], half[0], half[1]);
+    }
+    CHECK(gather_a(A, a), "c_to_a covers the block once");
+    for (int r = 0; r < 16; r++)
+        for (int c = 0; c < 16; c++) bad += A[r][c] != tile_at(x, r, c);
+    CHECK(bad == 0, "c_to_a: %d elements differ from the accumulator block", bad);
+
+    /* S = X[16:32] Y^T over 64 rows of y and D = 64 columns, as mma_xyt does,
+     * then O = S' Y with S' = S mod 7 - 3 (small again) as mma_wy does. */
+    float s[8][32][4] = {{{0}}}, o[MMA_D / 8][32][4] = {{{0}}};
+    for (int k0 = 0; k0 < MMA_D; k0 += 16) {
+        for (int lane = 0; lane < 32; lane++) ng_mma_frag_a(a[lane], x, MMA_LD, 16, k0, lane);
+        for (int nt = 0; nt < 8; nt++) {
+            for (int lane = 0; lane < 32; lane++) ng_mma_frag_b_rows(b[lane], y, MMA_LD, nt * 8, k0, lane);
+            emulate_mma(s[nt], a, b);
+        }
+    }
+    bad = 0;
+    for (int nt = 0; nt < 8; nt++)
+        for (int lane = 0; lane < 32; lane++)
+            for (int i = 0; i < 4; i++) {
+                int r, c;
+                spec_c(lane, i, &r, &c);
+                double want = 0.0;
+                for (int d = 0; d < MMA_D; d++) want += tile_at(x, 16 + r, d) * tile_at(y, nt * 8 + c, d);
+                bad += s[nt][lane][i] != (float)want;
+                s[nt][lane][i] = (float)(((int)s[nt][lane][i] % 7 + 7) % 7 - 3);
+            }
+    CHECK(bad == 0, "X Y^T through fragments: %d of 4096 scores differ", bad);
+    for (int kt = 0; kt < 4; kt++) {
+        for (int lane = 0; lane < 32; lane++) {
+            const float *lo = s[2 * kt][lane], *hi = s[2 * kt + 1][lane];
+            uint32_t l2[2] = {ng_mma_pack(ng_f32_to_f16(lo[0]), ng_f32_to_f16(lo[1])),
+                              ng_mma_pack(ng_f32_to_f16(lo[2]), ng_f32_to_f16(lo[3]))};
+            uint32_t h2[2] = {ng_mma_pack(ng_f32_to_f16(hi[0]), ng_f32_to_f16(hi[1])),
+                              ng_mma_pack(ng_f32_to_f16(hi[2]), ng_f32_to_f16(hi[3]))};
+            ng_mma_c_to_a(a[lane], l2, h2);
+        }
+        for (int dt = 0; dt < MMA_D / 8; dt++) {
+            for (int lane = 0; lane < 32; lane++) ng_mma_frag_b_cols(b[lane], y, MMA_LD, kt * 16, dt * 8, lane);
+            emulate_mma(o[dt], a, b);
+        }
+    }
+    /* the reference reads S' back by position through the C table */
+    static double sp[16][64];
+    for (int nt = 0; nt < 8; nt++)
+        for (int lane = 0; lane < 32; lane++)
+            for (int i = 0; i < 4; i++) {
+                int r, c;
+                spec_c(lane, i, &r, &c);
+                sp[r][nt * 8 + c] = s[nt][lane][i];
+            }
+    bad = 0;
+    for (int dt = 0; dt < MMA_D / 8; dt++)
+        for (int lane = 0; lane < 32; lane++)
+            for (int i = 0; i < 4; i++) {
+                int r, c;
+                spec_c(lane, i, &r, &c);
+                double want = 0.0;
+                for (int j = 0; j < 64; j++) want += sp[r][j] * tile_at(y, j, dt * 8 + c);
+                bad += o[dt][lane][i] != (float)want;
+            }
+    CHECK(bad == 0, "P Y through c_to_a and frag_b_cols: %d of 1024 outputs differ", bad);
+}
+
+/* fp16 dS scaling: smallest e >= 0 with max_abs * 2^-e < 2^15. */
+static void test_mma_ds_exponent(void) {
+    CHECK(ng_mma_ds_exponent(0.0f) == 0, "0");
+    CHECK(ng_mma_ds_exponent(32767.0f) == 0, "32767 fits");
+    CHECK(ng_mma_ds_exponent(32768.0f) == 1, "2^15 needs one halving");
+    CHECK(ng_mma_ds_exponent(65504.0f) == 1, "fp16 max");
+    CHECK(ng_mma_ds_exponent(65536.0f) == 2, "2^16");
+    CHECK(ng_mma_ds_exponent(INFINITY) == 0, "inf propagates unscaled");
+    CHECK(ng_mma_ds_exponent(NAN) == 0, "NaN propagates unscaled");
+    CHECK(ng_mma_ds_exponent(FLT_MAX) == 128 - 15, "FLT_MAX");
+    int bad = 0;
+    for (int k = 0; k < 4000; k++) {
+        float x = (float)exp(urand() * 88.0);
+        int e = ng_mma_ds_exponent(x);
+        float scaled = ldexpf(x, -e);
+        bad += !(scaled < 32768.0f) || (e > 0 && !(ldexpf(x, 1 - e) >= 32768.0f));
+        /* what the kernel sends to fp16 stays finite */
+        bad += isinf(ng_f16_to_f32(ng_f32_to_f16(scaled)));
+    }
+    CHECK(bad == 0, "%d exponents not minimal or overflowing fp16", bad);
+}
+
 int main(void) {
     test_philox();
     test_math();
     test_bad_args();
+    test_mma_fragments();
+    test_mma_ds_exponent();
     const ng_dtype dtypes[4] = {NG_F64, NG_F32, NG_F16, NG_BF16};
     int paths = 0;
     NG_FOR_EACH_ISA(isa) {

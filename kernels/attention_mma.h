@@ -1,0 +1,93 @@
+/*
+ * kernels/attention_mma.h - register fragments of the tensor-core instruction
+ * mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: D[16x8] += A[16x16] B[16x8]
+ * with fp32 accumulators, the building block of the fp16/bf16 safe_sdpa CUDA
+ * kernels (kernels/attention.cu).
+ *
+ * Every function here only computes addresses and moves bits, so it is
+ * host+device: the ctest suite runs the kernels' own fragment loads on the
+ * CPU and checks them against the fragment tables of the PTX ISA
+ * ("Matrix Fragments for mma.m16n8k16 with floating point type").
+ *
+ * Lane l of the warp has group g = l / 4 and thread-in-group t = l % 4. A
+ * 32-bit register holds two 16-bit elements, the lower-indexed one in the low
+ * half. The PTX layouts, element by element:
+ *
+ *   A (4 regs, a0..a7):  row g + 8 * (i in {2,3,6,7}),  col 2t + (i & 1) + 8 * (i >= 4)
+ *   B (2 regs, b0..b3):  row (k) 2t + (i & 1) + 8 * (i >= 2),  col (n) g
+ *   C/D (4 fp32, c0..c3): row g + 8 * (i >= 2),  col 2t + (i & 1)
+ *
+ * Tiles live in shared memory as rows of `ld` 16-bit elements (row-major).
+ * With ld = head_dim + 8 (a 16-byte pad), ld / 2 = 4 (mod 32) words, so the 32
+ * lanes of every load below hit 32 different banks.
+ *
+ * Two facts the kernels rely on:
+ * - The C fragment of a 16x16 block (two n-tiles of 8 columns) has exactly the
+ *   elements of the A fragment of the same block, so probabilities computed in
+ *   accumulators feed the next product without a trip through shared memory
+ *   (ng_mma_c_to_a).
+ * - A product X * Y^T with Y row-major in shared memory reads B[k][n] = Y[n][k]
+ *   (ng_mma_frag_b_rows, two adjacent elements per register); a product
+ *   X * Y reads B[k][n] = Y[k][n] (ng_mma_frag_b_cols, elements of two rows).
+ */
+#ifndef NG_KERNELS_ATTENTION_MMA_H
+#define NG_KERNELS_ATTENTION_MMA_H
+
+#include <math.h>
+
+#include "kernels/common.h"
+
+/* Two 16-bit elements as one register, `lo` in the low half. */
+NG_HD uint32_t ng_mma_pack(uint16_t lo, uint16_t hi) { return (uint32_t)lo | ((uint32_t)hi << 16); }
+
+/* Two adjacent 16-bit elements p[0], p[1] (p 4-byte aligned) as one register. */
+NG_HD uint32_t ng_mma_ld2(const uint16_t *p) { return ng_mma_pack(p[0], p[1]); }
+
+/* A fragment of the 16x16 block at (r0, k0) of a row-major tile. */
+NG_HD void ng_mma_frag_a(uint32_t a[4], const uint16_t *tile, int ld, int r0, int k0, int lane) {
+    const uint16_t *p = tile + (r0 + (lane >> 2)) * ld + k0 + 2 * (lane & 3);
+    a[0] = ng_mma_ld2(p);              /* row g,     cols 2t, 2t+1 */
+    a[1] = ng_mma_ld2(p + 8 * ld);     /* row g + 8, cols 2t, 2t+1 */
+    a[2] = ng_mma_ld2(p + 8);          /* row g,     cols 2t+8, 2t+9 */
+    a[3] = ng_mma_ld2(p + 8 * ld + 8); /* row g + 8, cols 2t+8, 2t+9 */
+}
+
+/* B fragment with B[k][n] = tile[n0 + n][k0 + k]: the 16x8 block of Y^T for
+ * a product X * Y^T (scores q . k, dp = dout . v). */
+NG_HD void ng_mma_frag_b_rows(uint32_t b[2], const uint16_t *tile, int ld, int n0, int k0, int lane) {
+    const uint16_t *p = tile + (n0 + (lane >> 2)) * ld + k0 + 2 * (lane & 3);
+    b[0] = ng_mma_ld2(p);     /* k = 2t, 2t+1 */
+    b[1] = ng_mma_ld2(p + 8); /* k = 2t+8, 2t+9 */
+}
+
+/* B fragment with B[k][n] = tile[k0 + k][n0 + n]: the 16x8 block of Y for a
+ * product X * Y (p . v, ds . k, ds^T . q, p^T . dout). */
+NG_HD void ng_mma_frag_b_cols(uint32_t b[2], const uint16_t *tile, int ld, int k0, int n0, int lane) {
+    const uint16_t *p = tile + (k0 + 2 * (lane & 3)) * ld + n0 + (lane >> 2);
+    b[0] = ng_mma_pack(p[0], p[ld]);          /* k = 2t, 2t+1 */
+    b[1] = ng_mma_pack(p[8 * ld], p[9 * ld]); /* k = 2t+8, 2t+9 */
+}
+
+/* A fragment of a 16x16 block from the C fragments of its two 8-column
+ * halves, already packed to 16 bits in pairs: lo[0] = (c0, c1) and
+ * lo[1] = (c2, c3) of columns 0..7, hi[] the same of columns 8..15. */
+NG_HD void ng_mma_c_to_a(uint32_t a[4], const uint32_t lo[2], const uint32_t hi[2]) {
+    a[0] = lo[0]; /* row g,     cols 2t, 2t+1 */
+    a[1] = lo[1]; /* row g + 8, cols 2t, 2t+1 */
+    a[2] = hi[0]; /* row g,     cols 2t+8, 2t+9 */
+    a[3] = hi[1]; /* row g + 8, cols 2t+8, 2t+9 */
+}
+
+/* Power-of-two exponent e >= 0 that brings a row's largest |dS| (the
+ * gradient of the scores, rounded to fp16 for the tensor cores) under 2^15,
+ * so the rounding cannot overflow fp16's 65504: the fp16 kernels multiply
+ * that row by 2^-e before rounding and its fp32 accumulator by 2^e at the
+ * end. 0 for values that fit, for inf and for NaN (they propagate as they are). */
+NG_HD int ng_mma_ds_exponent(float max_abs) {
+    if (!(max_abs >= 32768.0f) || max_abs > 3.4028234663852886e38f) return 0;
+    int e;
+    frexpf(max_abs, &e); /* 2^(e-1) <= max_abs < 2^e, e >= 16 */
+    return e - 15;
+}
+
+#endif /* NG_KERNELS_ATTENTION_MMA_H */
