@@ -2,10 +2,15 @@
  * kernels/attention.cu - safe_sdpa on CUDA: tiled attention with an online
  * softmax, fp32 accumulation, the per-score math of attention_math.h.
  *
- * A clean SIMT version (no tensor cores yet): one warp per query row (fwd,
- * dq) or per key (dk/dv); each lane holds head-dim elements lane, lane+32,
- * ... (NT = ceil(E/32) of them, E <= 256), dot products are warp reductions,
- * K/V (or Q/dout) tiles are staged in shared memory as fp32.
+ * Two implementations of the same three kernels (forward, dk/dv, dq):
+ * - tensor cores (mma.sync m16n8k16) for fp16 / bf16 with E == Ev in
+ *   {64, 128} on sm_80+, described at their section below;
+ * - SIMT for everything else (fp32, other head dims up to 256, E != Ev).
+ *
+ * SIMT: one warp per query row (fwd, dq) or per key (dk/dv); each lane
+ * holds head-dim elements lane, lane+32, ... (NT = ceil(E/32) of them,
+ * E <= 256), dot products are warp reductions, K/V (or Q/dout) tiles are
+ * staged in shared memory as fp32.
  *
  *   fwd:  grid (ceil(L/32), Hq, B), 8 warps x 4 query rows. Per tile of 32
  *         keys, lane j owns key j's score: guarded, masked, folded into
@@ -19,9 +24,13 @@
  *               key tiles.
  * fp64 has no CUDA path (it exists for gradcheck on the CPU): NG_ERR_DTYPE.
  */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <string.h>
 
 #include "kernels/attention.h"
+#include "kernels/attention_mma.h"
 
 namespace {
 
@@ -170,18 +179,24 @@ struct bwd_terms {
     float pd, ds;
 };
 
-__device__ __forceinline__ bwd_terms bwd_score(const ng_attention_args &a, float qk, float dp, float lse,
-                                               float D, int64_t b, int64_t h, int64_t i, int64_t j) {
+/* keep: the dropout factor of (i, j), 0 or 1 / (1 - dropout_p); 1 without dropout. */
+__device__ __forceinline__ bwd_terms bwd_score_keep(const ng_attention_args &a, float qk, float dp, float lse,
+                                                    float D, int64_t b, int64_t h, int64_t i, int64_t j,
+                                                    float keep) {
     const float scale = (float)a.scale;
     const float raw = qk * scale;
     const float s = guarded_score(a, raw, b, h, i, j);
     bwd_terms o = {0.0f, 0.0f};
     if (s == -INFINITY || lse == -INFINITY) return o; /* masked or fully masked row */
     const float p = expf(s - lse);
-    const float keep = dropout_scale(a, b, h, i, j);
     o.pd = p * keep;
     o.ds = p * (dp * keep - D) * scale * ng_attn_transform_grad_f32(raw, (float)a.max_score, (float)a.softcap);
     return o;
+}
+
+__device__ __forceinline__ bwd_terms bwd_score(const ng_attention_args &a, float qk, float dp, float lse,
+                                               float D, int64_t b, int64_t h, int64_t i, int64_t j) {
+    return bwd_score_keep(a, qk, dp, lse, D, b, h, i, j, dropout_scale(a, b, h, i, j));
 }
 
 template <ng_dtype T, int NT>
@@ -331,6 +346,424 @@ static __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(ng_at
     }
 }
 
+/* ---- tensor cores: fp16 / bf16, head dim 64 or 128 ------------------------
+ *
+ * The same three kernels on mma.sync m16n8k16 (fp32 accumulators) for the
+ * common case E == Ev in {64, 128} on sm_80+. 4 warps; every warp owns 16
+ * rows of a 64-row block and walks 64-row tiles of the other operand, staged
+ * in shared memory as raw 16-bit elements (rows padded to D + 8, see
+ * attention_mma.h). Scores and dp live in C fragments; the per-score math is
+ * the SIMT kernels' (guarded_score, bwd_score); p and dS are rounded to the
+ * input dtype and fed back as A fragments, as FlashAttention-2 does.
+ *
+ *   fwd:  grid (ceil(L/64), Hq, B). Warp rows are queries; per key tile:
+ *         S = Q K^T, online softmax (row max over the 4 lanes of a group),
+ *         O = O * alpha + P V.
+ *   dkdv: grid (ceil(S/64), Hkv, B). Warp rows are keys; per query tile of
+ *         every head of the group: S^T = K Q^T and dP^T = V dO^T, then
+ *         dV += P^T dO and dK += dS^T Q.
+ *   dq:   grid (ceil(L/64), Hq, B). Warp rows are queries; per key tile:
+ *         S = Q K^T, dP = dO V^T, dQ += dS K.
+ *
+ * fp16 has a 65504 ceiling that dS (unlike p in [0, 1/(1-p)]) can exceed
+ * while dq and dk stay in range, so the fp16 kernels scale each dS row by a
+ * power of two before rounding (ng_mma_ds_exponent) and undo it, exactly, on
+ * the fp32 accumulator. bf16 has fp32's range and needs none of it. */
+
+constexpr int kMmaWarps = 4;
+constexpr int kMmaThreads = kMmaWarps * 32;
+constexpr int kMmaRows = 64;            /* rows per block and per staged tile */
+constexpr int kMmaNT = kMmaRows / 8;    /* n-tiles of 8 across a staged tile */
+
+template <ng_dtype T>
+__device__ __forceinline__ uint32_t pack_f32x2(float lo, float hi) {
+    uint32_t u;
+    if constexpr (T == NG_F16) {
+        __half2 h = __floats2half2_rn(lo, hi);
+        memcpy(&u, &h, sizeof u);
+    } else {
+        __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        memcpy(&u, &h, sizeof u);
+    }
+    return u;
+}
+
+template <ng_dtype T>
+__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if constexpr (T == NG_F16)
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    else
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    (void)c, (void)a, (void)b;
+    __trap(); /* never launched: the dispatcher requires compute capability 8.0 */
+#endif
+}
+
+/* Rows [r0, r0 + n) of a [seq, D] slice (row stride rs) into a 64-row tile,
+ * zeros past n. vec: every row start is 16-byte aligned (one 128-bit load per
+ * 8 elements); otherwise element loads. */
+template <int D>
+__device__ __forceinline__ void mma_stage(uint16_t *tile, const uint16_t *base, int64_t rs, int64_t r0, int64_t n,
+                                          int vec) {
+    constexpr int kLd = D + 8, kChunks = D / 8;
+    for (int x = threadIdx.x; x < kMmaRows * kChunks; x += kMmaThreads) {
+        const int r = x / kChunks, c = (x % kChunks) * 8;
+        uint4 w = make_uint4(0u, 0u, 0u, 0u);
+        if (r < n) {
+            const uint16_t *src = base + (r0 + r) * rs + c;
+            if (vec) {
+                w = *(const uint4 *)src;
+            } else {
+                w.x = ng_mma_pack(src[0], src[1]);
+                w.y = ng_mma_pack(src[2], src[3]);
+                w.z = ng_mma_pack(src[4], src[5]);
+                w.w = ng_mma_pack(src[6], src[7]);
+            }
+        }
+        *(uint4 *)(tile + r * kLd + c) = w;
+    }
+}
+
+/* acc[16 x 8*NO] += X[16 x 64] Y^T-block, i.e. for every n-tile nt of the
+ * 64-row tile y: c[nt] += x_rows(warp) . y_rows(nt)^T over the D columns. */
+template <ng_dtype T, int D>
+__device__ __forceinline__ void mma_xyt(float c[kMmaNT][4], const uint16_t *x, int xr0, const uint16_t *y,
+                                        int lane) {
+    constexpr int kLd = D + 8;
+#pragma unroll
+    for (int k0 = 0; k0 < D; k0 += 16) {
+        uint32_t a[4];
+        ng_mma_frag_a(a, x, kLd, xr0, k0, lane);
+#pragma unroll
+        for (int nt = 0; nt < kMmaNT; nt++) {
+            uint32_t b[2];
+            ng_mma_frag_b_rows(b, y, kLd, nt * 8, k0, lane);
+            mma_16816<T>(c[nt], a, b);
+        }
+    }
+}
+
+/* acc[16 x D] += W[16 x 64] Y, W given as C fragments (w[nt][4], fp32) that
+ * are rounded to T here, Y a 64-row tile. */
+template <ng_dtype T, int D>
+__device__ __forceinline__ void mma_wy(float acc[D / 8][4], const float w[kMmaNT][4], const uint16_t *y,
+                                       int lane) {
+    constexpr int kLd = D + 8;
+#pragma unroll
+    for (int kt = 0; kt < kMmaNT / 2; kt++) {
+        const uint32_t lo[2] = {pack_f32x2<T>(w[2 * kt][0], w[2 * kt][1]),
+                                pack_f32x2<T>(w[2 * kt][2], w[2 * kt][3])};
+        const uint32_t hi[2] = {pack_f32x2<T>(w[2 * kt + 1][0], w[2 * kt + 1][1]),
+                                pack_f32x2<T>(w[2 * kt + 1][2], w[2 * kt + 1][3])};
+        uint32_t a[4];
+        ng_mma_c_to_a(a, lo, hi);
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt++) {
+            uint32_t b[2];
+            ng_mma_frag_b_cols(b, y, kLd, kt * 16, dt * 8, lane);
+            mma_16816<T>(acc[dt], a, b);
+        }
+    }
+}
+
+/* fp16 dS rows: pick each row's exponent (max over the 4 lanes holding it),
+ * move the accumulator to a larger one when needed, scale the row down. */
+template <ng_dtype T, int D>
+__device__ __forceinline__ void mma_scale_ds(float ds[kMmaNT][4], float acc[D / 8][4], int ex[2]) {
+    if constexpr (T != NG_F16) return;
+    float mx[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int nt = 0; nt < kMmaNT; nt++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) mx[c >> 1] = fmaxf(mx[c >> 1], fabsf(ds[nt][c])); /* fmaxf skips NaN */
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFull, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFull, mx[r], 2));
+        const int need = ng_mma_ds_exponent(mx[r]);
+        if (need > ex[r]) {
+            const float f = ldexpf(1.0f, ex[r] - need);
+#pragma unroll
+            for (int dt = 0; dt < D / 8; dt++) {
+                acc[dt][2 * r] *= f;
+                acc[dt][2 * r + 1] *= f;
+            }
+            ex[r] = need;
+        }
+    }
+    if (ex[0] == 0 && ex[1] == 0) return;
+    const float f0 = ldexpf(1.0f, -ex[0]), f1 = ldexpf(1.0f, -ex[1]);
+#pragma unroll
+    for (int nt = 0; nt < kMmaNT; nt++) {
+        ds[nt][0] *= f0;
+        ds[nt][1] *= f0;
+        ds[nt][2] *= f1;
+        ds[nt][3] *= f1;
+    }
+}
+
+/* Row r (0: g, 1: g + 8) and column of C-fragment element c of n-tile nt. */
+__device__ __forceinline__ int frag_row(int lane, int c) { return (lane >> 2) + 8 * (c >> 1); }
+__device__ __forceinline__ int frag_col(int lane, int nt, int c) { return nt * 8 + 2 * (lane & 3) + (c & 1); }
+
+/* Dropout keep bits of a lane's 32 C-fragment elements of a tile (bit
+ * 4 * nt + c), rows from row0 and columns from col0; rows are keys and
+ * columns queries when keys_are_rows. A loop that is not unrolled, so each
+ * kernel carries one Philox body rather than one per fragment element. */
+__device__ __forceinline__ uint32_t mma_keep_bits(const ng_attention_args &a, int64_t b, int64_t h, int64_t row0,
+                                                  int64_t col0, int keys_are_rows, int lane) {
+    uint32_t bits = 0;
+#pragma unroll 1
+    for (int x = 0; x < 4 * kMmaNT; x++) {
+        const int64_t r = row0 + frag_row(lane, x & 3), c = col0 + frag_col(lane, x >> 2, x & 3);
+        const int64_t i = keys_are_rows ? c : r, j = keys_are_rows ? r : c;
+        if (i < a.L && j < a.S) {
+            const uint64_t e = (uint64_t)(((b * a.Hq + h) * a.L + i) * a.S + j);
+            bits |= (uint32_t)ng_attn_dropout_keep(a.seed, a.offset, e, (float)a.dropout_p) << x;
+        }
+    }
+    return bits;
+}
+
+/* The factor bit 4 * nt + c of keep-bits stands for: 0 or 1 / (1 - p). */
+__device__ __forceinline__ float keep_factor(uint32_t bits, int nt, int c, float inv_keep) {
+    return (bits >> (4 * nt + c)) & 1u ? inv_keep : 0.0f;
+}
+
+/* Store a warp's 16 x D accumulator rows, row r times mul[r], to rows
+ * row0 + frag_row of a [seq, D] slice; rows >= n are skipped. */
+template <ng_dtype T, int D>
+__device__ __forceinline__ void mma_store_rows(void *dst, int64_t base, int64_t rs, int64_t row0, int64_t n,
+                                               const float acc[D / 8][4], const float mul[2], int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int64_t i = row0 + frag_row(lane, 2 * r);
+        if (i >= n) continue;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt++)
+#pragma unroll
+            for (int c = 2 * r; c < 2 * r + 2; c++)
+                ng_store_f32(dst, T, base + i * rs + frag_col(lane, dt, c), acc[dt][c] * mul[r]);
+    }
+}
+
+/* dout . out for rows [i0, i0 + 64) into dl[64] (one warp per row) and their
+ * logsumexp into ls[64] (-inf past L, so those rows get p = 0). */
+template <ng_dtype T, int D>
+__device__ __forceinline__ void mma_row_terms(float *dl, float *ls, const ng_attention_args &a, const void *gb,
+                                              const void *ob, const float *lse, int64_t i0) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int r = warp; r < kMmaRows; r += kMmaWarps) {
+        const int64_t i = i0 + r;
+        float part = 0.0f;
+        if (i < a.L)
+            for (int d = lane; d < D; d += 32)
+                part += ld<T>(gb, i * a.dout_stride[2] + d) * ld<T>(ob, i * a.out_stride[2] + d);
+        part = warp_sum(part);
+        if (lane == 0) {
+            dl[r] = part;
+            ls[r] = i < a.L ? lse[i] : -INFINITY;
+        }
+    }
+}
+
+template <ng_dtype T, int D>
+static __global__ void __launch_bounds__(kMmaThreads) attention_fwd_mma_kernel(ng_attention_args a, int vec) {
+    constexpr int kTile = kMmaRows * (D + 8);
+    extern __shared__ uint4 mma_smem[];
+    uint16_t *qs = (uint16_t *)mma_smem, *ks = qs + kTile, *vs = ks + kTile;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (a.Hq / a.Hkv);
+    const int64_t q0 = (int64_t)blockIdx.x * kMmaRows;
+    const float scale = (float)a.scale;
+    const bool drop = a.dropout_p > 0.0;
+    const float inv_keep = drop ? (float)(1.0 / (1.0 - a.dropout_p)) : 1.0f;
+    const uint16_t *qb = (const uint16_t *)a.q + b * a.q_stride[0] + h * a.q_stride[1];
+    const uint16_t *kb = (const uint16_t *)a.k + b * a.k_stride[0] + hk * a.k_stride[1];
+    const uint16_t *vb = (const uint16_t *)a.v + b * a.v_stride[0] + hk * a.v_stride[1];
+    mma_stage<D>(qs, qb, a.q_stride[2], q0, a.L - q0, vec);
+
+    float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    const int64_t kend = a.is_causal ? NG_MIN(a.S, q0 + kMmaRows) : a.S;
+    for (int64_t j0 = 0; j0 < kend; j0 += kMmaRows) {
+        __syncthreads();
+        mma_stage<D>(ks, kb, a.k_stride[2], j0, kend - j0, vec);
+        mma_stage<D>(vs, vb, a.v_stride[2], j0, kend - j0, vec);
+        __syncthreads();
+        float s[kMmaNT][4] = {};
+        mma_xyt<T, D>(s, qs, warp * 16, ks, lane);
+
+        float bm[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int nt = 0; nt < kMmaNT; nt++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int64_t i = q0 + warp * 16 + frag_row(lane, c), j = j0 + frag_col(lane, nt, c);
+                const float x = (i < a.L && j < kend) ? guarded_score(a, s[nt][c] * scale, b, h, i, j) : -INFINITY;
+                s[nt][c] = x;
+                bm[c >> 1] = ng_attn_max_nan_f32(bm[c >> 1], x);
+            }
+        const uint32_t keep = drop ? mma_keep_bits(a, b, h, q0 + warp * 16, j0, 0, lane) : 0u;
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            bm[r] = ng_attn_max_nan_f32(bm[r], __shfl_xor_sync(kFull, bm[r], 1));
+            bm[r] = ng_attn_max_nan_f32(bm[r], __shfl_xor_sync(kFull, bm[r], 2));
+            const float m_new = ng_attn_max_nan_f32(m[r], bm[r]);
+            alpha[r] = ng_attn_rescale_f32(m[r], m_new);
+            m[r] = m_new;
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int nt = 0; nt < kMmaNT; nt++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int r = c >> 1;
+                const float p = ng_attn_exp_shift_f32(s[nt][c], m[r]);
+                l[r] += p;
+                s[nt][c] = drop ? p * keep_factor(keep, nt, c, inv_keep) : p;
+            }
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) o[dt][c] *= alpha[c >> 1];
+        mma_wy<T, D>(o, s, vs, lane);
+    }
+
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) { /* the 4 lanes of a group hold disjoint parts of the row sum */
+        l[r] += __shfl_xor_sync(kFull, l[r], 1);
+        l[r] += __shfl_xor_sync(kFull, l[r], 2);
+        inv[r] = ng_attn_inv_sum_f32(l[r]);
+        const int64_t i = q0 + warp * 16 + frag_row(lane, 2 * r);
+        if ((lane & 3) == 0 && i < a.L) ((float *)a.lse)[(b * a.Hq + h) * a.L + i] = ng_attn_lse_f32(m[r], l[r]);
+    }
+    mma_store_rows<T, D>(a.out, b * a.out_stride[0] + h * a.out_stride[1], a.out_stride[2], q0 + warp * 16,
+                         a.L, o, inv, lane);
+}
+
+template <ng_dtype T, int D>
+static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dkdv_mma_kernel(ng_attention_args a, int vec) {
+    constexpr int kTile = kMmaRows * (D + 8);
+    extern __shared__ uint4 mma_smem[];
+    uint16_t *ks = (uint16_t *)mma_smem, *vs = ks + kTile, *qs = vs + kTile, *gs = qs + kTile;
+    float *dl = (float *)(gs + kTile), *ls = dl + kMmaRows;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t b = blockIdx.z, hk = blockIdx.y, grp = a.Hq / a.Hkv;
+    const int64_t j0 = (int64_t)blockIdx.x * kMmaRows;
+    const bool drop = a.dropout_p > 0.0;
+    const float inv_keep = drop ? (float)(1.0 / (1.0 - a.dropout_p)) : 1.0f;
+    const uint16_t *kb = (const uint16_t *)a.k + b * a.k_stride[0] + hk * a.k_stride[1];
+    const uint16_t *vb = (const uint16_t *)a.v + b * a.v_stride[0] + hk * a.v_stride[1];
+    mma_stage<D>(ks, kb, a.k_stride[2], j0, a.S - j0, vec);
+    mma_stage<D>(vs, vb, a.v_stride[2], j0, a.S - j0, vec);
+
+    float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+    int ex[2] = {0, 0};
+    /* causal: query tiles that end before this block's first key see none of it */
+    const int64_t istart = a.is_causal ? j0 : 0;
+    for (int64_t h = hk * grp; h < (hk + 1) * grp; h++) {
+        const uint16_t *qb = (const uint16_t *)a.q + b * a.q_stride[0] + h * a.q_stride[1];
+        const uint16_t *gb = (const uint16_t *)a.dout + b * a.dout_stride[0] + h * a.dout_stride[1];
+        const void *ob = slice<T>(a.out, b * a.out_stride[0] + h * a.out_stride[1]);
+        const float *lse = (const float *)a.lse + (b * a.Hq + h) * a.L;
+        for (int64_t i0 = istart; i0 < a.L; i0 += kMmaRows) {
+            __syncthreads();
+            mma_stage<D>(qs, qb, a.q_stride[2], i0, a.L - i0, vec);
+            mma_stage<D>(gs, gb, a.dout_stride[2], i0, a.L - i0, vec);
+            mma_row_terms<T, D>(dl, ls, a, gb, ob, lse, i0);
+            __syncthreads();
+            float st[kMmaNT][4] = {}, dpt[kMmaNT][4] = {};
+            mma_xyt<T, D>(st, ks, warp * 16, qs, lane);
+            mma_xyt<T, D>(dpt, vs, warp * 16, gs, lane);
+            const uint32_t keep = drop ? mma_keep_bits(a, b, h, j0 + warp * 16, i0, 1, lane) : 0u;
+#pragma unroll
+            for (int nt = 0; nt < kMmaNT; nt++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    const int64_t j = j0 + warp * 16 + frag_row(lane, c);
+                    const int il = frag_col(lane, nt, c);
+                    const float kf = drop ? keep_factor(keep, nt, c, inv_keep) : 1.0f;
+                    bwd_terms w = {0.0f, 0.0f};
+                    if (j < a.S) w = bwd_score_keep(a, st[nt][c], dpt[nt][c], ls[il], dl[il], b, h, i0 + il, j, kf);
+                    st[nt][c] = w.pd;
+                    dpt[nt][c] = w.ds;
+                }
+            mma_scale_ds<T, D>(dpt, dk, ex);
+            mma_wy<T, D>(dv, st, gs, lane);
+            mma_wy<T, D>(dk, dpt, qs, lane);
+        }
+    }
+
+    const float one[2] = {1.0f, 1.0f}, kmul[2] = {ldexpf(1.0f, ex[0]), ldexpf(1.0f, ex[1])};
+    mma_store_rows<T, D>(a.dk, b * a.dk_stride[0] + hk * a.dk_stride[1], a.dk_stride[2], j0 + warp * 16, a.S,
+                         dk, kmul, lane);
+    mma_store_rows<T, D>(a.dv, b * a.dv_stride[0] + hk * a.dv_stride[1], a.dv_stride[2], j0 + warp * 16, a.S,
+                         dv, one, lane);
+}
+
+template <ng_dtype T, int D>
+static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dq_mma_kernel(ng_attention_args a, int vec) {
+    constexpr int kTile = kMmaRows * (D + 8);
+    extern __shared__ uint4 mma_smem[];
+    uint16_t *qs = (uint16_t *)mma_smem, *gs = qs + kTile, *ks = gs + kTile, *vs = ks + kTile;
+    float *dl = (float *)(vs + kTile), *ls = dl + kMmaRows;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (a.Hq / a.Hkv);
+    const int64_t q0 = (int64_t)blockIdx.x * kMmaRows;
+    const bool drop = a.dropout_p > 0.0;
+    const float inv_keep = drop ? (float)(1.0 / (1.0 - a.dropout_p)) : 1.0f;
+    const uint16_t *qb = (const uint16_t *)a.q + b * a.q_stride[0] + h * a.q_stride[1];
+    const uint16_t *gb = (const uint16_t *)a.dout + b * a.dout_stride[0] + h * a.dout_stride[1];
+    const uint16_t *kb = (const uint16_t *)a.k + b * a.k_stride[0] + hk * a.k_stride[1];
+    const uint16_t *vb = (const uint16_t *)a.v + b * a.v_stride[0] + hk * a.v_stride[1];
+    const void *ob = slice<T>(a.out, b * a.out_stride[0] + h * a.out_stride[1]);
+    mma_stage<D>(qs, qb, a.q_stride[2], q0, a.L - q0, vec);
+    mma_stage<D>(gs, gb, a.dout_stride[2], q0, a.L - q0, vec);
+    mma_row_terms<T, D>(dl, ls, a, gb, ob, (const float *)a.lse + (b * a.Hq + h) * a.L, q0);
+
+    float dq[D / 8][4] = {};
+    int ex[2] = {0, 0};
+    const int64_t kend = a.is_causal ? NG_MIN(a.S, q0 + kMmaRows) : a.S;
+    for (int64_t j0 = 0; j0 < kend; j0 += kMmaRows) {
+        __syncthreads();
+        mma_stage<D>(ks, kb, a.k_stride[2], j0, kend - j0, vec);
+        mma_stage<D>(vs, vb, a.v_stride[2], j0, kend - j0, vec);
+        __syncthreads();
+        float s[kMmaNT][4] = {}, dp[kMmaNT][4] = {};
+        mma_xyt<T, D>(s, qs, warp * 16, ks, lane);
+        mma_xyt<T, D>(dp, gs, warp * 16, vs, lane);
+        const uint32_t keep = drop ? mma_keep_bits(a, b, h, q0 + warp * 16, j0, 0, lane) : 0u;
+#pragma unroll
+        for (int nt = 0; nt < kMmaNT; nt++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int ir = warp * 16 + frag_row(lane, c);
+                const int64_t j = j0 + frag_col(lane, nt, c);
+                const float kf = drop ? keep_factor(keep, nt, c, inv_keep) : 1.0f;
+                float ds = 0.0f;
+                if (j < kend)
+                    ds = bwd_score_keep(a, s[nt][c], dp[nt][c], ls[ir], dl[ir], b, h, q0 + ir, j, kf).ds;
+                s[nt][c] = ds;
+            }
+        mma_scale_ds<T, D>(s, dq, ex);
+        mma_wy<T, D>(dq, s, ks, lane);
+    }
+
+    const float qmul[2] = {ldexpf(1.0f, ex[0]), ldexpf(1.0f, ex[1])};
+    mma_store_rows<T, D>(a.dq, b * a.dq_stride[0] + h * a.dq_stride[1], a.dq_stride[2], q0 + warp * 16, a.L, dq,
+                         qmul, lane);
+}
+
 /* ---- launch helpers ------------------------------------------------------ */
 
 ng_status cuda_check() { return cudaGetLastError() == cudaSuccess ? NG_OK : NG_ERR_CUDA; }
@@ -376,9 +809,56 @@ ng_status launch_bwd(const ng_attention_args *a, cudaStream_t st) {
     return cuda_check();
 }
 
+template <ng_dtype T, int D>
+ng_status launch_mma(const ng_attention_args *a, cudaStream_t st, int backward, int vec) {
+    const size_t tile = sizeof(uint16_t) * (size_t)(kMmaRows * (D + 8));
+    if (!backward) {
+        dim3 grid((unsigned)NG_CEIL_DIV(a->L, (int64_t)kMmaRows), (unsigned)a->Hq, (unsigned)a->B);
+        NG_TRY(allow_smem(attention_fwd_mma_kernel<T, D>, 3 * tile));
+        attention_fwd_mma_kernel<T, D><<<grid, kMmaThreads, 3 * tile, st>>>(*a, vec);
+        return cuda_check();
+    }
+    const size_t sm = 4 * tile + 2 * kMmaRows * sizeof(float);
+    if (a->S > 0) {
+        dim3 grid((unsigned)NG_CEIL_DIV(a->S, (int64_t)kMmaRows), (unsigned)a->Hkv, (unsigned)a->B);
+        NG_TRY(allow_smem(attention_bwd_dkdv_mma_kernel<T, D>, sm));
+        attention_bwd_dkdv_mma_kernel<T, D><<<grid, kMmaThreads, sm, st>>>(*a, vec);
+        NG_TRY(cuda_check());
+    }
+    if (a->L == 0) return NG_OK;
+    dim3 grid((unsigned)NG_CEIL_DIV(a->L, (int64_t)kMmaRows), (unsigned)a->Hq, (unsigned)a->B);
+    NG_TRY(allow_smem(attention_bwd_dq_mma_kernel<T, D>, sm));
+    attention_bwd_dq_mma_kernel<T, D><<<grid, kMmaThreads, sm, st>>>(*a, vec);
+    return cuda_check();
+}
+
+/* A [B, heads, seq, D] operand whose every row starts on 16 bytes. */
+int rows_aligned16(const void *p, const int64_t stride[3]) {
+    return (uintptr_t)p % 16 == 0 && stride[0] % 8 == 0 && stride[1] % 8 == 0 && stride[2] % 8 == 0;
+}
+
+/* The tensor-core kernels take fp16 / bf16 with E == Ev in {64, 128} on a
+ * device of compute capability 8.0 or newer; everything else runs SIMT. */
+int mma_eligible(const ng_attention_args *a) {
+    if ((a->dtype != NG_F16 && a->dtype != NG_BF16) || a->E != a->Ev || (a->E != 64 && a->E != 128)) return 0;
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+        return 0;
+    return major >= 8;
+}
+
 /* Dispatch on NT = ceil(max(E, Ev) / 32) rounded up to 1, 2, 4, 8. */
 template <ng_dtype T>
 ng_status dispatch_nt(const ng_attention_args *a, cudaStream_t st, int backward) {
+    if constexpr (T != NG_F32) {
+        if (mma_eligible(a)) {
+            const int vec = rows_aligned16(a->q, a->q_stride) && rows_aligned16(a->k, a->k_stride) &&
+                            rows_aligned16(a->v, a->v_stride) &&
+                            (!backward || rows_aligned16(a->dout, a->dout_stride));
+            return a->E == 64 ? launch_mma<T, 64>(a, st, backward, vec) : launch_mma<T, 128>(a, st, backward, vec);
+        }
+    }
     const int64_t dmax = NG_MAX(a->E, a->Ev);
     if (dmax <= 32) return backward ? launch_bwd<T, 1>(a, st) : launch_fwd<T, 1>(a, st);
     if (dmax <= 64) return backward ? launch_bwd<T, 2>(a, st) : launch_fwd<T, 2>(a, st);
