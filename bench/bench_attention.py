@@ -12,6 +12,12 @@ process beyond its inputs, read from VmHWM; CUDA: torch.cuda.max_memory_allocate
 beyond the inputs).
 
     python bench/bench_attention.py [--device cuda] [--repeats 5] [--no-memory]
+    python bench/bench_attention.py --flash      # CUDA: TFLOP/s against flash
+
+--flash (a CUDA device only) is the GPU headline: bf16, B=4, H=16, D=128,
+L = S = 4096, no mask and causal, forward and forward+backward, safe_sdpa
+(the tensor-core kernels) against F.scaled_dot_product_attention restricted
+to PyTorch's flash backend; it reports TFLOP/s of both and their ratio.
 """
 
 from __future__ import annotations
@@ -112,6 +118,47 @@ def peak_memory(name, L, dtype, variant, device):
         return -1
 
 
+def flash_compare(repeats: int) -> None:
+    """safe_sdpa vs PyTorch's flash backend, bf16, D=128, L=4096, on CUDA."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    Bf, Hf, Lf, Df = 4, 16, 4096, 128
+    g = torch.Generator().manual_seed(0)
+    q, k, v, gy = (torch.randn(Bf, Hf, Lf, Df, generator=g).to("cuda", torch.bfloat16) for _ in range(4))
+
+    def flash(q, k, v, causal):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    cands = {"nanguard": lambda q, k, v, c: safe_sdpa(q, k, v, is_causal=c), "flash": flash}
+    rows = []
+    for causal in (False, True):
+        for mode in ("fwd", "fwd+bwd"):
+            qg, kg, vg = (t.detach().requires_grad_(mode != "fwd") for t in (q, k, v))
+
+            def mk(f):
+                def run():
+                    if mode == "fwd":
+                        with torch.no_grad():
+                            f(qg, kg, vg, causal)
+                    else:
+                        f(qg, kg, vg, causal).backward(gy)
+                        qg.grad = kg.grad = vg.grad = None
+                return run
+
+            t = _common.time_fns({n: mk(f) for n, f in cands.items()}, repeats=repeats, warmup=3, device="cuda")
+            fl = 4.0 * Bf * Hf * Lf * Lf * Df * (0.5 if causal else 1.0) * (3.5 if mode != "fwd" else 1.0)
+            row = {"causal": causal, "mode": mode, "nanguard_ms": t["nanguard"] * 1e3, "flash_ms": t["flash"] * 1e3,
+                   "nanguard_TFLOPs": fl / t["nanguard"] / 1e12, "flash_TFLOPs": fl / t["flash"] / 1e12,
+                   "nanguard_vs_flash": t["flash"] / t["nanguard"]}
+            rows.append(row)
+            print(row, flush=True)
+    cols = ["causal", "mode", "nanguard_ms", "flash_ms", "nanguard_TFLOPs", "flash_TFLOPs", "nanguard_vs_flash"]
+    _common.write_results("attention_cuda_flash", rows, cols,
+                          {"B": Bf, "H": Hf, "L": Lf, "D": Df, "dtype": "bfloat16",
+                           "gpu": torch.cuda.get_device_name()})
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cpu")
@@ -119,7 +166,13 @@ def main():
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--memory-child")
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    p.add_argument("--flash", action="store_true", help="CUDA: bf16 D=128 L=4096 TFLOP/s against flash")
     args = p.parse_args()
+    if args.flash:
+        if not torch.cuda.is_available():
+            raise SystemExit("--flash needs a CUDA device")
+        flash_compare(max(args.repeats, 10))
+        return
     if args.memory_child:
         _memory_child(args.memory_child)
         return
