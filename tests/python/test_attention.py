@@ -638,12 +638,27 @@ def test_fuzz_shapes_strides_dtypes(B, hkv, group, L, S, E, Ev, dtype, mask, cau
 # ---- CUDA --------------------------------------------------------------------------------
 
 
+# Shapes that take the tensor-core kernels on sm_80+ (fp16 / bf16 with
+# E == Ev in {64, 128}): several key tiles, ragged last tiles, causal with
+# L != S, GQA, every mask convention with fully masked rows, the guards.
+TC_CASES = {
+    "tc_d64": (2, 2, 2, 100, 130, 64, 64, {}),
+    "tc_L1_S1": (1, 1, 1, 1, 1, 64, 64, {}),
+    "tc_d128_causal": (1, 2, 2, 129, 200, 128, 128, {"causal": True}),
+    "tc_d64_causal_L_gt_S": (1, 2, 2, 150, 70, 64, 64, {"causal": True}),
+    "tc_gqa_neginf": (2, 4, 2, 70, 65, 64, 64, {"mask_kind": "neginf"}),
+    "tc_d128_bool": (1, 2, 2, 64, 64, 128, 128, {"mask_kind": "bool"}),
+    "tc_lowest_ls": (1, 2, 1, 23, 31, 64, 64, {"mask_kind": "lowest", "mask_shape": "ls"}),
+    "tc_clamp_softcap": (1, 2, 2, 40, 77, 128, 128, {"max_score": 3.0, "softcap": 2.0, "scale_in": 2.0}),
+}
+
+
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", ["plain", "D256", "gqa", "causal_L_gt_S", "bool", "neginf_pad",
-                                  "clamp_softcap_mask", "L7_S129_D40"])
+                                  "clamp_softcap_mask", "L7_S129_D40", *TC_CASES])
 def test_cuda_matches_cpu_op(case, dtype):
-    B, Hq, Hkv, L, S, E, Ev, kw = CASES[case]
+    B, Hq, Hkv, L, S, E, Ev, kw = {**CASES, **TC_CASES}[case]
     kw = dict(kw)
     q = rand((B, Hq, L, E), dtype, 1, kw.pop("scale_in", 1.0))
     k = rand((B, Hkv, S, E), dtype, 2)
@@ -700,3 +715,53 @@ def test_cuda_fp16_overflow_and_masked_rows():
     out = safe_sdpa(q, k, v, attn_mask=mask)
     assert torch.isfinite(out).all() and (out[..., 2, :] == 0).all()
     assert_close(out.cpu(), ref_sdpa(q.cpu(), k.cpu(), v.cpu(), mask=mask.cpu()), "out", torch.float16)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cuda_tensor_core_path_with_unaligned_rows_and_dropout(dtype):
+    """Rows that do not start on 16 bytes (element loads instead of 128-bit
+    ones) and dropout (the same Philox mask as the CPU's for the same seed)."""
+    B, H, L, S, D = 2, 2, 90, 75, 64
+    q = rand((B, H, L, D + 5), dtype, 1)[..., 3 : 3 + D]
+    k = rand((B, H, S, D + 5), dtype, 2)[..., 1 : 1 + D]
+    v = rand((B, H, S, D), dtype, 3)
+    gy = rand((B, H, L, D), dtype, 4)
+
+    def run(device, p):
+        ts = [t.to(device).requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(11)
+        out = safe_sdpa(*ts, dropout_p=p, is_causal=True)
+        return [out, *torch.autograd.grad(out, ts, gy.to(device))]
+
+    for p in (0.0, 0.2):
+        for got, want in zip(run("cuda", p), run("cpu", p)):
+            assert_close(got.float().cpu(), want.float(), "grad", dtype)
+
+
+@requires_cuda
+def test_cuda_fp16_backward_survives_a_score_gradient_above_fp16_max():
+    """dS = P (dP - D) scale exceeds 65504 here while dq and dk fit in fp16:
+    the tensor-core backward must not round dS to inf."""
+    g = torch.Generator().manual_seed(0)
+    q = (0.01 * torch.randn(1, 1, 32, 64, generator=g)).half()  # small q, k: p near uniform over 3 keys
+    k = (0.01 * torch.randn(1, 1, 3, 64, generator=g)).half()
+    v = (2000 * torch.randn(1, 1, 3, 64, generator=g)).half()  # large v, dout: |dS| up to ~3e5
+    gy = (200 * torch.randn(1, 1, 32, 64, generator=g)).half()
+
+    def run(device):
+        ts = [t.to(device).requires_grad_() for t in (q, k, v)]
+        out = safe_sdpa(*ts)
+        return [out, *torch.autograd.grad(out, ts, gy.to(device))]
+
+    cpu = run("cpu")
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    s = (qd @ kd.transpose(-1, -2)) / 8.0
+    p = torch.softmax(s, -1)
+    dp = gy.double() @ vd.transpose(-1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True)) / 8.0
+    assert ds.abs().max() > 65504  # the case this test exists for
+    for got, want in zip(run("cuda"), cpu):
+        assert torch.isfinite(want).all()
+        assert torch.isfinite(got).all()
+        assert_close(got.float().cpu(), want.float(), "grad", torch.float16)
