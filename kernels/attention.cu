@@ -91,6 +91,17 @@ __device__ __forceinline__ void stage(float *tile, int rows, const void *base, i
     }
 }
 
+/* Keys [j0, j0 + nk) of K and V into ks and vs (kBK rows each), between
+ * barriers: the previous tile's readers are done, the new one is complete. */
+template <ng_dtype T>
+__device__ __forceinline__ void stage_kv(float *ks, float *vs, const void *kb, const void *vb,
+                                         const ng_attention_args &a, int64_t j0, int64_t nk) {
+    __syncthreads();
+    stage<T>(ks, kBK, kb, a.k_stride[2], j0, nk, a.E);
+    stage<T>(vs, kBK, vb, a.v_stride[2], j0, nk, a.Ev);
+    __syncthreads();
+}
+
 template <ng_dtype T>
 __device__ __forceinline__ const void *slice(const void *p, int64_t off) {
     return (const char *)p + off * (int64_t)(T == NG_F32 ? 4 : 2);
@@ -124,10 +135,7 @@ static __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(ng_atten
     const int64_t kend = a.is_causal ? NG_MIN(a.S, blk0 + kFwdBQ) : a.S;
     for (int64_t j0 = 0; j0 < kend; j0 += kBK) {
         const int64_t nk = NG_MIN((int64_t)kBK, kend - j0);
-        __syncthreads();
-        stage<T>(ks, kBK, kb, a.k_stride[2], j0, nk, a.E);
-        stage<T>(vs, kBK, vb, a.v_stride[2], j0, nk, a.Ev);
-        __syncthreads();
+        stage_kv<T>(ks, vs, kb, vb, a, j0, nk);
         for (int r = 0; r < kFwdRows; r++) {
             const int64_t i = row0 + r, j = j0 + lane;
             float mine = 0.0f;
@@ -311,10 +319,7 @@ static __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(ng_at
     const int64_t kend = a.is_causal ? NG_MIN(a.S, blk0 + kBwdBlock) : a.S;
     for (int64_t j0 = 0; j0 < kend; j0 += kBK) {
         const int64_t nk = NG_MIN((int64_t)kBK, kend - j0);
-        __syncthreads();
-        stage<T>(ks, kBK, kb, a.k_stride[2], j0, nk, a.E);
-        stage<T>(vs, kBK, vb, a.v_stride[2], j0, nk, a.Ev);
-        __syncthreads();
+        stage_kv<T>(ks, vs, kb, vb, a, j0, nk);
         for (int r = 0; r < kBwdPer; r++) {
             const int64_t i = row0 + r;
             for (int jj = 0; jj < nk; jj++) {
@@ -432,8 +437,19 @@ __device__ __forceinline__ void mma_stage(uint16_t *tile, const uint16_t *base, 
     }
 }
 
-/* acc[16 x 8*NO] += X[16 x 64] Y^T-block, i.e. for every n-tile nt of the
- * 64-row tile y: c[nt] += x_rows(warp) . y_rows(nt)^T over the D columns. */
+/* The 64-key tile at j0 of K and V (n valid rows) into ks and vs, between
+ * barriers, as stage_kv does for the SIMT kernels. */
+template <int D>
+__device__ __forceinline__ void mma_stage_kv(uint16_t *ks, uint16_t *vs, const uint16_t *kb, const uint16_t *vb,
+                                             const ng_attention_args &a, int64_t j0, int64_t n, int vec) {
+    __syncthreads();
+    mma_stage<D>(ks, kb, a.k_stride[2], j0, n, vec);
+    mma_stage<D>(vs, vb, a.v_stride[2], j0, n, vec);
+    __syncthreads();
+}
+
+/* c[16 x 64] += X Y^T: the 16 rows of tile x from row xr0 against the 64
+ * rows of tile y (n-tile nt = rows 8 nt .. 8 nt + 7), over the D columns. */
 template <ng_dtype T, int D>
 __device__ __forceinline__ void mma_xyt(float c[kMmaNT][4], const uint16_t *x, int xr0, const uint16_t *y,
                                         int lane) {
@@ -594,10 +610,7 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_fwd_mma_kernel(n
     float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     const int64_t kend = a.is_causal ? NG_MIN(a.S, q0 + kMmaRows) : a.S;
     for (int64_t j0 = 0; j0 < kend; j0 += kMmaRows) {
-        __syncthreads();
-        mma_stage<D>(ks, kb, a.k_stride[2], j0, kend - j0, vec);
-        mma_stage<D>(vs, vb, a.v_stride[2], j0, kend - j0, vec);
-        __syncthreads();
+        mma_stage_kv<D>(ks, vs, kb, vb, a, j0, kend - j0, vec);
         float s[kMmaNT][4] = {};
         mma_xyt<T, D>(s, qs, warp * 16, ks, lane);
 
@@ -651,6 +664,41 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_fwd_mma_kernel(n
                          a.L, o, inv, lane);
 }
 
+/* One warp's backward scores against a staged 64-row tile, in C fragments:
+ * pd = p * keep and ds = dS (bwd_score_keep) of the 16 x 64 block whose raw
+ * dot products are x . y^T (q . k) and x2 . y2^T (dout . v). KeyRows: the
+ * warp's rows are keys and the tile's rows queries (dk/dv kernel), else the
+ * reverse (dq kernel). row0 / col0: first global row / column index; rl0:
+ * the warp's first row inside its block (the lse / D arrays ls, dl are
+ * indexed by the query's position in its 64-row block); keys >= kend are
+ * out of range. */
+template <ng_dtype T, int D, bool KeyRows>
+__device__ __forceinline__ void mma_bwd_scores(float pd[kMmaNT][4], float ds[kMmaNT][4], const ng_attention_args &a,
+                                               const uint16_t *x, const uint16_t *y, const uint16_t *x2,
+                                               const uint16_t *y2, const float *ls, const float *dl, int64_t b,
+                                               int64_t h, int64_t row0, int64_t col0, int rl0, int64_t kend,
+                                               int lane) {
+    const bool drop = a.dropout_p > 0.0;
+    const float inv_keep = drop ? (float)(1.0 / (1.0 - a.dropout_p)) : 1.0f;
+    float st[kMmaNT][4] = {}, dpt[kMmaNT][4] = {};
+    mma_xyt<T, D>(st, x, rl0, y, lane);
+    mma_xyt<T, D>(dpt, x2, rl0, y2, lane);
+    const uint32_t keep = drop ? mma_keep_bits(a, b, h, row0, col0, KeyRows, lane) : 0u;
+#pragma unroll
+    for (int nt = 0; nt < kMmaNT; nt++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int rl = frag_row(lane, c), cl = frag_col(lane, nt, c);
+            const int ql = KeyRows ? cl : rl0 + rl; /* the query's place in its block */
+            const int64_t i = KeyRows ? col0 + cl : row0 + rl, j = KeyRows ? row0 + rl : col0 + cl;
+            const float kf = drop ? keep_factor(keep, nt, c, inv_keep) : 1.0f;
+            bwd_terms w = {0.0f, 0.0f};
+            if (j < kend) w = bwd_score_keep(a, st[nt][c], dpt[nt][c], ls[ql], dl[ql], b, h, i, j, kf);
+            pd[nt][c] = w.pd;
+            ds[nt][c] = w.ds;
+        }
+}
+
 template <ng_dtype T, int D>
 static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dkdv_mma_kernel(ng_attention_args a, int vec) {
     constexpr int kTile = kMmaRows * (D + 8);
@@ -660,8 +708,6 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dkdv_mma_ker
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t b = blockIdx.z, hk = blockIdx.y, grp = a.Hq / a.Hkv;
     const int64_t j0 = (int64_t)blockIdx.x * kMmaRows;
-    const bool drop = a.dropout_p > 0.0;
-    const float inv_keep = drop ? (float)(1.0 / (1.0 - a.dropout_p)) : 1.0f;
     const uint16_t *kb = (const uint16_t *)a.k + b * a.k_stride[0] + hk * a.k_stride[1];
     const uint16_t *vb = (const uint16_t *)a.v + b * a.v_stride[0] + hk * a.v_stride[1];
     mma_stage<D>(ks, kb, a.k_stride[2], j0, a.S - j0, vec);
@@ -682,25 +728,12 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dkdv_mma_ker
             mma_stage<D>(gs, gb, a.dout_stride[2], i0, a.L - i0, vec);
             mma_row_terms<T, D>(dl, ls, a, gb, ob, lse, i0);
             __syncthreads();
-            float st[kMmaNT][4] = {}, dpt[kMmaNT][4] = {};
-            mma_xyt<T, D>(st, ks, warp * 16, qs, lane);
-            mma_xyt<T, D>(dpt, vs, warp * 16, gs, lane);
-            const uint32_t keep = drop ? mma_keep_bits(a, b, h, j0 + warp * 16, i0, 1, lane) : 0u;
-#pragma unroll
-            for (int nt = 0; nt < kMmaNT; nt++)
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    const int64_t j = j0 + warp * 16 + frag_row(lane, c);
-                    const int il = frag_col(lane, nt, c);
-                    const float kf = drop ? keep_factor(keep, nt, c, inv_keep) : 1.0f;
-                    bwd_terms w = {0.0f, 0.0f};
-                    if (j < a.S) w = bwd_score_keep(a, st[nt][c], dpt[nt][c], ls[il], dl[il], b, h, i0 + il, j, kf);
-                    st[nt][c] = w.pd;
-                    dpt[nt][c] = w.ds;
-                }
-            mma_scale_ds<T, D>(dpt, dk, ex);
-            mma_wy<T, D>(dv, st, gs, lane);
-            mma_wy<T, D>(dk, dpt, qs, lane);
+            float pd[kMmaNT][4], ds[kMmaNT][4];
+            mma_bwd_scores<T, D, true>(pd, ds, a, ks, qs, vs, gs, ls, dl, b, h, j0 + warp * 16, i0, warp * 16, a.S,
+                                       lane);
+            mma_scale_ds<T, D>(ds, dk, ex);
+            mma_wy<T, D>(dv, pd, gs, lane);
+            mma_wy<T, D>(dk, ds, qs, lane);
         }
     }
 
@@ -720,8 +753,6 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dq_mma_kerne
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (a.Hq / a.Hkv);
     const int64_t q0 = (int64_t)blockIdx.x * kMmaRows;
-    const bool drop = a.dropout_p > 0.0;
-    const float inv_keep = drop ? (float)(1.0 / (1.0 - a.dropout_p)) : 1.0f;
     const uint16_t *qb = (const uint16_t *)a.q + b * a.q_stride[0] + h * a.q_stride[1];
     const uint16_t *gb = (const uint16_t *)a.dout + b * a.dout_stride[0] + h * a.dout_stride[1];
     const uint16_t *kb = (const uint16_t *)a.k + b * a.k_stride[0] + hk * a.k_stride[1];
@@ -735,28 +766,12 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dq_mma_kerne
     int ex[2] = {0, 0};
     const int64_t kend = a.is_causal ? NG_MIN(a.S, q0 + kMmaRows) : a.S;
     for (int64_t j0 = 0; j0 < kend; j0 += kMmaRows) {
-        __syncthreads();
-        mma_stage<D>(ks, kb, a.k_stride[2], j0, kend - j0, vec);
-        mma_stage<D>(vs, vb, a.v_stride[2], j0, kend - j0, vec);
-        __syncthreads();
-        float s[kMmaNT][4] = {}, dp[kMmaNT][4] = {};
-        mma_xyt<T, D>(s, qs, warp * 16, ks, lane);
-        mma_xyt<T, D>(dp, gs, warp * 16, vs, lane);
-        const uint32_t keep = drop ? mma_keep_bits(a, b, h, q0 + warp * 16, j0, 0, lane) : 0u;
-#pragma unroll
-        for (int nt = 0; nt < kMmaNT; nt++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                const int ir = warp * 16 + frag_row(lane, c);
-                const int64_t j = j0 + frag_col(lane, nt, c);
-                const float kf = drop ? keep_factor(keep, nt, c, inv_keep) : 1.0f;
-                float ds = 0.0f;
-                if (j < kend)
-                    ds = bwd_score_keep(a, s[nt][c], dp[nt][c], ls[ir], dl[ir], b, h, q0 + ir, j, kf).ds;
-                s[nt][c] = ds;
-            }
-        mma_scale_ds<T, D>(s, dq, ex);
-        mma_wy<T, D>(dq, s, ks, lane);
+        mma_stage_kv<D>(ks, vs, kb, vb, a, j0, kend - j0, vec);
+        float pd[kMmaNT][4], ds[kMmaNT][4];
+        mma_bwd_scores<T, D, false>(pd, ds, a, qs, ks, gs, vs, ls, dl, b, h, q0 + warp * 16, j0, warp * 16, kend,
+                                    lane);
+        mma_scale_ds<T, D>(ds, dq, ex);
+        mma_wy<T, D>(dq, ds, ks, lane);
     }
 
     const float qmul[2] = {ldexpf(1.0f, ex[0]), ldexpf(1.0f, ex[1])};

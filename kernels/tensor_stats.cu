@@ -46,13 +46,10 @@ static __device__ __forceinline__ int64_t ts_offset(const ng_tensor_stats_args &
     return off;
 }
 
-/* Reduce a partial over the block; the result is valid in thread 0. */
-static __device__ void ts_block_reduce(ng_ts_part &p) {
-    __shared__ long long s_cnt[3][32];
-    __shared__ ts_u64 s_max[32], s_min[32];
+/* Fold the counts and extreme bit patterns of a warp into lane 0. */
+static __device__ __forceinline__ void ts_warp_reduce(long long &c0, long long &c1, long long &c2, ts_u64 &mx,
+                                                      ts_u64 &mn) {
     const unsigned full = 0xffffffffu;
-    long long c0 = p.nan, c1 = p.pinf, c2 = p.ninf;
-    ts_u64 mx = p.max_bits, mn = p.min_bits;
     for (int o = 16; o > 0; o >>= 1) {
         c0 += __shfl_down_sync(full, c0, o);
         c1 += __shfl_down_sync(full, c1, o);
@@ -61,6 +58,15 @@ static __device__ void ts_block_reduce(ng_ts_part &p) {
         mx = omx > mx ? omx : mx;
         mn = omn < mn ? omn : mn;
     }
+}
+
+/* Reduce a partial over the block; the result is valid in thread 0. */
+static __device__ void ts_block_reduce(ng_ts_part &p) {
+    __shared__ long long s_cnt[3][32];
+    __shared__ ts_u64 s_max[32], s_min[32];
+    long long c0 = p.nan, c1 = p.pinf, c2 = p.ninf;
+    ts_u64 mx = p.max_bits, mn = p.min_bits;
+    ts_warp_reduce(c0, c1, c2, mx, mn);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     if (lane == 0) {
         s_cnt[0][warp] = c0, s_cnt[1][warp] = c1, s_cnt[2][warp] = c2;
@@ -73,14 +79,7 @@ static __device__ void ts_block_reduce(ng_ts_part &p) {
         c2 = lane < nwarps ? s_cnt[2][lane] : 0;
         mx = lane < nwarps ? s_max[lane] : 0;
         mn = lane < nwarps ? s_min[lane] : NG_TS_NONE;
-        for (int o = 16; o > 0; o >>= 1) {
-            c0 += __shfl_down_sync(full, c0, o);
-            c1 += __shfl_down_sync(full, c1, o);
-            c2 += __shfl_down_sync(full, c2, o);
-            const ts_u64 omx = __shfl_down_sync(full, mx, o), omn = __shfl_down_sync(full, mn, o);
-            mx = omx > mx ? omx : mx;
-            mn = omn < mn ? omn : mn;
-        }
+        ts_warp_reduce(c0, c1, c2, mx, mn);
         p.nan = c0, p.pinf = c1, p.ninf = c2;
         p.max_bits = mx, p.min_bits = mn;
     }
