@@ -32,19 +32,23 @@
 #define NG_SFX _base
 #define NG_ATTR
 #define NG_USE_F16C 0
+#define NG_USE_AVX2 0
 #include "kernels/layernorm_rows.inc"
 #undef NG_SFX
 #undef NG_ATTR
 #undef NG_USE_F16C
+#undef NG_USE_AVX2
 
 #if NG_X86
 #define NG_SFX _avx2
 #define NG_ATTR NG_TARGET_AVX2
 #define NG_USE_F16C 1
+#define NG_USE_AVX2 1
 #include "kernels/layernorm_rows.inc"
 #undef NG_SFX
 #undef NG_ATTR
 #undef NG_USE_F16C
+#undef NG_USE_AVX2
 #endif
 
 typedef struct ln_path {
