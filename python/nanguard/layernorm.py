@@ -194,11 +194,18 @@ def _norm(input, normalized_shape, weight, bias, eps, rms: bool, eps_floor):
             raise ValueError(
                 f"{name} must have shape {list(shape)} (normalized_shape), got {list(p.shape)}"
             )
-        # Parameters follow the input's dtype (differentiably), as autocast would.
-        params.append(p.to(input.dtype).reshape(-1))
+        # Parameters follow the input's dtype (differentiably), as autocast
+        # would; the no-op conversions are skipped (each is a dispatcher call).
+        if p.dtype != input.dtype:
+            p = p.to(input.dtype)
+        params.append(p if k == 1 else p.reshape(-1))
     w, b = params
-    n = math.prod(shape)
-    x = input.reshape(*input.shape[: input.dim() - k], n)
+    if k == 1:
+        # Already [..., n]: the op normalizes the last dimension and returns
+        # the input's shape.
+        x = input
+    else:
+        x = input.reshape(*input.shape[: input.dim() - k], math.prod(shape))
     if w is not None and b is not None:
         y = _ops.stable_layernorm.weight_bias(x, w, b, eps, rms)[0]
     elif w is not None:
@@ -207,7 +214,7 @@ def _norm(input, normalized_shape, weight, bias, eps, rms: bool, eps_floor):
         y = _ops.stable_layernorm.bias(x, b, eps, rms)[0]
     else:
         y = _ops.stable_layernorm(x, eps, rms)[0]
-    return y.view(input.shape)
+    return y if k == 1 else y.view(input.shape)
 
 
 def layer_norm(
