@@ -189,10 +189,11 @@ static ng_status params_f32(const ng_layernorm_args *a, const ln_path *p, const 
     return NG_OK;
 }
 
-static ng_status check_args(const ng_layernorm_args *a) {
-    if (a->rows < 0 || a->cols < 0) return NG_ERR_INVALID_ARG;
+ng_status ng_layernorm_check(const ng_layernorm_args *a, int backward) {
+    if (!a || a->rows < 0 || a->cols < 0) return NG_ERR_INVALID_ARG;
     if ((unsigned)a->dtype > NG_BF16) return NG_ERR_DTYPE;
     if (!(a->eps >= 0.0)) return NG_ERR_INVALID_ARG;
+    if (backward && a->rms && a->dbias) return NG_ERR_INVALID_ARG;
     return NG_OK;
 }
 
@@ -200,7 +201,7 @@ static ng_status check_args(const ng_layernorm_args *a) {
 static int64_t row_grain(int64_t cols) { return NG_MAX((int64_t)1, (int64_t)16384 / NG_MAX(cols, (int64_t)1)); }
 
 ng_status ng_layernorm_fwd(const ng_layernorm_args *a, ng_parallel_fn par) {
-    NG_TRY(check_args(a));
+    NG_TRY(ng_layernorm_check(a, 0));
     if (a->rows == 0) return NG_OK;
     if (a->cols == 0) {
         /* Empty rows: statistics of nothing. mean 0, rstd of eps, no output. */
@@ -310,8 +311,7 @@ static void reduce_cols(int64_t c0, int64_t c1, void *vctx) {
 }
 
 ng_status ng_layernorm_bwd(const ng_layernorm_args *a, ng_parallel_fn par) {
-    NG_TRY(check_args(a));
-    if (a->rms && (a->dbias)) return NG_ERR_INVALID_ARG;
+    NG_TRY(ng_layernorm_check(a, 1));
     const int64_t n = a->cols;
     const size_t es = a->dtype == NG_F64 ? sizeof(double) : sizeof(float);
     if (a->rows == 0 || n == 0) {

@@ -7,7 +7,8 @@
  *
  * Launch math:
  *   forward / dx: one block per row (grid.x = rows, capped at 65535 per
- *     launch and looped), NG_LN_THREADS threads striding over the columns;
+ *     launch and looped), threads_for(cols) threads (about 4 columns each,
+ *     32 to 4 * NG_LN_THREADS) striding over the columns;
  *     block reductions by warp shuffle, then one value per warp in shared
  *     memory. Rows are re-read from global memory for each pass; at the
  *     widths LayerNorm sees (<= 16K) the row stays in L1/L2.
@@ -182,10 +183,9 @@ static int threads_for(int64_t cols) {
     return (int)NG_MAX((int64_t)32, NG_MIN((int64_t)NG_LN_THREADS * 4, t));
 }
 
-static ng_status check(const ng_layernorm_args *a) {
-    if (a->dtype == NG_F64) return NG_ERR_DTYPE;
-    if (a->rows < 0 || a->cols < 0 || !(a->eps >= 0.0)) return NG_ERR_INVALID_ARG;
-    return NG_OK;
+static ng_status check(const ng_layernorm_args *a, int backward) {
+    NG_TRY(ng_layernorm_check(a, backward));
+    return a->dtype == NG_F64 ? NG_ERR_DTYPE : NG_OK;
 }
 
 static ng_status launch_status(void) {
@@ -201,7 +201,7 @@ static __global__ void ln_empty_rows_kernel(ng_layernorm_args a) {
 }
 
 extern "C" ng_status ng_layernorm_fwd_cuda(const ng_layernorm_args *a, void *stream) {
-    NG_TRY(check(a));
+    NG_TRY(check(a, 0));
     cudaStream_t s = (cudaStream_t)stream;
     if (a->rows == 0) return NG_OK;
     if (a->cols == 0) {
@@ -218,7 +218,7 @@ extern "C" ng_status ng_layernorm_fwd_cuda(const ng_layernorm_args *a, void *str
 }
 
 extern "C" ng_status ng_layernorm_bwd_cuda(const ng_layernorm_args *a, void *stream) {
-    NG_TRY(check(a));
+    NG_TRY(check(a, 1));
     cudaStream_t s = (cudaStream_t)stream;
     if (a->cols == 0) return NG_OK;
     if (a->rows > 0 && a->dx) {

@@ -34,6 +34,10 @@ typedef struct ng_layernorm_args {
     void *dbias;         /* [cols] or NULL */
 } ng_layernorm_args;
 
+/* Size, dtype and flag checks shared by the CPU kernels and the CUDA
+ * launchers; backward adds the backward-only rules (RMSNorm has no bias). */
+ng_status ng_layernorm_check(const ng_layernorm_args *a, int backward);
+
 /* CPU. par may be NULL (serial). */
 ng_status ng_layernorm_fwd(const ng_layernorm_args *a, ng_parallel_fn par);
 ng_status ng_layernorm_bwd(const ng_layernorm_args *a, ng_parallel_fn par);

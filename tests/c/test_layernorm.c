@@ -320,5 +320,16 @@ int main(void) {
     NG_EXPECT(ng_layernorm_bwd(&e, NULL) == NG_OK);
     e.eps = -1.0;
     NG_EXPECT(ng_layernorm_fwd(&e, NULL) == NG_ERR_INVALID_ARG);
+    /* the checks the CUDA launchers share: RMSNorm has no bias gradient */
+    float db[8];
+    e.eps = 1e-5;
+    e.rms = 1;
+    e.dbias = db;
+    NG_EXPECT(ng_layernorm_check(&e, 0) == NG_OK);
+    NG_EXPECT(ng_layernorm_check(&e, 1) == NG_ERR_INVALID_ARG);
+    NG_EXPECT(ng_layernorm_bwd(&e, NULL) == NG_ERR_INVALID_ARG);
+    e.dtype = (ng_dtype)7;
+    NG_EXPECT(ng_layernorm_check(&e, 0) == NG_ERR_DTYPE);
+    NG_EXPECT(ng_layernorm_check(NULL, 0) == NG_ERR_INVALID_ARG);
     return ng_test_finish("test_layernorm");
 }
