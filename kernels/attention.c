@@ -124,38 +124,44 @@ NG_GEMM_PLAIN(ng_gemm_f32_base, float)
 NG_GEMM_PLAIN(ng_gemm_f64_base, double)
 
 #if NG_X86
-/* 4 rows x 16 floats: 8 ymm accumulators, 2 loads + 4 broadcasts per 8 FMAs. */
+/* R rows x 16 floats at rows i.. (R = 4 or 6): 2R ymm accumulators, 2 loads
+ * + R broadcasts per 2R FMAs. */
+#define NG_GEMM_F32_ROWS(R)                                                                               \
+    for (int64_t n = 0; n < N; n += 16) {                                                                \
+        __m256 c[R][2];                                                                                  \
+        for (int r = 0; r < R; r++) {                                                                    \
+            c[r][0] = acc ? _mm256_loadu_ps(C + (i + r) * ldc + n) : _mm256_setzero_ps();                \
+            c[r][1] = acc ? _mm256_loadu_ps(C + (i + r) * ldc + n + 8) : _mm256_setzero_ps();            \
+        }                                                                                                \
+        const float *b = B + n, *a = A + i * sai;                                                        \
+        for (int64_t k = 0; k < K; k++, b += ldb, a += sak) {                                            \
+            const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);                          \
+            for (int r = 0; r < R; r++) {                                                                \
+                const __m256 x = _mm256_broadcast_ss(a + r * sai);                                       \
+                c[r][0] = _mm256_fmadd_ps(x, b0, c[r][0]);                                               \
+                c[r][1] = _mm256_fmadd_ps(x, b1, c[r][1]);                                               \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < R; r++) {                                                                    \
+            _mm256_storeu_ps(C + (i + r) * ldc + n, c[r][0]);                                            \
+            _mm256_storeu_ps(C + (i + r) * ldc + n + 8, c[r][1]);                                        \
+        }                                                                                                \
+    }
+
+/* 6-row blocks (12 accumulators keep both FMA ports busy through their
+ * latency) and 4-row blocks for the rest: with M % 4 == 0 the remainder
+ * never comes to 2 rows (6 is taken only from 6 or from >= 10 rows). */
 NG_TARGET_AVX2 static void ng_gemm_f32_avx2(int64_t M, int64_t N, int64_t K, const float *A, int64_t sai,
                                             int64_t sak, const float *B, int64_t ldb, float *C, int64_t ldc, int acc) {
-    for (int64_t i = 0; i < M; i += 4) {
-        const float *a0 = A + i * sai, *a1 = a0 + sai, *a2 = a1 + sai, *a3 = a2 + sai;
-        float *r0 = C + i * ldc, *r1 = r0 + ldc, *r2 = r1 + ldc, *r3 = r2 + ldc;
-        for (int64_t n = 0; n < N; n += 16) {
-            __m256 c00, c01, c10, c11, c20, c21, c30, c31;
-            if (acc) {
-                c00 = _mm256_loadu_ps(r0 + n); c01 = _mm256_loadu_ps(r0 + n + 8);
-                c10 = _mm256_loadu_ps(r1 + n); c11 = _mm256_loadu_ps(r1 + n + 8);
-                c20 = _mm256_loadu_ps(r2 + n); c21 = _mm256_loadu_ps(r2 + n + 8);
-                c30 = _mm256_loadu_ps(r3 + n); c31 = _mm256_loadu_ps(r3 + n + 8);
-            } else {
-                c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = _mm256_setzero_ps();
-            }
-            const float *b = B + n;
-            for (int64_t k = 0; k < K; k++, b += ldb) {
-                __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-                __m256 x = _mm256_broadcast_ss(a0 + k * sak);
-                c00 = _mm256_fmadd_ps(x, b0, c00); c01 = _mm256_fmadd_ps(x, b1, c01);
-                x = _mm256_broadcast_ss(a1 + k * sak);
-                c10 = _mm256_fmadd_ps(x, b0, c10); c11 = _mm256_fmadd_ps(x, b1, c11);
-                x = _mm256_broadcast_ss(a2 + k * sak);
-                c20 = _mm256_fmadd_ps(x, b0, c20); c21 = _mm256_fmadd_ps(x, b1, c21);
-                x = _mm256_broadcast_ss(a3 + k * sak);
-                c30 = _mm256_fmadd_ps(x, b0, c30); c31 = _mm256_fmadd_ps(x, b1, c31);
-            }
-            _mm256_storeu_ps(r0 + n, c00); _mm256_storeu_ps(r0 + n + 8, c01);
-            _mm256_storeu_ps(r1 + n, c10); _mm256_storeu_ps(r1 + n + 8, c11);
-            _mm256_storeu_ps(r2 + n, c20); _mm256_storeu_ps(r2 + n + 8, c21);
-            _mm256_storeu_ps(r3 + n, c30); _mm256_storeu_ps(r3 + n + 8, c31);
+    int64_t i = 0;
+    while (i < M) {
+        const int64_t rem = M - i;
+        if (rem == 6 || rem >= 10) {
+            NG_GEMM_F32_ROWS(6)
+            i += 6;
+        } else {
+            NG_GEMM_F32_ROWS(4)
+            i += 4;
         }
     }
 }
