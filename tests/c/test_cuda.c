@@ -1028,6 +1028,18 @@ static void *at_compare(const char *what, const atensor *x, ng_dtype t, tol tl) 
     return g;
 }
 
+/* Elements of the fully masked rows (empty_row[(b * H + h) * N + i]) of a
+ * downloaded [B, H, N, D] tensor that are not exactly 0. */
+static int64_t empty_row_nonzeros(const void *g, ng_dtype t, const atensor *x, const uint8_t *empty_row) {
+    int64_t nonzero = 0;
+    for (int64_t b = 0; b < x->B; b++)
+        for (int64_t h = 0; h < x->H; h++)
+            for (int64_t i = 0; i < x->N; i++)
+                if (empty_row[(b * x->H + h) * x->N + i])
+                    for (int64_t d = 0; d < x->D; d++) nonzero += ng_load_f64(g, t, at_off(x, b, h, i, d)) != 0.0;
+    return nonzero;
+}
+
 /* Gradients get an absolute floor too: a row with a single key (S = 1, the
  * first row of a causal mask) has dP - D = 0 up to rounding, so its dq and
  * that key's dk are pure fp32 rounding noise on both sides (~5e-8 per term
@@ -1198,13 +1210,7 @@ static void attn_case(const acase *c, ng_dtype t) {
         float *lg = ddownload(lse_d, L ? lse_bytes : 0);
         double *lr = to_f64(lse, NG_F32, B * Hq * L), *lc = to_f64(lg, NG_F32, B * Hq * L);
         close_rows("lse", lc, lr, B * Hq * L, 1, attn_tol(t, 1, c->mag, 0), NULL);
-        int64_t nonzero = 0;
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t h = 0; h < Hq; h++)
-                for (int64_t i = 0; i < L; i++)
-                    if (empty_row[(b * Hq + h) * L + i])
-                        for (int64_t d = 0; d < Ev; d++)
-                            nonzero += ng_load_f64(og, t, at_off(&o, b, h, i, d)) != 0.0;
+        const int64_t nonzero = empty_row_nonzeros(og, t, &o, empty_row);
         CHECK(nonzero == 0, "%lld output values of fully masked rows are not 0",
               (long long)nonzero);
         free(og), free(lg), free(lr), free(lc);
@@ -1219,13 +1225,7 @@ static void attn_case(const acase *c, ng_dtype t) {
         dpoison(dv.d, at_bytes(&dv));
         if (LAUNCHED(ng_attention_bwd_cuda(&ad, g_stream))) {
             void *g = at_compare("dq", &dq, t, attn_tol(t, 2, c->mag, S));
-            int64_t nonzero = 0;
-            for (int64_t b = 0; b < B; b++)
-                for (int64_t h = 0; h < Hq; h++)
-                    for (int64_t i = 0; i < L; i++)
-                        if (empty_row[(b * Hq + h) * L + i])
-                            for (int64_t e = 0; e < E; e++)
-                                nonzero += ng_load_f64(g, t, at_off(&dq, b, h, i, e)) != 0.0;
+            const int64_t nonzero = empty_row_nonzeros(g, t, &dq, empty_row);
             CHECK(nonzero == 0, "%lld dq values of fully masked rows are not 0",
                   (long long)nonzero);
             free(g);
