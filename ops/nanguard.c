@@ -17,6 +17,9 @@
 #include <stdio.h>
 
 #include "ops/ops.h"
+#ifdef NG_BUILD_CUDA
+#include "kernels/cuda_status.h"
+#endif
 
 #define NG_EXPORT __attribute__((visibility("default")))
 
@@ -30,7 +33,7 @@ static const ng_register_fn ng_ops[] = {
     ng_register_tensor_stats,
 };
 
-static char ng_load_err[256];
+static char ng_load_err[512];
 static TorchLibraryHandle ng_lib_def, ng_lib_impl;
 
 NG_EXPORT const char *ng_load_error(void) { return ng_load_err[0] ? ng_load_err : NULL; }
@@ -53,6 +56,9 @@ __attribute__((constructor)) static void ng_load(void) {
                  "libnanguard_cuda: this PyTorch has no CUDA support (libtorch_cuda.so not loaded)");
         return;
     }
+    /* A driver older than the runtime this library was built with would fail
+     * every launch with a bare "CUDA error": refuse to load instead. */
+    if (ng_cuda_driver_check(ng_load_err, sizeof ng_load_err) != 0) return;
     if (aoti_torch_library_init_impl("nanguard", "CUDA", __FILE__, __LINE__, &ng_lib_impl) != 0) {
         snprintf(ng_load_err, sizeof ng_load_err, "could not open the nanguard CUDA library");
         return;

@@ -14,6 +14,13 @@
 #include <stdio.h>
 #include <string.h>
 
+#ifdef NG_BUILD_CUDA
+#include "kernels/cuda_status.h"
+const char *ng_kernel_error_detail(void) { return ng_cuda_error_string(); }
+#else
+const char *ng_kernel_error_detail(void) { return ""; }
+#endif
+
 void ng_frame_init(ng_frame *f, const char *op) {
     f->op = op;
     f->n = 0;

@@ -152,6 +152,9 @@ void *ng_frame_calloc(ng_frame *f, size_t count, size_t size);
 /* Release the frame and raise RuntimeError("<op>: <message>"). Unwinds
  * through the caller: nothing after it runs. */
 void ng_fail(ng_frame *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* The CUDA runtime's own message for the last NG_ERR_CUDA of this thread
+ * (kernels/cuda_status.h); "" in the CPU library. */
+const char *ng_kernel_error_detail(void);
 /* Raise on a failed stable-ABI call or kernel status. */
 #define NG_SHIM_CHECK(f, call)                                                              \
     do {                                                                                    \
@@ -161,8 +164,10 @@ void ng_fail(ng_frame *f, const char *fmt, ...) __attribute__((format(printf, 2,
     do {                                                                                    \
         ng_status ng_ks_ = (call);                                                          \
         if (ng_ks_ != NG_OK)                                                                \
-            ng_fail((f), "kernel failed: %s (%s) at %s:%d", ng_status_str(ng_ks_), #call,   \
-                    __FILE__, __LINE__);                                                    \
+            ng_fail((f), "kernel failed: %s%s%s (%s) at %s:%d", ng_status_str(ng_ks_),       \
+                    ng_ks_ == NG_ERR_CUDA ? ": " : "",                                      \
+                    ng_ks_ == NG_ERR_CUDA ? ng_kernel_error_detail() : "", #call, __FILE__, \
+                    __LINE__);                                                              \
     } while (0)
 
 /* Reading the boxed stack. Tensor and list elements become owned by f. */
