@@ -1,38 +1,52 @@
 """``nanguard.patch`` / ``nanguard.unpatch``: make an existing Hugging Face
-Transformers model (or a ``torch.nn.TransformerEncoderLayer`` stack) NaN-safe
-in one call, and undo it exactly.
+Transformers model (or any ``nn.Module``, e.g. a ``torch.nn.TransformerEncoder``)
+NaN-safe in one call, and undo it exactly.
 
-What is patched, by data rather than by copied model code:
+Patching is data, not copied model code, and it follows rules rather than a
+list of model types:
 
 - **attention** of Hugging Face models: an attention function backed by
   :func:`nanguard.functional.safe_sdpa` is registered with transformers'
   own extension points, ``AttentionInterface.register("nanguard", fn)`` and
-  ``AttentionMaskInterface.register("nanguard", sdpa_mask)`` (boolean masks,
-  ``None`` when ``is_causal`` can serve), and selected on the model with
-  ``model.set_attn_implementation("nanguard")``. The model's own modules,
-  projections and rotary code run unchanged. Gemma-2's
-  ``attn_logit_softcapping`` arrives as the ``softcap`` argument and is kept.
-- **attention** of ``torch.nn.MultiheadAttention`` (inside
-  ``TransformerEncoderLayer`` and friends): swapped for
-  :class:`SafeMultiheadAttention`, a subclass that shares every parameter and
-  computes the same projections around ``safe_sdpa``.
-- **norms**: each known norm module is swapped for a nanguard module sharing
-  its parameters (``state_dict`` keys and values unchanged): ``nn.LayerNorm``
-  -> :class:`nanguard.nn.StableLayerNorm`, ``nn.RMSNorm`` ->
-  :class:`nanguard.nn.StableRMSNorm`, Llama-style ``*RMSNorm`` (Llama,
-  Mistral, Qwen2, Qwen3) and Gemma-style ``1 + weight`` ``*RMSNorm`` (Gemma,
-  Gemma-2) -> a generated subclass of the original class whose ``forward``
-  calls :func:`nanguard.functional.rms_norm` with the original's dtype rules.
-- **activations** whose 16-bit arithmetic overflows: GPT-2's
-  ``NewGELUActivation`` (``x**3`` in fp16) -> the same function through
-  PyTorch's fused ``F.gelu(approximate="tanh")``.
+  ``AttentionMaskInterface.register("nanguard", sdpa_mask)``, and selected
+  with ``model.set_attn_implementation("nanguard")``, for every model whose
+  attention goes through ``AttentionInterface``. It takes what those models
+  pass (``scaling``, ``dropout``, ``softcap``, ``sliding_window`` through the
+  mask, ``is_causal``, a ``position_bias`` that is not learned). A model whose
+  attention calls pass something ``safe_sdpa`` cannot express exactly
+  (attention sinks ``s_aux`` / ``sinks``, sparse ``indices``, a learned
+  ``position_bias``) keeps its attention, and the summary says why. The
+  keywords are read from the call sites in the model's own source
+  (:data:`ATTENTION_KWARGS_UNSUPPORTED`), and the function refuses them at run
+  time too, so nothing is ever approximated.
+- **attention** of ``torch.nn.MultiheadAttention``: becomes
+  :class:`SafeMultiheadAttention` (a subclass computing the same projections
+  around ``safe_sdpa``).
+- **norms**, recognised by layout: a leaf module whose class name says
+  ``Norm`` (or an ``nn.LayerNorm`` / ``nn.RMSNorm``) with a 1-D ``weight``
+  (or none), an optional ``bias``, an epsilon attribute (``variance_epsilon``,
+  ``eps``, ...) and nothing else. Each candidate form in :data:`NORM_FORMS`
+  (RMS or mean-centred; scale ``w`` or ``1 + w``; cast to the input dtype
+  before or after the scale) is checked numerically against the original
+  class on a tiny probe copy (fp32 values and gradients, bf16 / fp16 inputs
+  with fp32 and 16-bit weights, rows of very different scales so that a wrong
+  epsilon shows). The first form that matches is used; a class no form
+  matches is left untouched and listed.
+- **activations** whose 16-bit arithmetic overflows (GPT-2's ``gelu_new``,
+  ``x**3`` in fp16): a parameter-free GELU-like module whose fp16 forward or
+  backward is non-finite on finite inputs, and whose fp32 values match
+  ``F.gelu(approximate="tanh")`` on a probe, becomes PyTorch's fused tanh GELU.
 
-The model types nanguard knows are the rows of :data:`FAMILIES`; one helper
-per kind of module lives in :data:`NORM_HELPERS`. A model type not in the
-table is left untouched and reported in the summary; inside a known model a
-module nanguard does not know (a norm-like or attention-like class not in the
-table) is left untouched and listed. Each module is either swapped whole or
-not at all, and a failure part-way rolls everything back.
+Modules are changed **in place**: the very same module object gets a
+nanguard class (``StableLayerNorm``, or a generated ``Stable<Orig>``
+subclass of its own class) and ``unpatch`` gives its class back. Parameters,
+``state_dict`` keys, hooks (``nanguard.watch``, accelerate's, FSDP2's) and
+every reference to the module stay valid, which is what makes wrapped
+models work: ``patch`` / ``unpatch`` find the model inside ``torch.compile``'s
+``OptimizedModule``, ``DistributedDataParallel`` / ``DataParallel``, FSDP's
+``FullyShardedDataParallel``, peft's ``PeftModel`` (LoRA and other adapters,
+merged or not) and accelerate-prepared models; FSDP2 (``fully_shard``)
+modules are the model itself. A failure part-way rolls everything back.
 
 ``patch`` also accepts a model *class* (``nanguard.patch(LlamaForCausalLM)``):
 every instance built afterwards, including by ``from_pretrained``, is patched
@@ -41,9 +55,12 @@ at the end of its construction. ``unpatch(cls)`` stops that.
 
 from __future__ import annotations
 
+import ast
 import collections
 import dataclasses
+import inspect
 import math
+import sys
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -52,14 +69,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import safe_sdpa
-from .layernorm import StableLayerNorm, StableRMSNorm, rms_norm
+from .layernorm import StableLayerNorm, StableRMSNorm, layer_norm, rms_norm
 
 __all__ = [
     "patch",
     "unpatch",
+    "unwrap",
     "PatchSummary",
     "SafeMultiheadAttention",
-    "FAMILIES",
+    "NORM_FORMS",
+    "ATTENTION_KWARGS_UNSUPPORTED",
     "ATTN_IMPLEMENTATION",
     "MIN_TRANSFORMERS",
 ]
@@ -70,28 +89,21 @@ ATTN_IMPLEMENTATION = "nanguard"
 #: ``set_attn_implementation`` this module uses (kept in pyproject.toml too)
 MIN_TRANSFORMERS = "4.56"
 
-#: model_type -> {norm class name: helper kind}; attention goes through the
-#: AttentionInterface for every row.
-FAMILIES: Dict[str, Dict[str, str]] = {
-    "llama": {"LlamaRMSNorm": "hf_rms"},
-    "mistral": {"MistralRMSNorm": "hf_rms"},
-    "qwen2": {"Qwen2RMSNorm": "hf_rms"},
-    "qwen3": {"Qwen3RMSNorm": "hf_rms"},
-    "gemma": {"GemmaRMSNorm": "hf_rms_unit_offset"},
-    "gemma2": {"Gemma2RMSNorm": "hf_rms_unit_offset"},
-    "gpt2": {"LayerNorm": "layernorm", "NewGELUActivation": "gelu_tanh"},
-    "bert": {"LayerNorm": "layernorm"},
-}
-
-#: plain PyTorch modules patched in any model that is not a Hugging Face one
-TORCH_MODULES: Dict[type, str] = {
-    nn.LayerNorm: "layernorm",
-    nn.RMSNorm: "rmsnorm",
-    nn.MultiheadAttention: "mha",
+#: keyword arguments of an attention call that ``safe_sdpa`` cannot express
+#: exactly, with the reason given in the summary when a model passes them
+ATTENTION_KWARGS_UNSUPPORTED: Dict[str, str] = {
+    "s_aux": "attention sinks (s_aux): a learned extra logit per head in the softmax denominator, "
+             "which safe_sdpa does not compute",
+    "sinks": "attention sinks (sinks): a learned extra logit per head in the softmax denominator, "
+             "which safe_sdpa does not compute",
+    "position_bias": "a learned position_bias added to the scores: safe_sdpa's mask carries no gradient",
+    "indices": "sparse attention (indices): keys selected per query, which safe_sdpa does not compute",
+    "block_indices": "block-sparse attention (block_indices), which safe_sdpa does not compute",
 }
 
 _PATCH_ATTR = "_nanguard_patch"
 _OPTS_ATTR = "_nanguard_attn_opts"
+_NO_OVERFLOW = "_nanguard_no_overflow"
 
 
 # ---- summary -------------------------------------------------------------------
@@ -99,21 +111,24 @@ _OPTS_ATTR = "_nanguard_attn_opts"
 
 @dataclasses.dataclass
 class PatchSummary:
-    """What :func:`patch` did. ``patched`` counts swapped modules per
-    ``"Old -> New"``; ``skipped`` maps a module (qualified name) or model type
-    to the reason it was left untouched."""
+    """What :func:`patch` did. ``patched`` counts changed modules per
+    ``"Old -> New"``; ``skipped`` maps a module (qualified name), a class, or
+    ``"attention"`` to the reason it was left untouched; ``wrappers`` lists
+    the wrappers the model was found inside, outermost first."""
 
     model_type: str
     patched: Dict[str, int] = dataclasses.field(default_factory=dict)
     skipped: Dict[str, str] = dataclasses.field(default_factory=dict)
     attn_implementation: Optional[Tuple[str, str]] = None  #: (before, after)
+    wrappers: List[str] = dataclasses.field(default_factory=list)
 
     @property
     def total(self) -> int:
         return sum(self.patched.values())
 
     def __str__(self) -> str:
-        lines = [f"nanguard.patch: {self.model_type}"]
+        where = f" (inside {' > '.join(self.wrappers)})" if self.wrappers else ""
+        lines = [f"nanguard.patch: {self.model_type}{where}"]
         if self.attn_implementation:
             lines.append(f"  attention implementation: {self.attn_implementation[0]} -> {self.attn_implementation[1]}")
         for k, n in self.patched.items():
@@ -130,11 +145,49 @@ class _Record:
     """Everything needed to undo a patch, kept on the model (not a module,
     not in ``state_dict``)."""
 
-    swaps: List[Tuple[nn.Module, str, nn.Module, nn.Module]]  # parent, name, old, new
+    classes: List[Tuple[nn.Module, type, List[str]]]  # module, its class before, attributes added
+    hooks: list  # handles to remove
     configs: List[Tuple[object, object]]  # config, its _attn_implementation_internal
     opts_on: List[nn.Module]  # attention modules given _OPTS_ATTR
     attrs: List[Tuple[object, str, object]]  # (obj, attr, old value) to restore
-    summary: PatchSummary
+    summary: Optional[PatchSummary]
+
+
+def _new_record() -> _Record:
+    return _Record([], [], [], [], [], None)
+
+
+# ---- finding the model inside wrappers ---------------------------------------------
+
+
+def unwrap(model: nn.Module) -> Tuple[nn.Module, List[str]]:
+    """The model inside the wrappers training code puts around it, and the
+    wrappers' class names (outermost first): ``torch.compile``'s
+    ``OptimizedModule`` (``_orig_mod``), ``DistributedDataParallel`` /
+    ``DataParallel`` / FSDP's ``FullyShardedDataParallel`` (``module``),
+    peft's ``PeftModel`` (``get_base_model()``) and its tuner (``model``).
+    accelerate's ``prepare`` returns one of these or the model itself; an
+    FSDP2 (``fully_shard``) module is the model itself."""
+    chain: List[str] = []
+    for _ in range(32):
+        cls = type(model)
+        name, mod = cls.__name__, cls.__module__
+        inner = None
+        if name == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            inner = model._orig_mod
+        elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or (
+                name == "FullyShardedDataParallel" and mod.startswith("torch.distributed")):
+            inner = model.module
+        elif mod.startswith("peft"):
+            if callable(getattr(model, "get_base_model", None)) and name.startswith("Peft"):
+                inner = model.get_base_model()
+            elif isinstance(getattr(model, "model", None), nn.Module):
+                inner = model.model
+        if inner is None or inner is model:
+            break
+        chain.append(name)
+        model = inner
+    return model, chain
 
 
 # ---- sharing state between an old module and its replacement ---------------------
@@ -158,121 +211,357 @@ def _share(old: nn.Module, cls: type) -> nn.Module:
     return new
 
 
-def _rebind(old: nn.Module, new: nn.Module) -> None:
-    """Before handing ``old`` back: point it at the parameters / buffers /
-    submodules ``new`` holds now (a loader may have replaced them)."""
-    for d in ("_parameters", "_buffers", "_modules"):
-        od, nd = getattr(old, d), getattr(new, d)
-        for k in list(od):
-            if k in nd:
-                od[k] = nd[k]
-    old.train(new.training)
+
+# ---- norms: forms recognised by layout and checked on a probe ----------------------
+
+#: names under which norm classes keep their epsilon, in the order tried
+_EPS_ATTRS = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps", "norm_eps")
+_NOT_NORMS = ("batchnorm", "groupnorm", "instancenorm", "weightnorm", "spectralnorm", "normal")
 
 
-# ---- norm helpers: one per kind of module -------------------------------------------
+def _eps(self) -> float:
+    name = type(self)._ng_eps_attr
+    return getattr(self, name) if name else type(self)._ng_eps_default
 
 
-class _HFRMSNorm:
-    """``forward`` of Llama-style RMSNorm (Llama, Mistral, Qwen2, Qwen3):
+def _shape(self) -> Tuple[int, ...]:
+    w = getattr(self, "weight", None)
+    if w is not None:
+        return tuple(w.shape)
+    ns = self.normalized_shape
+    return (int(ns),) if isinstance(ns, int) else tuple(ns)
+
+
+class _RMSCastThenScale:
+    """RMSNorm, Llama style (Llama, Mistral, Qwen, Granite, Phi-3, ...):
     ``weight * (x / rms(x)).to(x.dtype)`` with fp32 statistics. When weight
     and input share a dtype the multiply is fused into the op (one rounding
     instead of two); otherwise it is done after, so the output dtype follows
     PyTorch's promotion exactly as the original's does."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        eps = self.variance_epsilon
-        shape = (hidden_states.shape[-1],)
+        shape = _shape(self)
         if self.weight.dtype == hidden_states.dtype:
-            return rms_norm(hidden_states, shape, self.weight, eps)
-        return self.weight * rms_norm(hidden_states, shape, None, eps)
+            return rms_norm(hidden_states, shape, self.weight, _eps(self))
+        return self.weight * rms_norm(hidden_states, shape, None, _eps(self))
 
 
-class _HFRMSNormUnitOffset:
-    """``forward`` of Gemma-style RMSNorm (Gemma, Gemma-2): the scale is
-    ``1 + weight``, and normalisation and scaling are both done in float32
-    before one cast back to the input dtype, as the original does."""
+class _RMSScaleFloat:
+    """RMSNorm scaled in float32 and cast once (OLMo-2, GPT-OSS, Helium):
+    ``(weight * x / rms(x)).to(x.dtype)``, everything in float32."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        w = self.weight.float()
+        y = rms_norm(hidden_states.float(), _shape(self), w, _eps(self))
+        return y.to(torch.promote_types(hidden_states.dtype, self.weight.dtype)
+                    if self.weight.dtype == torch.float64 else hidden_states.dtype)
+
+
+class _RMSUnitOffset:
+    """RMSNorm with a ``1 + weight`` scale (Gemma, Gemma-2, Gemma-3):
+    normalisation and scaling both in float32, one cast back to the input
+    dtype."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = rms_norm(x.float(), (x.shape[-1],), 1.0 + self.weight.float(), self.eps)
+        y = rms_norm(x.float(), _shape(self), 1.0 + self.weight.float(), _eps(self))
         return y.type_as(x)
 
 
-_GENERATED: Dict[Tuple[type, type], type] = {}
+class _LNInputDtype:
+    """LayerNorm as ``nn.LayerNorm`` computes it: output in the input dtype,
+    weight and bias used in the input dtype."""
+
+    eps_floor = None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return layer_norm(input, _shape(self), getattr(self, "weight", None), getattr(self, "bias", None),
+                          _eps(self))
 
 
-def _subclass(orig: type, mixin: type) -> type:
-    """``Stable<Orig>``: the original class with nanguard's ``forward`` (so
-    ``isinstance`` checks and ``_init_weights`` in transformers keep working)."""
-    key = (orig, mixin)
-    if key not in _GENERATED:
-        _GENERATED[key] = type("Stable" + orig.__name__, (mixin, orig), {"__module__": __name__})
-    return _GENERATED[key]
+class _LNFloat:
+    """LayerNorm computed and scaled in float32, cast once to the input dtype
+    (Cohere's, OLMo's parameter-free one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = getattr(self, "weight", None), getattr(self, "bias", None)
+        w = None if w is None else w.float()
+        b = None if b is None else b.float()
+        return layer_norm(x.float(), _shape(self), w, b, _eps(self)).to(x.dtype)
 
 
-def _norm_hf_rms(m: nn.Module) -> nn.Module:
-    if not (isinstance(getattr(m, "weight", None), nn.Parameter) and m.weight.dim() == 1
-            and isinstance(getattr(m, "variance_epsilon", None), float)):
-        raise _Unknown("not the Llama-style RMSNorm layout (weight, variance_epsilon)")
-    return _share(m, _subclass(type(m), _HFRMSNorm))
+class _LNUnitOffset:
+    """LayerNorm with a ``1 + weight`` scale, with autocast off and the
+    arguments cast to the autocast dtype first when it is on (Nemotron's
+    ``LayerNorm1P``); like ``F.layer_norm`` it normalises and scales in
+    float32 and rounds once to the input dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight + 1.0, getattr(self, "bias", None)
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            dt = torch.get_autocast_dtype(dev)
+            x, w = x.to(dt), w.to(dt)
+            b = None if b is None else b.to(dt)
+        with torch.autocast(dev, enabled=False):
+            y = layer_norm(x.float(), _shape(self), w.float(), None if b is None else b.float(), _eps(self))
+        return y.to(x.dtype)
 
 
-def _norm_hf_rms_unit(m: nn.Module) -> nn.Module:
-    if not (isinstance(getattr(m, "weight", None), nn.Parameter) and m.weight.dim() == 1
-            and isinstance(getattr(m, "eps", None), float)):
-        raise _Unknown("not the Gemma-style RMSNorm layout (weight, eps)")
-    return _share(m, _subclass(type(m), _HFRMSNormUnitOffset))
-
-
-def _norm_layernorm(m: nn.Module) -> nn.Module:
-    if type(m) is not nn.LayerNorm:
-        raise _Unknown("a subclass of nn.LayerNorm with its own forward")
-    return StableLayerNorm.from_module(m)
-
-
-def _norm_rmsnorm(m: nn.Module) -> nn.Module:
-    if type(m) is not nn.RMSNorm:
-        raise _Unknown("a subclass of nn.RMSNorm with its own forward")
-    return StableRMSNorm.from_module(m)
-
-
-def _mha(m: nn.Module) -> nn.Module:
-    return SafeMultiheadAttention.from_module(m)
+#: the norm forms nanguard knows, in the order a candidate is tried:
+#: name -> (mixin, needs a weight, RMS (no bias) or LayerNorm)
+NORM_FORMS: Dict[str, Tuple[type, bool, bool]] = {
+    "rms, cast then scale": (_RMSCastThenScale, True, True),
+    "rms, scale in fp32": (_RMSScaleFloat, True, True),
+    "rms, 1+weight in fp32": (_RMSUnitOffset, True, True),
+    "layernorm, input dtype": (_LNInputDtype, False, False),
+    "layernorm, fp32": (_LNFloat, False, False),
+    "layernorm, 1+weight": (_LNUnitOffset, True, False),
+}
 
 
 class _GELUTanh:
-    """``forward`` of GPT-2's ``gelu_new``, ``0.5 x (1 + tanh(sqrt(2/pi) (x +
-    0.044715 x^3)))``, as PyTorch's fused kernel (``F.gelu(approximate="tanh")``,
-    the same function, with float math for 16-bit inputs). Written out in
-    fp16 as transformers does, ``x**3`` overflows for |x| > 40 and the
-    backward's ``3 x**2`` for |x| > 148, where ``0 * inf`` makes a NaN
-    gradient from finite inputs."""
+    """``forward`` of a tanh-approximated GELU written out by hand (GPT-2's
+    ``gelu_new``, ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``), as
+    PyTorch's fused kernel (``F.gelu(approximate="tanh")``: the same
+    function, with float math for 16-bit inputs). Written out in fp16, ``x**3``
+    overflows for |x| > 40 and the backward's ``3 x**2`` for |x| > 148, where
+    ``0 * inf`` makes a NaN gradient from finite inputs."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return F.gelu(input, approximate="tanh")
 
 
-def _act_gelu_tanh(m: nn.Module) -> nn.Module:
-    if list(m.parameters()) or list(m.children()):
-        raise _Unknown("not the parameter-free NewGELUActivation")
-    return _share(m, _subclass(type(m), _GELUTanh))
+_GENERATED: Dict[Tuple[type, type, Optional[str], Optional[float]], type] = {}
 
 
-#: helper kind -> function(old module) -> replacement sharing its parameters
-NORM_HELPERS: Dict[str, Callable[[nn.Module], nn.Module]] = {
-    "hf_rms": _norm_hf_rms,
-    "hf_rms_unit_offset": _norm_hf_rms_unit,
-    "layernorm": _norm_layernorm,
-    "rmsnorm": _norm_rmsnorm,
-    "mha": _mha,
-    "gelu_tanh": _act_gelu_tanh,
-}
-
-#: helper kinds that are activations (patched when ``activation=True``)
-_ACTIVATIONS = {"gelu_tanh"}
+def _subclass(orig: type, mixin: type, eps_attr: Optional[str] = None, eps_default: Optional[float] = None) -> type:
+    """``Stable<Orig>``: the original class with nanguard's ``forward`` (so
+    ``isinstance`` checks and ``_init_weights`` in transformers keep working)."""
+    key = (orig, mixin, eps_attr, eps_default)
+    if key not in _GENERATED:
+        _GENERATED[key] = type("Stable" + orig.__name__, (mixin, orig),
+                               {"__module__": __name__, "_ng_eps_attr": eps_attr, "_ng_eps_default": eps_default})
+    return _GENERATED[key]
 
 
 class _Unknown(Exception):
-    """A module that matched the table but not the layout its helper knows."""
+    """A module that looked like a candidate but matched no known form."""
+
+
+def _is_norm_like(m: nn.Module) -> bool:
+    if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+        return True
+    lname = type(m).__name__.lower()
+    return "norm" in lname and not any(s in lname for s in _NOT_NORMS)
+
+
+def _norm_layout(m: nn.Module) -> Tuple[Optional[str], Optional[float], bool, bool]:
+    """(eps attribute, eps default, has weight, has bias) or raise _Unknown."""
+    params = dict(m.named_parameters(recurse=False))
+    w, b = params.pop("weight", None), params.pop("bias", None)
+    if params:
+        raise _Unknown(f"parameters other than weight/bias ({', '.join(params)})")
+    if any(True for _ in m.buffers(recurse=False)):
+        raise _Unknown("it has buffers")
+    for t, name in ((w, "weight"), (b, "bias")):
+        if t is not None and t.dim() != 1:
+            raise _Unknown(f"a {t.dim()}-D {name}")
+    if w is not None and b is not None and w.shape != b.shape:
+        raise _Unknown("weight and bias of different shapes")
+    if w is None and b is None and not isinstance(getattr(m, "normalized_shape", None), (int, tuple, list, torch.Size)):
+        raise _Unknown("no weight and no normalized_shape to tell its width")
+    for name in _EPS_ATTRS:
+        v = getattr(m, name, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return name, None, w is not None, b is not None
+    if w is None:  # a parameter-free norm with its epsilon written in forward (OLMo's)
+        return None, 1e-5, False, b is not None
+    raise _Unknown("no epsilon attribute (" + ", ".join(_EPS_ATTRS) + ")")
+
+
+def _probe_copy(m: nn.Module, cls: type, dtype: torch.dtype, gen: torch.Generator) -> nn.Module:
+    """A tiny real copy of ``m`` on the CPU, of class ``cls``, with fresh
+    parameters of ``m``'s shapes in ``dtype`` (weights away from 0 and 1 so
+    that ``w`` and ``1 + w`` differ)."""
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    for k, v in m.__dict__.items():
+        if k.startswith("_") and (k in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+                                  or "hook" in k or k.startswith("_state_dict") or k.startswith("_load_state_dict")
+                                  or k.startswith("_forward") or k.startswith("_backward")):
+            continue
+        if k in ("forward", "_old_forward") or isinstance(v, (torch.Tensor, nn.Module)):
+            continue
+        new.__dict__[k] = v
+    for k, p in m._parameters.items():
+        if p is None:
+            new._parameters[k] = None
+            continue
+        base = 0.5 if k == "weight" else 0.0
+        data = (base + 0.4 * torch.randn(tuple(p.shape), generator=gen)).to(dtype)
+        new._parameters[k] = nn.Parameter(data)
+    return new
+
+
+def _probe_inputs(width: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows of very different scales and offsets (a wrong epsilon or a wrong
+    centring shows on the small ones), in float32."""
+    rows = []
+    for scale, shift in ((1.0, 0.0), (1e-3, 0.0), (3e-2, 0.02), (30.0, 5.0), (1.0, 2.0), (0.1, -0.3)):
+        rows.append(shift + scale * torch.randn(width, generator=gen))
+    return torch.stack(rows).view(2, 3, width)
+
+
+def _check_same(a, b, rtol: float, atol: float) -> bool:
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.double(), b.double()
+    if not torch.equal(torch.isfinite(a), torch.isfinite(b)):
+        return False
+    fin = torch.isfinite(a)
+    return bool(((a[fin] - b[fin]).abs() <= atol + rtol * a[fin].abs()).all())
+
+
+#: probe cases: (input dtype, parameter dtype, rtol, atol). fp32: the same
+#: math in another order (one fused multiply, two-pass statistics); 16-bit:
+#: both round the output once or twice, so two units in the last place.
+_PROBE_CASES = (
+    (torch.float32, torch.float32, 2e-5, 1e-6),
+    (torch.bfloat16, torch.float32, 2 ** -7, 1e-3),
+    (torch.bfloat16, torch.bfloat16, 2 ** -7, 1e-3),
+    (torch.float16, torch.float32, 2 ** -10, 1e-4),
+    (torch.float16, torch.float16, 2 ** -10, 1e-4),
+)
+
+
+def _matches(m: nn.Module, new_cls: type) -> Optional[str]:
+    """None when ``new_cls`` computes what ``type(m)`` computes on the
+    probes (values, dtypes, and fp32 gradients), else what differed."""
+    width = _shape_of(m)[-1]
+    for i, (xdt, pdt, rtol, atol) in enumerate(_PROBE_CASES):
+        gen = torch.Generator().manual_seed(1234 + i)
+        orig = _probe_copy(m, type(m), pdt, gen)
+        gen = torch.Generator().manual_seed(1234 + i)
+        ours = _probe_copy(m, new_cls, pdt, gen)
+        x = _probe_inputs(width, torch.Generator().manual_seed(99)).to(xdt)
+        grad_check = xdt == torch.float32
+        xa, xb = x.clone().requires_grad_(grad_check), x.clone().requires_grad_(grad_check)
+        with torch.autocast("cpu", enabled=False), torch.set_grad_enabled(grad_check):
+            try:
+                a = orig(xa)
+            except Exception:
+                continue  # the original does not run on this case: nothing to match
+            try:
+                b = ours(xb)
+            except Exception as e:
+                return f"fails where the original runs ({type(e).__name__}: {e})"
+            if not _check_same(a, b, rtol, atol):
+                return f"output differs for {xdt} input with {pdt} parameters"
+            if grad_check:
+                go = torch.randn(a.shape, generator=torch.Generator().manual_seed(7))
+                pa, pb = [xa] + list(orig.parameters()), [xb] + list(ours.parameters())
+                ga = torch.autograd.grad(a, pa, go, allow_unused=True)
+                gb = torch.autograd.grad(b, pb, go, allow_unused=True)
+                for u, v in zip(ga, gb):
+                    if (u is None) != (v is None) or (u is not None and not _check_same(u, v, 1e-4, 1e-5)):
+                        return "gradients differ in fp32"
+    return None
+
+
+def _shape_of(m: nn.Module) -> Tuple[int, ...]:
+    w = getattr(m, "weight", None)
+    if isinstance(w, torch.Tensor):
+        return tuple(w.shape)
+    b = getattr(m, "bias", None)
+    if isinstance(b, torch.Tensor):
+        return tuple(b.shape)
+    ns = m.normalized_shape
+    return (int(ns),) if isinstance(ns, int) else tuple(ns)
+
+
+#: (class, eps attribute, eps value, layout) -> (replacement class, form) or the reason none fits
+_NORM_CACHE: Dict[tuple, object] = {}
+
+
+def _norm_replacement(m: nn.Module) -> Tuple[type, str]:
+    """The class ``m`` becomes and the name of its form; raises _Unknown
+    with the reason when no form matches."""
+    if type(m) is nn.LayerNorm:
+        return StableLayerNorm, "nn.LayerNorm"
+    if type(m) is nn.RMSNorm:
+        return StableRMSNorm, "nn.RMSNorm"
+    if not _has_shape(m) or len(_shape_of(m)) != 1:
+        raise _Unknown("not a norm over the last dimension with a known width")
+    eps_attr, eps_default, has_w, has_b = _norm_layout(m)
+    eps_val = getattr(m, eps_attr) if eps_attr else eps_default
+    key = (type(m), eps_attr, eps_val, has_w, has_b)
+    hit = _NORM_CACHE.get(key)
+    if hit is None:
+        tried = []
+        for form, (mixin, needs_w, is_rms) in NORM_FORMS.items():
+            if (needs_w and not has_w) or (is_rms and has_b):
+                continue
+            cls = _subclass(type(m), mixin, eps_attr, eps_default)
+            why = _matches(m, cls)
+            if why is None:
+                hit = (cls, form)
+                break
+            tried.append(f"{form}: {why}")
+        if hit is None:
+            hit = "matches no known norm form on the probe (" + "; ".join(tried) + ")" if tried \
+                else "a layout no known norm form has"
+        _NORM_CACHE[key] = hit
+    if isinstance(hit, str):
+        raise _Unknown(hit)
+    return hit
+
+
+def _has_shape(m: nn.Module) -> bool:
+    try:
+        _shape_of(m)
+        return True
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+_ACT_CACHE: Dict[type, object] = {}
+
+
+def _act_replacement(m: nn.Module) -> Optional[type]:
+    """A fused replacement for a parameter-free GELU-like activation whose
+    16-bit arithmetic overflows; None when it does not overflow (nothing to
+    fix); raises _Unknown when it overflows but is not the tanh GELU."""
+    cls = type(m)
+    if cls in _ACT_CACHE:
+        hit = _ACT_CACHE[cls]
+    else:
+        hit = _act_probe(m)
+        _ACT_CACHE[cls] = hit
+    if isinstance(hit, str):
+        raise _Unknown(hit)
+    return hit
+
+
+def _act_probe(m: nn.Module):
+    x = torch.tensor([-300.0, -150.0, -41.0, -1.0, 0.5, 41.0, 150.0, 300.0], dtype=torch.float16)
+    xs = x.clone().requires_grad_()
+    try:
+        with torch.autocast("cpu", enabled=False):
+            y = m(xs)
+            (g,) = torch.autograd.grad(y.float().sum(), xs)
+    except Exception as e:
+        return f"does not run on a 16-bit probe ({type(e).__name__})"
+    if bool(torch.isfinite(y).all()) and bool(torch.isfinite(g).all()):
+        return None
+    grid = torch.linspace(-8.0, 8.0, 161)
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        a = m(grid)
+    ref = F.gelu(grid, approximate="tanh")
+    if not (isinstance(a, torch.Tensor) and a.shape == ref.shape and torch.allclose(a, ref, rtol=1e-5, atol=1e-6)):
+        return "overflows in 16-bit arithmetic but is not the tanh GELU; no exact fused replacement"
+    return _subclass(type(m), _GELUTanh)
 
 
 # ---- nn.MultiheadAttention ------------------------------------------------------------
@@ -388,9 +677,14 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     """transformers' attention-function signature (as ``sdpa_attention_forward``):
     query ``[B, Hq, L, D]``, key/value ``[B, Hkv, S, D]``, mask bool (True =
     attend) or additive float broadcastable to ``[B, 1|Hq, L, S]``; returns
-    ``([B, L, Hq, D], None)``."""
-    if position_bias is not None:
-        raise NotImplementedError("nanguard attention: position_bias (T5-style) is not supported")
+    ``([B, L, Hq, D], None)``. Arguments that change the math and that
+    ``safe_sdpa`` cannot express raise ``NotImplementedError`` (never an
+    approximation)."""
+    for k in ("s_aux", "sinks", "indices", "block_indices"):
+        if kwargs.get(k) is not None:
+            raise NotImplementedError(f"nanguard attention: {ATTENTION_KWARGS_UNSUPPORTED[k]}")
+    if position_bias is not None and position_bias.requires_grad:
+        raise NotImplementedError(f"nanguard attention: {ATTENTION_KWARGS_UNSUPPORTED['position_bias']}")
     opts = getattr(module, _OPTS_ATTR, None) or {}
     max_score = opts.get("max_score")
     if softcap is None:
@@ -410,8 +704,20 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     if causal and kv_len > q_len:
         # prefill into a longer, empty static cache: the keys past q_len are unused
         key, value = key[:, :, :q_len], value[:, :, :q_len]
+        if position_bias is not None:
+            position_bias = position_bias[..., :q_len]
     if attention_mask is not None and attention_mask.dtype != torch.bool and attention_mask.dim() == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[2]]
+    if position_bias is not None:
+        # a fixed (not learned) additive bias: one float mask, as transformers' sdpa path builds it
+        bias = position_bias.to(torch.float32)
+        if attention_mask is None and causal:
+            attention_mask = torch.ones(q_len, key.shape[2], dtype=torch.bool, device=query.device).tril()
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            bias = bias.masked_fill(~attention_mask, float("-inf"))
+        elif attention_mask is not None:
+            bias = bias + attention_mask.float()
+        attention_mask, causal = bias.to(query.dtype) if query.dtype == torch.float64 else bias, False
     out = safe_sdpa(query, key, value, attn_mask=attention_mask, dropout_p=float(dropout), is_causal=causal,
                     scale=scaling, enable_gqa=gqa, max_score=max_score, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None
@@ -435,6 +741,8 @@ def _register() -> None:
 
 
 def _hf_pretrained_base():
+    if "transformers" not in sys.modules:
+        return None  # a model of transformers cannot exist without it
     try:
         from transformers import PreTrainedModel
     except ImportError:
@@ -442,55 +750,105 @@ def _hf_pretrained_base():
     return PreTrainedModel
 
 
+_KWARGS_CACHE: Dict[str, Optional[frozenset]] = {}
+
+
+def _attention_call_kwargs(module_name: str) -> Optional[frozenset]:
+    """Keyword names passed to ``attention_interface(...)`` anywhere in a
+    modeling module's source (None when the source cannot be read)."""
+    if module_name in _KWARGS_CACHE:
+        return _KWARGS_CACHE[module_name]
+    found = None
+    mod = sys.modules.get(module_name)
+    try:
+        tree = ast.parse(inspect.getsource(mod))
+    except (OSError, TypeError, SyntaxError):
+        tree = None
+    if tree is not None:
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "attention_interface":
+                found.update(k.arg for k in node.keywords if k.arg)
+        found = frozenset(found)
+    _KWARGS_CACHE[module_name] = found
+    return found
+
+
+def _attention_blocker(model: nn.Module) -> Optional[str]:
+    """Why the model's attention cannot go through nanguard's function
+    exactly, or None when it can."""
+    base = _hf_pretrained_base()
+    subs = [m for m in model.modules() if isinstance(m, base)]
+    for m in subs:
+        can = getattr(type(m), "_can_set_attn_implementation", None)
+        if can is not None and not can():
+            return (f"{type(m).__name__} computes attention itself, not through AttentionInterface; "
+                    "its attention is left as is")
+    modules = {type(m).__module__ for m in model.modules() if "attention" in type(m).__name__.lower()}
+    modules |= {type(m).__module__ for m in subs}
+    for name in sorted(modules):
+        kws = _attention_call_kwargs(name)
+        if kws is None:
+            continue
+        for k, why in ATTENTION_KWARGS_UNSUPPORTED.items():
+            if k in kws:
+                return f"its attention passes {k}: {why}; its attention is left as is"
+    return None
+
+
 # ---- patch / unpatch -------------------------------------------------------------------------
 
 
-def _plan(model: nn.Module, table: Dict[str, str], by_type: Dict[type, str], summary: PatchSummary,
-          norm: bool, attention_mha: bool, max_score, softcap=None, activation: bool = True):
-    """(parent, name, old, new) for every module to swap; unknown modules go
+def _plan(model: nn.Module, summary: PatchSummary, norm: bool, attention_mha: bool, activation: bool):
+    """(module, qualified name, new class, extra attributes) for every module
+    to change; modules that look like candidates but match no known form go
     to ``summary.skipped``. Nothing is changed here."""
-    swaps = []
-    for pname, parent in model.named_modules():
-        for cname, child in parent._modules.items():
-            if child is None or _is_ours(child):
-                continue
-            qual = f"{pname}.{cname}" if pname else cname
-            cls = type(child)
-            kind = by_type.get(cls) if by_type else table.get(cls.__name__)
-            if kind is None:
-                lname = cls.__name__.lower()
-                normish = "norm" in lname and "batchnorm" not in lname and "groupnorm" not in lname
-                attnish = bool(by_type) and "attention" in lname
-                if (normish or attnish) and not any(True for _ in child.children()):
-                    summary.skipped[qual] = f"{cls.__name__}: not in nanguard's table"
-                continue
-            if kind == "mha":
+    plan = []
+    for qual, child in model.named_modules():
+        if child is model or _is_ours(child):
+            continue
+        cls = type(child)
+        leaf = not any(True for _ in child.children())
+        new, extra = None, {}
+        try:
+            if isinstance(child, nn.MultiheadAttention):
                 if not attention_mha:
                     continue
-            elif kind in _ACTIVATIONS:
-                if not activation:
+                if type(child) is not nn.MultiheadAttention:
+                    raise _Unknown("a subclass of nn.MultiheadAttention with its own forward")
+                if child.bias_k is not None or child.add_zero_attn:
+                    raise _Unknown("add_bias_kv / add_zero_attn are not supported by SafeMultiheadAttention")
+                new, extra = SafeMultiheadAttention, {"max_score": None, "softcap": None, "_ng_hook": True}
+            elif leaf and _is_norm_like(child):
+                if not norm:
                     continue
-            elif not norm:
+                new, _ = _norm_replacement(child)
+                if new is StableLayerNorm or new is StableRMSNorm:
+                    extra = {"eps_floor": None}
+            elif leaf and activation and "gelu" in cls.__name__.lower() and not list(child.parameters(recurse=False)):
+                new = _act_replacement(child)
+                if new is None:
+                    continue
+            else:
                 continue
-            if "forward" in child.__dict__:
-                # e.g. accelerate's device hooks wrap forward on the instance:
-                # a replacement would either lose them or run the old forward
-                summary.skipped[qual] = f"{cls.__name__}: its forward is replaced on the instance (accelerate hooks?)"
-                continue
-            try:
-                if kind == "mha":
-                    new = SafeMultiheadAttention.from_module(child, max_score=max_score, softcap=softcap)
-                else:
-                    new = NORM_HELPERS[kind](child)
-            except _Unknown as e:
-                summary.skipped[qual] = f"{cls.__name__}: {e}"
-                continue
-            swaps.append((parent, cname, child, new))
-    return swaps
+        except _Unknown as e:
+            summary.skipped[qual] = f"{cls.__name__}: {e}"
+            continue
+        if "forward" in child.__dict__ and "_old_forward" not in child.__dict__:
+            # a forward replaced on the instance would keep running the old code
+            summary.skipped[qual] = f"{cls.__name__}: its forward is replaced on the instance"
+            continue
+        plan.append((child, qual, new, extra))
+    return plan
 
 
 def _is_ours(m: nn.Module) -> bool:
     return type(m).__module__.startswith("nanguard")
+
+
+def _check_guard(name, v):
+    if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and math.isfinite(v)):
+        raise ValueError(f"{name} must be a finite number > 0 or None, got {v!r}")
 
 
 def patch(model_or_class, *, attention: bool = True, norm: bool = True, max_score: Optional[float] = None,
@@ -498,15 +856,15 @@ def patch(model_or_class, *, attention: bool = True, norm: bool = True, max_scor
     """Make a model NaN-safe in place; returns a :class:`PatchSummary`.
 
     Args:
-        model_or_class: a Hugging Face ``PreTrainedModel`` instance of a type in
-            :data:`FAMILIES`, any ``nn.Module`` holding ``nn.LayerNorm`` /
-            ``nn.RMSNorm`` / ``nn.MultiheadAttention`` (e.g.
-            ``nn.TransformerEncoder``), or a ``PreTrainedModel`` subclass (its
-            instances are patched as they are built).
+        model_or_class: a Hugging Face ``PreTrainedModel``, any ``nn.Module``
+            (e.g. ``nn.TransformerEncoder``), either of them inside
+            ``torch.compile`` / DDP / FSDP / peft / accelerate wrappers, or a
+            ``PreTrainedModel`` subclass (its instances are patched as they
+            are built).
         attention: route attention through ``safe_sdpa``.
-        norm: swap norm layers for nanguard's.
-        activation: swap activations whose 16-bit arithmetic overflows
-            (GPT-2's ``NewGELUActivation``) for PyTorch's fused equivalent.
+        norm: give norm layers nanguard's ``forward``.
+        activation: give activations whose 16-bit arithmetic overflows
+            (GPT-2's ``NewGELUActivation``) PyTorch's fused equivalent.
         max_score: clamp scaled attention scores to ``±max_score`` (off by default).
         softcap: soft-cap scores with ``softcap * tanh(s / softcap)`` for models
             that have no soft-cap of their own (a model's own, like Gemma-2's,
@@ -518,33 +876,46 @@ def patch(model_or_class, *, attention: bool = True, norm: bool = True, max_scor
     if isinstance(model_or_class, type):
         return _patch_class(model_or_class, attention=attention, norm=norm, max_score=max_score, softcap=softcap,
                             activation=activation)
-    model = model_or_class
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"patch expects an nn.Module or a model class, got {type(model).__name__}")
+    if not isinstance(model_or_class, nn.Module):
+        raise TypeError(f"patch expects an nn.Module or a model class, got {type(model_or_class).__name__}")
+    for name, v in (("attention", attention), ("norm", norm), ("activation", activation)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    _check_guard("max_score", max_score)
+    _check_guard("softcap", softcap)
+    model, chain = unwrap(model_or_class)
     if getattr(model, _PATCH_ATTR, None) is not None:
         raise RuntimeError("this model is already patched by nanguard; call nanguard.unpatch(model) first")
-    for name, v in (("max_score", max_score), ("softcap", softcap)):
-        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and math.isfinite(v)):
-            raise ValueError(f"{name} must be a finite number > 0 or None, got {v!r}")
     base = _hf_pretrained_base()
     is_hf = base is not None and isinstance(model, base)
-    record = _Record([], [], [], [], None)
+    record = _new_record()
     if is_hf:
         mtype = getattr(model.config, "model_type", "?")
-        summary = PatchSummary(model_type=f"{mtype} ({type(model).__name__})")
-        if mtype not in FAMILIES:
-            summary.skipped[mtype] = "model type not in nanguard's table (nanguard.hf.FAMILIES); model left untouched"
-            return summary
-        swaps = _plan(model, FAMILIES[mtype], {}, summary, norm, False, max_score, activation=activation)
+        summary = PatchSummary(model_type=f"{mtype} ({type(model).__name__})", wrappers=chain)
     else:
-        summary = PatchSummary(model_type=type(model).__name__)
-        swaps = _plan(model, {}, TORCH_MODULES, summary, norm, attention, max_score, softcap)
+        summary = PatchSummary(model_type=type(model).__name__, wrappers=chain)
+    plan = _plan(model, summary, norm, attention, activation)
     record.summary = summary
     try:
-        for parent, name, old, new in swaps:
-            setattr(parent, name, new)
-            record.swaps.append((parent, name, old, new))
-            key = f"{type(old).__name__} -> {type(new).__name__}"
+        for child, qual, new, extra in plan:
+            old = type(child)
+            added = []
+            hook = extra.get("_ng_hook")
+            for k, v in extra.items():
+                if k != "_ng_hook":
+                    child.__dict__[k] = v
+                    added.append(k)
+            if new is SafeMultiheadAttention:
+                child.__dict__["max_score"], child.__dict__["softcap"] = max_score, softcap
+            child.__class__ = new
+            record.classes.append((child, old, added))
+            if hook:
+                record.hooks.append(child.register_forward_pre_hook(_no_fastpath_hook))
+            if "_old_forward" in child.__dict__:
+                # accelerate's device hooks call the bound forward they kept
+                record.attrs.append((child, "_old_forward", child.__dict__["_old_forward"]))
+                child._old_forward = new.forward.__get__(child)
+            key = f"{old.__name__} -> {new.__name__}"
             summary.patched[key] = summary.patched.get(key, 0) + 1
         if not is_hf and attention:
             for m in model.modules():
@@ -572,13 +943,13 @@ def _hf_configs(model):
 
 
 def _patch_hf_attention(model, record, summary, max_score, softcap):
+    why = _attention_blocker(model)
+    if why is not None:
+        summary.skipped["attention"] = why
+        return
     _register()
     configs = _hf_configs(model)
     before = model.config._attn_implementation
-    can_set = getattr(model, "_can_set_attn_implementation", lambda: True)
-    if not can_set():
-        summary.skipped["attention"] = "the model does not dispatch through AttentionInterface; attention left as is"
-        return
     for c in configs:
         record.configs.append((c, c._attn_implementation_internal))
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -600,29 +971,39 @@ def _patch_hf_attention(model, record, summary, max_score, softcap):
 
 
 def _undo(record: _Record) -> None:
-    for parent, name, old, new in reversed(record.swaps):
-        _rebind(old, new)
-        setattr(parent, name, old)
+    for h in record.hooks:
+        h.remove()
+    for obj, attr, value in reversed(record.attrs):
+        setattr(obj, attr, value)
+    for m, old, added in reversed(record.classes):
+        m.__class__ = old
+        for k in added:
+            m.__dict__.pop(k, None)
+        if old is nn.MultiheadAttention or issubclass(old, nn.MultiheadAttention):
+            m.__dict__.pop("max_score", None)
+            m.__dict__.pop("softcap", None)
     for config, impl in record.configs:
         config._attn_implementation_internal = impl
     for m in record.opts_on:
         m.__dict__.pop(_OPTS_ATTR, None)
-    for obj, attr, value in reversed(record.attrs):
-        setattr(obj, attr, value)
 
 
 def unpatch(model_or_class) -> None:
-    """Undo :func:`patch`: the original modules (the same objects, pointing
-    at the current parameters) and attention implementation come back. A
-    model that is not patched is left as it is."""
+    """Undo :func:`patch`: every changed module gets its own class back (the
+    same objects, with whatever parameters they hold now), and the attention
+    implementation and options come back. Wrappers are looked through as
+    :func:`patch` does. A model that is not patched is left as it is."""
     if isinstance(model_or_class, type):
         _unpatch_class(model_or_class)
         return
-    record = getattr(model_or_class, _PATCH_ATTR, None)
+    if not isinstance(model_or_class, nn.Module):
+        raise TypeError(f"unpatch expects an nn.Module or a model class, got {type(model_or_class).__name__}")
+    model, _ = unwrap(model_or_class)
+    record = getattr(model, _PATCH_ATTR, None)
     if record is None:
         return
     _undo(record)
-    model_or_class.__dict__.pop(_PATCH_ATTR, None)
+    model.__dict__.pop(_PATCH_ATTR, None)
 
 
 # ---- classes -------------------------------------------------------------------------------------
@@ -641,9 +1022,6 @@ def _patch_class(cls: type, **opts) -> PatchSummary:
         raise RuntimeError(f"{cls.__name__} is already patched by nanguard; call nanguard.unpatch({cls.__name__}) first")
     mtype = getattr(getattr(cls, "config_class", None), "model_type", "?")
     summary = PatchSummary(model_type=f"{mtype} ({cls.__name__}, class)")
-    if mtype not in FAMILIES:
-        summary.skipped[mtype] = "model type not in nanguard's table (nanguard.hf.FAMILIES); class left untouched"
-        return summary
     own = cls.__dict__.get("post_init")
     original = cls.post_init
 

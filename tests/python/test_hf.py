@@ -164,17 +164,55 @@ def test_unpatch_sees_parameters_replaced_while_patched():
     assert m.model.norm.weight is new_w
 
 
-def test_unknown_model_type_left_untouched():
+def test_model_computing_attention_itself_keeps_it_and_says_why():
+    """BLOOM adds ALiBi inside its own attention code, not through
+    AttentionInterface: its attention is left as is (and listed), its norms
+    are still patched."""
     torch.manual_seed(0)
-    m = T.OPTForCausalLM(T.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, ffn_dim=64,
-                                     num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32))
-    mods = dict(m.named_modules())
+    m = T.BloomForCausalLM(T.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=4))
     impl = m.config._attn_implementation
     s = nanguard.patch(m)
-    assert s.total == 0 and "opt" in s.skipped
-    assert m.config._attn_implementation == impl
-    assert all(a is mods[k] for k, a in m.named_modules())
-    assert "model left untouched" in str(s)
+    assert s.attn_implementation is None and m.config._attn_implementation == impl
+    assert "AttentionInterface" in s.skipped["attention"]
+    assert s.patched["LayerNorm -> StableLayerNorm"] == 4  # embeddings, two per layer, final
+    nanguard.unpatch(m)
+    assert type(m.transformer.ln_f) is nn.LayerNorm
+
+
+def test_norm_of_unknown_form_is_probed_and_left_untouched():
+    """A norm-like class with the usual layout (weight, eps) whose math is
+    none of the known forms fails the probe and is listed, never swapped."""
+
+    class ScaledRMSNorm(nn.Module):  # rms with an extra factor 2: no known form
+        def __init__(self, n):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(n))
+            self.eps = 1e-6
+
+        def forward(self, x):
+            return 2 * self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    class LlamaLikeNorm(nn.Module):  # a user's own copy of Llama's: recognised by layout
+        def __init__(self, n):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(n))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            dt = x.dtype
+            x = x.float()
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return self.weight * x.to(dt)
+
+    m = build("llama")
+    m.model.layers[0].input_layernorm = ScaledRMSNorm(32)
+    m.model.layers[1].input_layernorm = LlamaLikeNorm(32)
+    s = nanguard.patch(m)
+    assert "matches no known norm form" in s.skipped["model.layers.0.input_layernorm"]
+    assert type(m.model.layers[0].input_layernorm) is ScaledRMSNorm
+    assert s.patched["LlamaLikeNorm -> StableLlamaLikeNorm"] == 1
+    nanguard.unpatch(m)
+    assert type(m.model.layers[1].input_layernorm) is LlamaLikeNorm
 
 
 def test_unknown_module_in_known_model_is_listed_not_patched():
@@ -273,9 +311,10 @@ def test_gemma_unit_offset_norm_matches_in_16_bit():
     """Gemma's (1 + weight) scale and float32 upcast, checked on the module
     alone in bf16 / fp16 where a wrong cast order would show."""
     m = build("gemma")
-    norm = m.model.norm
-    ours = hf.NORM_HELPERS["hf_rms_unit_offset"](norm)
-    assert ours.weight is norm.weight
+    norm = copy.deepcopy(m.model.norm)
+    nanguard.patch(m)
+    ours = m.model.norm
+    assert type(ours).__name__ == "StableGemmaRMSNorm" and torch.equal(ours.weight, norm.weight)
     g = torch.Generator().manual_seed(3)
     for dt in (torch.bfloat16, torch.float16):
         x = (torch.randn(4, 7, 32, generator=g) * 3).to(dt)
@@ -287,8 +326,9 @@ def test_gemma_unit_offset_norm_matches_in_16_bit():
 
 def test_llama_norm_dtype_promotion_matches():
     m = build("llama")
-    norm = m.model.norm
-    ours = hf.NORM_HELPERS["hf_rms"](norm)
+    norm = copy.deepcopy(m.model.norm)
+    nanguard.patch(m)
+    ours = m.model.norm
     x = torch.randn(2, 5, 32).to(torch.bfloat16)
     a, b = norm(x), ours(x)  # fp32 weight * bf16 -> fp32, as the original
     assert a.dtype == b.dtype == torch.float32
@@ -300,8 +340,10 @@ def test_gpt2_gelu_new_backward_is_finite_in_fp16():
     |x| > 148 its backward's 3 x**2 too, so 0 * inf gives NaN gradients from
     finite inputs. The patched activation is PyTorch's fused tanh GELU."""
     m = build("gpt2")
-    act = m.transformer.h[0].mlp.act
-    ours = hf.NORM_HELPERS["gelu_tanh"](act)
+    act = copy.deepcopy(m.transformer.h[0].mlp.act)
+    nanguard.patch(m)
+    ours = m.transformer.h[0].mlp.act
+    assert type(ours).__name__ == "StableNewGELUActivation"
     x = torch.tensor([-300.0, -150.0, -41.0, -1.0, 0.5, 41.0, 150.0, 300.0], dtype=torch.float16)
     xs, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
     act(xs).sum().backward()
