@@ -23,6 +23,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _checks
+from . import distributed as _dist
 
 __all__ = ["clip_grad_norm_", "guard_", "GuardStats", "MAX_LIST", "STATS_LAYOUT"]
 
@@ -171,17 +172,10 @@ def _combine(parts: List[torch.Tensor], firsts: List[torch.Tensor], inf_norm: bo
 
 
 def _all_reduce(stats: torch.Tensor, inf_norm: bool, process_group) -> torch.Tensor:
-    import torch.distributed as dist
-
-    if inf_norm:
-        head = stats[0:1].clone()
-        dist.all_reduce(head, op=dist.ReduceOp.MAX, group=process_group)
-        tail = stats[1:3].clone()
-        dist.all_reduce(tail, op=dist.ReduceOp.SUM, group=process_group)
-        return torch.cat([head, tail, stats[3:4]])
-    head = stats[0:3].clone()
-    dist.all_reduce(head, op=dist.ReduceOp.SUM, group=process_group)
-    return torch.cat([head, stats[3:4]])
+    """One all-reduce of [acc, nan, inf] over process_group (first_bad stays
+    this rank's)."""
+    head = _dist.all_reduce_stats(stats[0:3].reshape(1, 3), 1, inf_norm, process_group)
+    return torch.cat([head.reshape(3), stats[3:4]])
 
 
 # ---- the guard ------------------------------------------------------------------------
@@ -261,6 +255,18 @@ class _Plan:
             g.copy_(c)
         return total if total.device == self.main else total.to(self.main)
 
+    def wrap(self, total: torch.Tensor) -> torch.Tensor:
+        return total
+
+
+def _make_plan(grads, inv_scale, norm_type, found_inf, process_group):
+    """The plan of one guarded step: DTensor gradients (FSDP2, HSDP, tensor
+    parallel) are guarded through their local shards, reduced over their
+    meshes (nanguard.distributed)."""
+    if _dist.any_dtensor(grads):
+        return _dist.DTensorPlan(grads, inv_scale, norm_type, found_inf, process_group, _Plan)
+    return _Plan(grads, inv_scale, norm_type, found_inf)
+
 
 @torch.no_grad()
 def guard_(
@@ -300,10 +306,10 @@ def guard_(
     max_norm = _max_norm(max_norm)
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"norm_type must be 2.0 or inf for the fused guard, got {norm_type}")
-    plan = _Plan(list(grads), inv_scale, norm_type, found_inf)
+    plan = _make_plan(list(grads), inv_scale, norm_type, found_inf, process_group)
     stats = plan.reduce(process_group)
     total = plan.apply(stats, max_norm)
-    return total, GuardStats(stats, total, norm_type), plan.found_inf
+    return plan.wrap(total), GuardStats(stats, total, norm_type), plan.found_inf
 
 
 def _torch_norm_guarded(grads, max_norm, norm_type, error_if_nonfinite, foreach):
@@ -349,7 +355,7 @@ def clip_grad_norm_(
         if process_group is not None:
             raise ValueError("process_group= needs norm_type 2.0 or inf")
         return _torch_norm_guarded(grads, max_norm, norm_type, error_if_nonfinite, foreach)
-    plan = _Plan(grads, 1.0, norm_type, None)
+    plan = _make_plan(grads, 1.0, norm_type, None, process_group)
     stats = plan.reduce(process_group)
     if error_if_nonfinite:
         # Checked before anything is written, as PyTorch does (one host sync).
@@ -360,4 +366,4 @@ def clip_grad_norm_(
                 "non-finite, so it cannot be clipped. To disable this error and scale the "
                 "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
             )
-    return plan.apply(stats, max_norm)
+    return plan.wrap(plan.apply(stats, max_norm))
