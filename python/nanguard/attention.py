@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from . import _checks
+from . import distributed as _dist
 
 __all__ = ["safe_sdpa", "SafeAttention"]
 
@@ -217,8 +218,11 @@ def safe_sdpa(
     max_score = _check_guard("max_score", max_score)
     softcap = _check_guard("softcap", softcap)
 
+    rng = _draw_rng(dropout_p)
+    if _dist.is_dtensor(query):  # tensor / sequence parallel activations
+        attn_mask, rng = _dist.sdpa_args(query, key, value, attn_mask, dropout_p, rng)
     q4, k4, v4, batch, Hq = _to_4d(query, key, value, enable_gqa)
-    params = (dropout_p, is_causal, float(scale), max_score, softcap, _draw_rng(dropout_p))
+    params = (dropout_p, is_causal, float(scale), max_score, softcap, rng)
     if attn_mask is None:
         out, _ = _ops.safe_sdpa(q4, k4, v4, *params)
     else:

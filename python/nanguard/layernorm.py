@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import _checks
+from . import distributed as _dist
 
 __all__ = [
     "layer_norm",
@@ -171,6 +172,8 @@ def _effective_eps(eps: float, eps_floor, dtype: torch.dtype) -> float:
 
 def _norm(input, normalized_shape, weight, bias, eps, rms: bool, eps_floor):
     _checks.check_tensor("input", input)
+    if _dist.is_dtensor(input):  # tensor / sequence parallel activations
+        _dist.register_sharding_strategies()
     shape = _shape_tuple(normalized_shape)
     k = len(shape)
     if k == 0:
