@@ -47,6 +47,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from . import distributed as _dist
 from .tensor_stats import COUNT_FIELDS, VALUE_FIELDS
 
 __all__ = ["watch", "Watch", "Report", "TensorStats", "NonFiniteError"]
@@ -103,24 +104,41 @@ class Report:
 
     module: str  #: qualified name ("" is the watched model itself)
     cls: str  #: class name of the module
-    pass_: str  #: "forward", "backward" or "parameter grad"
+    pass_: str  #: "forward", "backward" or "parameter grad"; "" when another rank saw it
     step: int
-    tensor: TensorStats
+    #: None when this rank saw only finite values and another rank did not
+    tensor: Optional[TensorStats] = None
     inputs: List[TensorStats] = field(default_factory=list)
     note: str = ""
     #: how many recorded tensors of the step were non-finite in all
     n_nonfinite: int = 1
+    #: this process's rank in the default group (None without torch.distributed)
+    rank: Optional[int] = None
+    #: under rank agreement: every rank (global ranks) that saw a non-finite value this step
+    bad_ranks: List[int] = field(default_factory=list)
 
     @property
     def name(self) -> str:
         return self.module or "<root>"
 
+    @property
+    def local(self) -> bool:
+        """Did this rank see the non-finite value itself?"""
+        return self.tensor is not None
+
     def __str__(self) -> str:
+        on = "" if self.rank is None else f" on rank {self.rank}"
+        if self.tensor is None:
+            return (f"non-finite value at step {self.step} on rank(s) {self.bad_ranks} (their "
+                    f"reports name the module); rank {self.rank} saw only finite values")
         lines = [
             f"first non-finite value at step {self.step}, {self.pass_} pass, in module "
-            f"'{self.name}' ({self.cls})",
+            f"'{self.name}' ({self.cls}){on}",
             f"  {self.tensor}",
         ]
+        others = [r for r in self.bad_ranks if r != self.rank]
+        if others:
+            lines.append(f"  also non-finite this step on rank(s) {others}")
         if self.note:
             lines.append(f"  note: {self.note}")
         if self.inputs:
@@ -173,7 +191,7 @@ def _recordable(t: torch.Tensor) -> bool:
         t.dtype in _FLOAT
         and t.layout == torch.strided
         and t.device.type in _DEVICES
-        and (type(t) is torch.Tensor or type(t) is nn.Parameter)
+        and (type(t) is torch.Tensor or type(t) is nn.Parameter or _dist.is_dtensor(t))
     )
 
 
@@ -202,7 +220,8 @@ class Watch:
 
     def __init__(self, model: nn.Module, modules=None, every: int = 1, policy: str = "raise",
                  max_records: int = 100, inputs: bool = True, backward: bool = True,
-                 parameters: bool = True, capacity: int = 256, optimizer=None):
+                 parameters: bool = True, capacity: int = 256, optimizer=None,
+                 process_group=None, agree: bool = True):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -231,6 +250,14 @@ class Watch:
         self._stack: Dict[int, List[_Call]] = {}  # id(module) -> calls in flight
         self._handles: list = []
         self.watched: List[str] = []  #: qualified names of the watched modules
+        # DTensor parameters (FSDP2, tensor parallel): their gradients are
+        # read at check time (FSDP2 accumulates into an unsharded copy, so no
+        # hook on the sharded parameter fires)
+        self._dparams: List[Tuple[str, str, str, nn.Parameter]] = []
+        if not isinstance(agree, bool):
+            raise TypeError(f"agree must be a bool, got {type(agree).__name__}")
+        self._agree = agree
+        self._group = process_group
         self._attach(model, modules, backward, parameters)
         if optimizer is not None:
             def before_step(opt, args, kwargs):
@@ -270,6 +297,9 @@ class Watch:
                 if id(p) in seen_params or not p.requires_grad:
                     continue
                 seen_params.add(id(p))
+                if _dist.is_dtensor(p):
+                    self._dparams.append((name, cls, pname, p))
+                    continue
                 self._handles.append(
                     p.register_post_accumulate_grad_hook(self._make_pgrad(name, cls, pname)))
 
@@ -369,6 +399,7 @@ class Watch:
         return counts, values
 
     def _record(self, t: torch.Tensor, kind: int, call, label: str, extra: int = -1) -> int:
+        t = _dist.local(t)  # a DTensor's census is its local shard's
         dev = t.device
         slot = self._used.get(dev, 0)
         buf = self._bufs.get(dev)
@@ -496,17 +527,62 @@ class Watch:
                            "parent's forward)",
                       n_nonfinite=total)
 
+    def _agree_group(self):
+        """The process group whose ranks agree at each check, or None."""
+        if not self._agree or not torch.distributed.is_available():
+            return None
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return None
+        group = self._group if self._group is not None else dist.group.WORLD
+        return group if dist.get_world_size(group) > 1 else None
+
+    def _ranks_bad(self, group, bad: bool) -> List[int]:
+        """One all-reduce: the global ranks of the group that saw a non-finite value."""
+        import torch.distributed as dist
+
+        dev = torch.device("cpu")
+        if "nccl" in str(dist.get_backend(group)).lower():
+            dev = torch.device("cuda", torch.cuda.current_device())
+        flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=dev)
+        flags[dist.get_rank(group)] = int(bad)
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
+        ranks = dist.get_process_group_ranks(group)
+        return [ranks[i] for i in flags.cpu().nonzero().flatten().tolist()]
+
     def check(self) -> Optional[Report]:
         """Read what was recorded since the last check (one synchronisation
         per device) and act on the first non-finite tensor, by policy.
-        Returns the :class:`Report`, or None when everything was finite."""
-        if not self._meta:
+        Returns the :class:`Report`, or None when everything was finite.
+
+        Under torch.distributed (``process_group``, default: the default
+        group) every rank must call it at the same steps: one all-reduce of a
+        flag per rank makes every rank act when any rank saw a non-finite
+        value, so none of them is left waiting in the next collective."""
+        group = self._agree_group() if self._on else None
+        if not self._meta and group is None:
             return None
+        report = None
         try:
-            first, total, host = self._first_bad()
-            report = self._report(first, total, host) if first >= 0 else None
+            if self._meta:
+                for name, cls, pname, p in self._dparams:
+                    if p.grad is not None and _recordable(p.grad):
+                        self._record(p.grad, _PGRAD, (name, cls), pname + ".grad")
+                first, total, host = self._first_bad()
+                report = self._report(first, total, host) if first >= 0 else None
         finally:
             self._reset()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank()
+            if report is not None:
+                report.rank = rank
+            if group is not None:
+                bad = self._ranks_bad(group, report is not None)
+                if report is not None:
+                    report.bad_ranks = bad
+                elif bad:
+                    report = Report("", "", "", self._step, rank=rank, bad_ranks=bad)
         if report is None:
             return None
         if self.policy != "raise" and len(self.records) < self.max_records:
@@ -555,7 +631,7 @@ class Watch:
 def watch(model: nn.Module, *, modules: Union[None, str, type, Sequence[Union[str, type]]] = None,
           every: int = 1, policy: str = "raise", max_records: int = 100, inputs: bool = True,
           backward: bool = True, parameters: bool = True, optimizer=None,
-          capacity: int = 256) -> Watch:
+          capacity: int = 256, process_group=None, agree: bool = True) -> Watch:
     """Watch ``model`` for the first NaN / Inf.
 
     Args:
@@ -576,6 +652,13 @@ def watch(model: nn.Module, *, modules: Union[None, str, type, Sequence[Union[st
             applied.
         capacity: initial slots of the stats buffer (it doubles when a step
             records more; that is the only time it allocates).
+        process_group: under torch.distributed, the ranks that agree at each
+            :meth:`Watch.check` (default: the default group). Reports carry
+            the rank; when any rank saw a non-finite value every rank acts in
+            the same step (raises under ``policy="raise"``), the others with
+            a report naming the ranks that saw it. Every rank of the group
+            must call ``step()`` / ``check()`` at the same steps.
+        agree: False turns the agreement (one all-reduce per check) off.
 
     Use as ``with nanguard.watch(model) as w: ...`` (checked and removed on
     exit) or keep the handle: ``w = nanguard.watch(model)``, ``w.step()`` once
@@ -583,4 +666,4 @@ def watch(model: nn.Module, *, modules: Union[None, str, type, Sequence[Union[st
     """
     return Watch(model, modules=modules, every=every, policy=policy, max_records=max_records,
                  inputs=inputs, backward=backward, parameters=parameters, capacity=capacity,
-                 optimizer=optimizer)
+                 optimizer=optimizer, process_group=process_group, agree=agree)
