@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
