@@ -210,7 +210,8 @@ class DTensorPlan:
         for unit, dup, plan, idx in self.buckets:
             st = plan.reduce(None).to(dev)
             fb = st[3]
-            lut = torch.tensor(idx, dtype=torch.float64, device=dev)
+            # host-to-device, never the other way: no sync
+            lut = torch.tensor(idx, dtype=torch.float64).to(dev, non_blocking=dev.type != "cpu")
             mapped = lut.index_select(0, fb.clamp(min=0).long().reshape(1)).reshape(())
             firsts.append(torch.where(fb >= 0, mapped, torch.full_like(mapped, math.inf)))
             row = st[:3]
