@@ -1,0 +1,187 @@
+"""The framework-independent part of the integrations: one guarded step.
+
+:meth:`StepGuard.guard` runs after the backward pass(es) of an optimizer
+step and before the optimizer: it unscales (when a loss scaler has not done
+it yet), checks and clips the gradients in nanguard's two fused passes, reads
+the watcher once, and when anything is non-finite makes sure the optimizer
+step does not happen:
+
+- with an enabled ``torch.amp.GradScaler`` (fp16), the scaler's per-optimizer
+  state is given the guard's ``found_inf`` flags, exactly as its own
+  ``unscale_`` would, so ``scaler.step`` skips the step and ``scaler.update``
+  backs the scale off;
+- without one (bf16, fp32), every gradient is set to ``None``: PyTorch's
+  optimizers leave a parameter without a gradient untouched (no update, no
+  weight decay, no moment update), so the step applies nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable, List, Optional
+
+import torch
+from torch import nn
+
+from .. import grad_guard as _gg
+from ..watch import watch as _watch
+
+__all__ = ["StepGuard", "SkippedStep"]
+
+
+@dataclasses.dataclass
+class SkippedStep:
+    """One optimizer step that was skipped."""
+
+    step: int  #: the framework's optimizer-step index
+    nan_count: int
+    inf_count: int
+    #: the first non-finite module by :func:`nanguard.watch` (qualified name), "" when unknown
+    module: str = ""
+    module_class: str = ""
+    pass_: str = ""  #: "forward", "backward" or "parameter grad"
+    report: str = ""  #: the watcher's whole report
+
+    @property
+    def cause(self) -> str:
+        if self.nan_count:
+            return "nan"
+        if self.inf_count:
+            return "inf"
+        return "norm overflow"
+
+    def __str__(self) -> str:
+        where = f"; first non-finite: {self.module or '<root>'} ({self.module_class}, {self.pass_} pass)" \
+            if self.module_class else ""
+        return (f"nanguard: optimizer step {self.step} skipped ({self.cause}: {self.nan_count} NaN, "
+                f"{self.inf_count} Inf in the gradients){where}")
+
+
+def _check_max_norm(max_grad_norm) -> float:
+    if max_grad_norm is None:
+        return math.inf
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
+        raise TypeError(f"max_grad_norm must be a float or None, got {type(max_grad_norm).__name__}")
+    v = float(max_grad_norm)
+    if not v >= 0:
+        raise ValueError(f"max_grad_norm must be >= 0 (0 or None: no clipping), got {max_grad_norm}")
+    return v if v > 0 else math.inf
+
+
+class StepGuard:
+    """Watch + fused gradient guard for one model and its optimizer steps.
+
+    Args:
+        max_grad_norm: clip the global gradient norm to this (None or 0: no
+            clipping, the gradients are still checked).
+        norm_type: 2.0 or ``inf``.
+        watch: attach :func:`nanguard.watch` (policy ``"record"``) to name
+            the first non-finite module of a skipped step.
+        watch_kwargs: more arguments for :func:`nanguard.watch`.
+    """
+
+    def __init__(self, max_grad_norm: Optional[float] = None, norm_type: float = 2.0, watch: bool = True,
+                 watch_kwargs: Optional[dict] = None):
+        self.max_grad_norm = _check_max_norm(max_grad_norm)
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) \
+                or float(norm_type) not in (2.0, math.inf):
+            raise ValueError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
+        if not isinstance(watch, bool):
+            raise TypeError(f"watch must be a bool, got {type(watch).__name__}")
+        if watch_kwargs is not None and not isinstance(watch_kwargs, dict):
+            raise TypeError(f"watch_kwargs must be a dict or None, got {type(watch_kwargs).__name__}")
+        self.norm_type = float(norm_type)
+        self.use_watch = watch
+        self.watch_kwargs = dict(watch_kwargs or {})
+        self.watcher = None
+        self.steps = 0  #: optimizer steps guarded
+        self.skipped: List[SkippedStep] = []  #: steps skipped, oldest first
+        self.last_grad_norm: Optional[float] = None  #: norm of the unscaled gradients of the last step
+
+    # ---- lifetime ----------------------------------------------------------------------
+
+    def attach(self, model: nn.Module) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if self.use_watch and self.watcher is None:
+            kw = dict(policy="record")
+            kw.update(self.watch_kwargs)
+            self.watcher = _watch(model, **kw)
+
+    def detach(self) -> None:
+        if self.watcher is not None:
+            self.watcher.remove()
+            self.watcher = None
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def guard(self, parameters: Iterable[torch.Tensor], optimizer: Optional[torch.optim.Optimizer] = None,
+              scaler: Optional[torch.amp.GradScaler] = None, step: Optional[int] = None) -> bool:
+        """Unscale / check / clip the gradients of ``parameters`` in place;
+        True when the step may go ahead, False when it was made a no-op
+        (see the module docstring). ``optimizer`` is the torch optimizer the
+        ``scaler`` steps (needed when a scaler is enabled)."""
+        params = [p for p in parameters if p.grad is not None]
+        grads = [p.grad for p in params]
+        use_scaler = scaler is not None and scaler.is_enabled()
+        state = None
+        inv_scale, found_inf = 1.0, None
+        if use_scaler:
+            if optimizer is None:
+                raise ValueError("optimizer is required with an enabled scaler")
+            from torch.amp.grad_scaler import OptState
+
+            state = scaler._per_optimizer_states[id(optimizer)]
+            if state["stage"] is OptState.STEPPED:
+                raise RuntimeError("the scaler has already stepped this optimizer in this iteration")
+            if state["stage"] is OptState.UNSCALED:  # the framework unscaled already (its own clipping path)
+                found_inf = state["found_inf_per_device"]
+            else:
+                scaler._check_scale_growth_tracker("unscale_")
+                inv_scale = scaler._scale.double().reciprocal().float()
+                found_inf = {}
+        index = self.steps if step is None else int(step)
+        self.steps += 1
+        report = None
+        if grads:
+            total, stats, found_inf = _gg.guard_(grads, inv_scale, self.max_grad_norm, self.norm_type,
+                                                 found_inf=found_inf)
+            acc, nan, inf, _ = stats.tensor.tolist()  # the step's one host read
+            norm = float(total.item())
+            finite = nan == 0 and inf == 0 and math.isfinite(norm)
+        else:
+            nan = inf = 0
+            norm, finite = 0.0, True
+        if use_scaler:
+            from torch.amp.grad_scaler import OptState
+
+            if not found_inf:  # no gradient on any device: as torch's unscale_ leaves it
+                found_inf = {}
+            state["found_inf_per_device"] = found_inf
+            state["stage"] = OptState.UNSCALED
+        if self.watcher is not None:
+            report = self.watcher.step()
+        self.last_grad_norm = norm
+        if finite:
+            return True
+        rec = SkippedStep(index, int(nan), int(inf))
+        if report is not None and report.tensor is not None:
+            rec.module, rec.module_class, rec.pass_, rec.report = report.module, report.cls, report.pass_, str(report)
+        self.skipped.append(rec)
+        if not use_scaler:
+            for p in params:
+                p.grad = None
+        return False
+
+    def summary(self) -> dict:
+        """Counts for the framework's logs."""
+        last = self.skipped[-1] if self.skipped else None
+        return {
+            "steps": self.steps,
+            "skipped": len(self.skipped),
+            "skipped_nan": sum(1 for s in self.skipped if s.cause == "nan"),
+            "skipped_inf": sum(1 for s in self.skipped if s.cause == "inf"),
+            "skipped_norm_overflow": sum(1 for s in self.skipped if s.cause == "norm overflow"),
+            "last_skip_module": last.module if last else "",
+        }

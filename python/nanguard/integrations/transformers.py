@@ -1,0 +1,126 @@
+"""``NanguardCallback`` for ``transformers.Trainer``::
+
+    from nanguard.integrations.transformers import NanguardCallback
+
+    nanguard.patch(model)                       # optional: NaN-safe attention and norms
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[NanguardCallback()])
+    trainer.train()
+
+What it does, at each optimizer step (``on_pre_optimizer_step``, after the
+backward passes of every accumulated micro-batch):
+
+- unscales (under fp16, when accelerate's ``GradScaler`` has not already
+  done it), checks and clips the gradients in nanguard's two fused passes;
+- when a gradient is NaN or Inf, or the norm overflows, the step is skipped
+  and nothing is applied to the weights: under fp16 the scaler's own skip
+  (``found_inf``, and the scale backs off), under bf16 and fp32 by leaving no
+  gradient for the optimizer to apply;
+- :func:`nanguard.watch` (policy ``"record"``) names the first non-finite
+  module; a skipped step is logged as a warning on the ``transformers.trainer``
+  logger and as an entry of ``trainer.state.log_history``
+  (``nanguard_skipped_step``, ``nanguard_first_nonfinite``, ...), and every
+  log line gets ``nanguard_skipped_steps`` and ``nanguard_grad_norm``.
+
+Clipping is done once, by nanguard: the Trainer's own
+(``args.max_grad_norm``) is turned off for the run (set to 0, restored at the
+end) and its value becomes the callback's unless ``max_grad_norm=`` is given.
+The Trainer still logs ``grad_norm`` from its own norm computation.
+
+Under bf16 and fp32 a skipped step still advances the learning-rate
+schedule (the Trainer steps it unless accelerate's scaler skipped); under
+fp16 it does not, as with the Trainer alone.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from transformers import TrainerCallback
+from transformers.utils import logging as _hf_logging
+
+from ._guard import StepGuard
+
+__all__ = ["NanguardCallback"]
+
+_logger = _hf_logging.get_logger("transformers.trainer")
+
+
+def _scaler_and_optimizer(optimizer):
+    """accelerate's ``AcceleratedOptimizer`` holds the GradScaler (fp16) and
+    the torch optimizer the scaler steps."""
+    scaler = getattr(optimizer, "scaler", None)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return scaler, inner
+
+
+class NanguardCallback(TrainerCallback):
+    """Watch + fused gradient guard for ``transformers.Trainer``.
+
+    Args:
+        max_grad_norm: clip to this global norm; None (default) takes the
+            Trainer's ``args.max_grad_norm``; 0 checks without clipping.
+        watch: name the first non-finite module with :func:`nanguard.watch`.
+        watch_kwargs: more arguments for :func:`nanguard.watch`.
+
+    After training, ``callback.guard.skipped`` lists the skipped steps
+    (:class:`nanguard.integrations.SkippedStep`) and
+    ``callback.guard.summary()`` the counts.
+    """
+
+    def __init__(self, max_grad_norm: Optional[float] = None, watch: bool = True,
+                 watch_kwargs: Optional[dict] = None):
+        self._own_norm = max_grad_norm
+        StepGuard(max_grad_norm, watch=watch, watch_kwargs=watch_kwargs)  # validate the arguments now
+        self._watch, self._watch_kwargs = watch, watch_kwargs
+        self.guard: Optional[StepGuard] = None
+        self._saved_norm = None
+        self._args = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        norm = self._own_norm if self._own_norm is not None else args.max_grad_norm
+        self.guard = StepGuard(norm, watch=self._watch, watch_kwargs=self._watch_kwargs)
+        # one clipping, by nanguard: the Trainer's is off for the run
+        self._args, self._saved_norm = args, args.max_grad_norm
+        args.max_grad_norm = 0.0
+        if model is not None:
+            self.guard.attach(model)
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        scaler, inner = _scaler_and_optimizer(optimizer)
+        params = [p for g in inner.param_groups for p in g["params"]]
+        ok = self.guard.guard(params, optimizer=inner, scaler=scaler, step=state.global_step)
+        if not ok:
+            rec = self.guard.skipped[-1]
+            _logger.warning(str(rec) + (f"\n{rec.report}" if rec.report else ""))
+            state.log_history.append({
+                "step": state.global_step,
+                "nanguard_skipped_step": state.global_step,
+                "nanguard_cause": rec.cause,
+                "nanguard_first_nonfinite": rec.module if rec.module_class else "",
+                "nanguard_first_nonfinite_class": rec.module_class,
+                "nanguard_first_nonfinite_pass": rec.pass_,
+                "nanguard_skipped_steps": len(self.guard.skipped),
+            })
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and self.guard is not None:
+            extra = {"nanguard_skipped_steps": len(self.guard.skipped)}
+            if self.guard.last_grad_norm is not None:
+                extra["nanguard_grad_norm"] = self.guard.last_grad_norm
+            logs.update(extra)
+            # the Trainer appended this line to log_history before calling back
+            if state.log_history and state.log_history[-1].get("step") == state.global_step \
+                    and "nanguard_skipped_step" not in state.log_history[-1]:
+                state.log_history[-1].update(extra)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._args is not None:
+            self._args.max_grad_norm = self._saved_norm
+            self._args = None
+        if self.guard is not None:
+            self.guard.detach()
+            s = self.guard.summary()
+            if s["skipped"]:
+                _logger.warning(f"nanguard: {s['skipped']} of {s['steps']} optimizer steps skipped "
+                                f"({s['skipped_nan']} NaN, {s['skipped_inf']} Inf, "
+                                f"{s['skipped_norm_overflow']} norm overflow)")

@@ -1,0 +1,225 @@
+"""nanguard.integrations: the Trainer callback and the Lightning callback,
+each run for real on the CPU in bf16 with a NaN batch injected at one step;
+and the framework-independent StepGuard under fp16 with a loss scaler, bf16
+and fp32.
+
+Asserted: the NaN step is skipped (no parameter changes at that step, every
+other step changes them), the weights stay finite, the report names the
+module, the skip count and module reach the framework's logs, and gradients
+are clipped once, by nanguard.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import nanguard
+from nanguard.integrations import StepGuard
+
+VOCAB, SEQ, BATCH, NAN_AT = 64, 8, 4, 2
+
+
+def test_import_nanguard_imports_no_framework():
+    code = ("import sys, nanguard; bad = [m for m in ('transformers', 'lightning', 'pytorch_lightning', 'peft', "
+            "'accelerate') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ---- StepGuard, the shared core -----------------------------------------------------------------
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+
+
+def _grads(model, x, scale=1.0):
+    model.zero_grad()
+    (model(x).square().mean() * scale).backward()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_step_guard_skips_without_scaler(dtype):
+    model = _tiny()
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    g = StepGuard(max_grad_norm=0.5)
+    g.attach(model)
+    x = torch.randn(5, 8).to(next(model.parameters()).dtype)
+    _grads(model, x)
+    ref = [p.grad.double().clone() for p in model.parameters()]
+    norm = math.sqrt(sum(float(r.square().sum()) for r in ref))
+    assert g.guard(model.parameters(), opt)
+    # clipped once, to 0.5 (the reference norm is far above it)
+    assert norm > 1.0 and abs(g.last_grad_norm - norm) <= 1e-3 * norm
+    got = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+    assert abs(got - 0.5) <= (2e-2 if dtype == "bf16" else 1e-5)
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    _grads(model, bad)
+    assert not g.guard(model.parameters(), opt)
+    opt.step()  # applies nothing: no parameter has a gradient
+    for a, p in zip(before, model.parameters()):
+        assert torch.equal(a, p.detach())
+    rec = g.skipped[-1]
+    # the NaN came in with the batch: the watcher names the model's input
+    assert rec.cause == "nan" and rec.module == "" and rec.module_class == "Sequential", str(rec)
+    assert rec.pass_ == "forward" and "inputs" in rec.report, rec.report
+    assert g.summary()["skipped"] == 1
+    g.detach()
+
+
+def test_step_guard_fp16_with_scaler_skips_and_backs_off():
+    model = _tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    g = StepGuard(max_grad_norm=1.0, watch=False)
+    x = torch.randn(5, 8)
+    # a finite step: unscaled and clipped once by the guard, then applied
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x).float().square().mean()
+    scaler.scale(loss).backward()
+    assert g.guard(model.parameters(), opt, scaler)
+    n = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+    assert n <= 1.0 + 1e-5
+    w0 = model[0].weight.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    assert not torch.equal(w0, model[0].weight) and scaler.get_scale() == 1024.0
+    # a NaN step: skipped by the scaler, the scale backs off
+    model.zero_grad()
+    bad = x.clone()
+    bad[1, 2] = float("inf")
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(bad).float().square().mean()
+    scaler.scale(loss).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    assert not g.guard(model.parameters(), opt, scaler)
+    scaler.step(opt)
+    scaler.update()
+    for a, p in zip(before, model.parameters()):
+        assert torch.equal(a, p.detach())
+    assert scaler.get_scale() == 512.0
+    assert g.skipped[-1].cause in ("nan", "inf")
+
+
+def test_step_guard_bad_arguments():
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        StepGuard(max_grad_norm=-1.0)
+    with pytest.raises(TypeError, match="max_grad_norm"):
+        StepGuard(max_grad_norm="1")
+    with pytest.raises(ValueError, match="norm_type"):
+        StepGuard(norm_type=1.0)
+    with pytest.raises(TypeError, match="model"):
+        StepGuard().attach("not a model")
+    model = _tiny()
+    _grads(model, torch.randn(2, 8))
+    with pytest.raises(ValueError, match="optimizer is required"):
+        StepGuard().guard(model.parameters(), None, torch.amp.GradScaler("cpu"))
+
+
+# ---- transformers.Trainer -------------------------------------------------------------------------
+
+
+class _ParamSteps:
+    """Records, per optimizer step, whether any parameter changed."""
+
+    def __init__(self, model):
+        self.model = model
+        self.before = None
+        self.changed = []
+
+    def pre(self):
+        self.before = [p.detach().clone() for p in self.model.parameters()]
+
+    def post(self):
+        self.changed.append(any(not torch.equal(a, p.detach()) for a, p in zip(self.before, self.model.parameters())))
+
+
+def _llama():
+    T = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return T, T.LlamaForCausalLM(T.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               max_position_embeddings=64))
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(5)
+        self.ids = torch.randint(3, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i]}
+
+
+class _NaNAtCollator:
+    """Stacks rows into a batch; the batch of call ``NAN_AT`` carries NaN
+    input embeddings instead of token ids (a corrupted batch)."""
+
+    def __init__(self, hidden):
+        self.calls = 0
+        self.hidden = hidden
+
+    def __call__(self, rows):
+        ids = torch.stack([r["input_ids"] for r in rows])
+        batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+        if self.calls == NAN_AT:
+            batch["inputs_embeds"] = torch.full((ids.shape[0], ids.shape[1], self.hidden), float("nan"))
+            del batch["input_ids"]
+        self.calls += 1
+        return batch
+
+
+def test_transformers_trainer_bf16_nan_batch_is_skipped(tmp_path, capfd):
+    T, model = _llama()
+    from nanguard.integrations.transformers import NanguardCallback
+
+    nanguard.patch(model)
+    watch_steps = _ParamSteps(model)
+
+    class Probe(T.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            watch_steps.pre()
+
+        def on_optimizer_step(self, args, state, control, **kw):
+            watch_steps.post()
+
+    cb = NanguardCallback()
+    args = T.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, max_steps=5,
+                               learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
+                               bf16=True, use_cpu=True, dataloader_num_workers=0, max_grad_norm=1.0,
+                               disable_tqdm=True, seed=0)
+    trainer = T.Trainer(model=model, args=args, train_dataset=_Rows(BATCH * 5),
+                        data_collator=_NaNAtCollator(32), callbacks=[cb, Probe()])
+    trainer.train()
+    err = capfd.readouterr().err  # transformers' own log handler writes to stderr
+    # the NaN step (the third) was skipped: no parameter moved; every other step moved them
+    assert watch_steps.changed == [i != NAN_AT for i in range(5)], watch_steps.changed
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert len(cb.guard.skipped) == 1 and cb.guard.skipped[0].step == NAN_AT
+    rec = cb.guard.skipped[0]
+    assert rec.module_class and rec.pass_ == "forward", str(rec)
+    # in the Trainer's logs: its logger and its log history
+    assert f"optimizer step {NAN_AT} skipped" in err and f"({rec.module_class}, forward pass)" in err, err
+    assert "1 of 5 optimizer steps skipped" in err, err
+    entries = [e for e in trainer.state.log_history if "nanguard_skipped_step" in e]
+    assert len(entries) == 1 and entries[0]["nanguard_first_nonfinite_class"] == rec.module_class
+    assert trainer.state.log_history[-2]["nanguard_skipped_steps"] == 1
+    # clipping done once, by nanguard, at the Trainer's max_grad_norm; the Trainer's own is restored
+    assert cb.guard.max_grad_norm == 1.0 and args.max_grad_norm == 1.0
