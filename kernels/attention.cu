@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "kernels/attention.h"
+#include "kernels/cuda_launch.h"
 #include "kernels/attention_mma.h"
 
 namespace {
@@ -111,7 +112,7 @@ __device__ __forceinline__ const void *slice(const void *p, int64_t off) {
 
 template <ng_dtype T, int NT>
 static __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(ng_attention_args a) {
-    extern __shared__ float smem[];
+    NG_DYNAMIC_SMEM(float, smem);
     float *ks = smem, *vs = smem + kBK * a.E;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (a.Hq / a.Hkv);
@@ -209,7 +210,7 @@ __device__ __forceinline__ bwd_terms bwd_score(const ng_attention_args &a, float
 
 template <ng_dtype T, int NT>
 static __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(ng_attention_args a) {
-    extern __shared__ float smem[];
+    NG_DYNAMIC_SMEM(float, smem);
     float *qs = smem, *gs = qs + kBwdBQ * a.E, *lses = gs + kBwdBQ * a.Ev, *Ds = lses + kBwdBQ;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t b = blockIdx.z, hk = blockIdx.y, grp = a.Hq / a.Hkv;
@@ -289,7 +290,7 @@ static __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(ng_
 
 template <ng_dtype T, int NT>
 static __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(ng_attention_args a) {
-    extern __shared__ float smem[];
+    NG_DYNAMIC_SMEM(float, smem);
     float *ks = smem, *vs = smem + kBK * a.E;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (a.Hq / a.Hkv);
@@ -393,24 +394,6 @@ __device__ __forceinline__ uint32_t pack_f32x2(float lo, float hi) {
     return u;
 }
 
-template <ng_dtype T>
-__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    if constexpr (T == NG_F16)
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    else
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-    (void)c, (void)a, (void)b;
-    __trap(); /* never launched: the dispatcher requires compute capability 8.0 */
-#endif
-}
 
 /* Rows [r0, r0 + n) of a [seq, D] slice (row stride rs) into a 64-row tile,
  * zeros past n. vec: every row start is 16-byte aligned (one 128-bit load per
@@ -462,7 +445,7 @@ __device__ __forceinline__ void mma_xyt(float c[kMmaNT][4], const uint16_t *x, i
         for (int nt = 0; nt < kMmaNT; nt++) {
             uint32_t b[2];
             ng_mma_frag_b_rows(b, y, kLd, nt * 8, k0, lane);
-            mma_16816<T>(c[nt], a, b);
+            ng_mma_16816<T>(c[nt], a, b);
         }
     }
 }
@@ -485,7 +468,7 @@ __device__ __forceinline__ void mma_wy(float acc[D / 8][4], const float w[kMmaNT
         for (int dt = 0; dt < D / 8; dt++) {
             uint32_t b[2];
             ng_mma_frag_b_cols(b, y, kLd, kt * 16, dt * 8, lane);
-            mma_16816<T>(acc[dt], a, b);
+            ng_mma_16816<T>(acc[dt], a, b);
         }
     }
 }
@@ -594,7 +577,7 @@ __device__ __forceinline__ void mma_row_terms(float *dl, float *ls, const ng_att
 template <ng_dtype T, int D>
 static __global__ void __launch_bounds__(kMmaThreads) attention_fwd_mma_kernel(ng_attention_args a, int vec) {
     constexpr int kTile = kMmaRows * (D + 8);
-    extern __shared__ uint4 mma_smem[];
+    NG_DYNAMIC_SMEM(uint4, mma_smem);
     uint16_t *qs = (uint16_t *)mma_smem, *ks = qs + kTile, *vs = ks + kTile;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (a.Hq / a.Hkv);
@@ -702,7 +685,7 @@ __device__ __forceinline__ void mma_bwd_scores(float pd[kMmaNT][4], float ds[kMm
 template <ng_dtype T, int D>
 static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dkdv_mma_kernel(ng_attention_args a, int vec) {
     constexpr int kTile = kMmaRows * (D + 8);
-    extern __shared__ uint4 mma_smem[];
+    NG_DYNAMIC_SMEM(uint4, mma_smem);
     uint16_t *ks = (uint16_t *)mma_smem, *vs = ks + kTile, *qs = vs + kTile, *gs = qs + kTile;
     float *dl = (float *)(gs + kTile), *ls = dl + kMmaRows;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -747,7 +730,7 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dkdv_mma_ker
 template <ng_dtype T, int D>
 static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dq_mma_kernel(ng_attention_args a, int vec) {
     constexpr int kTile = kMmaRows * (D + 8);
-    extern __shared__ uint4 mma_smem[];
+    NG_DYNAMIC_SMEM(uint4, mma_smem);
     uint16_t *qs = (uint16_t *)mma_smem, *gs = qs + kTile, *ks = gs + kTile, *vs = ks + kTile;
     float *dl = (float *)(vs + kTile), *ls = dl + kMmaRows;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -803,7 +786,7 @@ ng_status launch_fwd(const ng_attention_args *a, cudaStream_t st) {
     dim3 grid((unsigned)NG_CEIL_DIV(a->L, (int64_t)kFwdBQ), (unsigned)a->Hq, (unsigned)a->B);
     size_t sm = sizeof(float) * (size_t)(kBK * (a->E + a->Ev));
     NG_TRY(allow_smem(attention_fwd_kernel<T, NT>, sm));
-    attention_fwd_kernel<T, NT><<<grid, kThreads, sm, st>>>(*a);
+    NG_LAUNCH((attention_fwd_kernel<T, NT>), grid, kThreads, sm, st, *a);
     return cuda_check();
 }
 
@@ -813,14 +796,14 @@ ng_status launch_bwd(const ng_attention_args *a, cudaStream_t st) {
         dim3 grid((unsigned)NG_CEIL_DIV(a->S, (int64_t)kBwdBlock), (unsigned)a->Hkv, (unsigned)a->B);
         size_t sm = sizeof(float) * (size_t)(kBwdBQ * (a->E + a->Ev) + 2 * kBwdBQ);
         NG_TRY(allow_smem(attention_bwd_dkdv_kernel<T, NT>, sm));
-        attention_bwd_dkdv_kernel<T, NT><<<grid, kThreads, sm, st>>>(*a);
+        NG_LAUNCH((attention_bwd_dkdv_kernel<T, NT>), grid, kThreads, sm, st, *a);
         NG_TRY(cuda_check());
     }
     if (a->L == 0) return NG_OK;
     dim3 grid((unsigned)NG_CEIL_DIV(a->L, (int64_t)kBwdBlock), (unsigned)a->Hq, (unsigned)a->B);
     size_t sm = sizeof(float) * (size_t)(kBK * (a->E + a->Ev));
     NG_TRY(allow_smem(attention_bwd_dq_kernel<T, NT>, sm));
-    attention_bwd_dq_kernel<T, NT><<<grid, kThreads, sm, st>>>(*a);
+    NG_LAUNCH((attention_bwd_dq_kernel<T, NT>), grid, kThreads, sm, st, *a);
     return cuda_check();
 }
 
@@ -830,20 +813,20 @@ ng_status launch_mma(const ng_attention_args *a, cudaStream_t st, int backward, 
     if (!backward) {
         dim3 grid((unsigned)NG_CEIL_DIV(a->L, (int64_t)kMmaRows), (unsigned)a->Hq, (unsigned)a->B);
         NG_TRY(allow_smem(attention_fwd_mma_kernel<T, D>, 3 * tile));
-        attention_fwd_mma_kernel<T, D><<<grid, kMmaThreads, 3 * tile, st>>>(*a, vec);
+        NG_LAUNCH((attention_fwd_mma_kernel<T, D>), grid, kMmaThreads, 3 * tile, st, *a, vec);
         return cuda_check();
     }
     const size_t sm = 4 * tile + 2 * kMmaRows * sizeof(float);
     if (a->S > 0) {
         dim3 grid((unsigned)NG_CEIL_DIV(a->S, (int64_t)kMmaRows), (unsigned)a->Hkv, (unsigned)a->B);
         NG_TRY(allow_smem(attention_bwd_dkdv_mma_kernel<T, D>, sm));
-        attention_bwd_dkdv_mma_kernel<T, D><<<grid, kMmaThreads, sm, st>>>(*a, vec);
+        NG_LAUNCH((attention_bwd_dkdv_mma_kernel<T, D>), grid, kMmaThreads, sm, st, *a, vec);
         NG_TRY(cuda_check());
     }
     if (a->L == 0) return NG_OK;
     dim3 grid((unsigned)NG_CEIL_DIV(a->L, (int64_t)kMmaRows), (unsigned)a->Hq, (unsigned)a->B);
     NG_TRY(allow_smem(attention_bwd_dq_mma_kernel<T, D>, sm));
-    attention_bwd_dq_mma_kernel<T, D><<<grid, kMmaThreads, sm, st>>>(*a, vec);
+    NG_LAUNCH((attention_bwd_dq_mma_kernel<T, D>), grid, kMmaThreads, sm, st, *a, vec);
     return cuda_check();
 }
 

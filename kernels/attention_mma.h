@@ -90,4 +90,31 @@ NG_HD int ng_mma_ds_exponent(float max_abs) {
     return e - 15;
 }
 
+#if defined(__CUDACC__) || defined(NG_CUDA_EMU)
+/* D += A B on the tensor cores: mma.sync.aligned.m16n8k16.row.col.f32 with
+ * fp16 or bf16 A and B (T), fp32 C = D. The only inline PTX of the kernels;
+ * the CPU emulator of the CUDA execution model (tests/cuda_emu) serves the
+ * same fragments through NG_EMU_MMA_M16N8K16. */
+template <ng_dtype T>
+__device__ __forceinline__ void ng_mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+#if defined(NG_CUDA_EMU)
+    NG_EMU_MMA_M16N8K16(T == NG_BF16, c, a, b);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if constexpr (T == NG_F16)
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    else
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    (void)c, (void)a, (void)b;
+    __trap(); /* never launched: the dispatcher requires compute capability 8.0 */
+#endif
+}
+#endif
+
 #endif /* NG_KERNELS_ATTENTION_MMA_H */

@@ -33,6 +33,7 @@
 #include <limits.h>
 
 #include "kernels/grad_guard.h"
+#include "kernels/cuda_launch.h"
 
 #define GG_THREADS 512
 #define GG_BATCH 1024
@@ -316,11 +317,11 @@ static ng_status gg_reduce_typed(const void *const *grads, const int64_t *numels
                                  int64_t m, cudaStream_t st) {
     NG_TRY(gg_for_batches(grads, numels, n, sizeof(typename T::S),
                           [&](const gg_batch &b, int cnt, int64_t first) -> ng_status {
-                              gg_reduce_kernel<T, P><<<cnt, GG_THREADS, 0, st>>>(b, inv_scale,
+                              NG_LAUNCH((gg_reduce_kernel<T, P>), cnt, GG_THREADS, 0, st, b, inv_scale,
                                                                                  parts + first);
                               return gg_check(cudaGetLastError());
                           }));
-    gg_final_kernel<P><<<1, GG_THREADS, 0, st>>>(parts, m, stats);
+    NG_LAUNCH((gg_final_kernel<P>), 1, GG_THREADS, 0, st, parts, m, stats);
     return gg_check(cudaGetLastError());
 }
 
@@ -370,7 +371,7 @@ static ng_status gg_apply_typed(void *const *grads, const int64_t *numels, int64
                                 int p, cudaStream_t st) {
     return gg_for_batches((const void *const *)grads, numels, n, sizeof(typename T::S),
                           [&](const gg_batch &b, int cnt, int64_t) -> ng_status {
-                              gg_apply_kernel<T><<<cnt, GG_THREADS, 0, st>>>(b, inv_scale, stats,
+                              NG_LAUNCH((gg_apply_kernel<T>), cnt, GG_THREADS, 0, st, b, inv_scale, stats,
                                                                              max_norm, p);
                               return gg_check(cudaGetLastError());
                           });
@@ -387,7 +388,7 @@ extern "C" ng_status ng_grad_guard_apply_cuda(void *const *grads, const int64_t 
         return NG_ERR_INVALID_ARG;
     NG_TRY(gg_check_list((const void *const *)grads, numels, n_tensors));
     cudaStream_t st = (cudaStream_t)stream;
-    gg_finish_kernel<<<1, 1, 0, st>>>(inv_scale, stats, max_norm, (int)norm, found_inf, total_norm,
+    NG_LAUNCH((gg_finish_kernel), 1, 1, 0, st, inv_scale, stats, max_norm, (int)norm, found_inf, total_norm,
                                       norm_dtype == NG_F64);
     NG_TRY(gg_check(cudaGetLastError()));
     switch (dtype) {

@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/layernorm.h"
+#include "kernels/cuda_launch.h"
 #include "kernels/layernorm_math.h"
 
 #define NG_LN_THREADS 256
@@ -205,13 +206,13 @@ extern "C" ng_status ng_layernorm_fwd_cuda(const ng_layernorm_args *a, void *str
     cudaStream_t s = (cudaStream_t)stream;
     if (a->rows == 0) return NG_OK;
     if (a->cols == 0) {
-        ln_empty_rows_kernel<<<(unsigned)NG_CEIL_DIV(a->rows, (int64_t)256), 256, 0, s>>>(*a);
+        NG_LAUNCH((ln_empty_rows_kernel), (unsigned)NG_CEIL_DIV(a->rows, (int64_t)256), 256, 0, s, *a);
         return launch_status();
     }
     const int threads = threads_for(a->cols);
     for (int64_t r0 = 0; r0 < a->rows; r0 += NG_LN_MAX_GRID) {
         const unsigned blocks = (unsigned)NG_MIN(a->rows - r0, (int64_t)NG_LN_MAX_GRID);
-        ln_fwd_kernel<<<blocks, threads, 0, s>>>(*a, r0);
+        NG_LAUNCH((ln_fwd_kernel), blocks, threads, 0, s, *a, r0);
         NG_TRY(launch_status());
     }
     return NG_OK;
@@ -225,13 +226,13 @@ extern "C" ng_status ng_layernorm_bwd_cuda(const ng_layernorm_args *a, void *str
         const int threads = threads_for(a->cols);
         for (int64_t r0 = 0; r0 < a->rows; r0 += NG_LN_MAX_GRID) {
             const unsigned blocks = (unsigned)NG_MIN(a->rows - r0, (int64_t)NG_LN_MAX_GRID);
-            ln_bwd_dx_kernel<<<blocks, threads, 0, s>>>(*a, r0);
+            NG_LAUNCH((ln_bwd_dx_kernel), blocks, threads, 0, s, *a, r0);
             NG_TRY(launch_status());
         }
     }
     if (a->dweight || a->dbias) {
         /* also runs for rows == 0, writing zeros */
-        ln_bwd_params_kernel<<<(unsigned)NG_CEIL_DIV(a->cols, (int64_t)32), dim3(32, 8), 0, s>>>(*a);
+        NG_LAUNCH((ln_bwd_params_kernel), (unsigned)NG_CEIL_DIV(a->cols, (int64_t)32), dim3(32, 8), 0, s, *a);
         NG_TRY(launch_status());
     }
     return NG_OK;

@@ -24,6 +24,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/tensor_stats.h"
+#include "kernels/cuda_launch.h"
 
 #define TS_THREADS 256
 #define TS_ELEMS_PER_THREAD 8
@@ -150,14 +151,14 @@ extern "C" ng_status ng_tensor_stats_cuda(const ng_tensor_stats_args *a0, void *
     const unsigned grid =
         (unsigned)NG_MAX((int64_t)1, NG_MIN((int64_t)TS_MAX_GRID, NG_CEIL_DIV(numel, per_block)));
     if (grid > 1) {
-        ts_clear_kernel<<<1, 1, 0, s>>>(a.counts, a.values);
+        NG_LAUNCH((ts_clear_kernel), 1, 1, 0, s, a.counts, a.values);
         NG_TRY(launch_status());
     }
     switch (a.dtype) {
-    case NG_F32: ts_kernel<NG_F32><<<grid, TS_THREADS, 0, s>>>(a, numel, contiguous); break;
-    case NG_F64: ts_kernel<NG_F64><<<grid, TS_THREADS, 0, s>>>(a, numel, contiguous); break;
-    case NG_F16: ts_kernel<NG_F16><<<grid, TS_THREADS, 0, s>>>(a, numel, contiguous); break;
-    case NG_BF16: ts_kernel<NG_BF16><<<grid, TS_THREADS, 0, s>>>(a, numel, contiguous); break;
+    case NG_F32: NG_LAUNCH((ts_kernel<NG_F32>), grid, TS_THREADS, 0, s, a, numel, contiguous); break;
+    case NG_F64: NG_LAUNCH((ts_kernel<NG_F64>), grid, TS_THREADS, 0, s, a, numel, contiguous); break;
+    case NG_F16: NG_LAUNCH((ts_kernel<NG_F16>), grid, TS_THREADS, 0, s, a, numel, contiguous); break;
+    case NG_BF16: NG_LAUNCH((ts_kernel<NG_BF16>), grid, TS_THREADS, 0, s, a, numel, contiguous); break;
     }
     return launch_status();
 }

@@ -1,0 +1,1105 @@
+/*
+ * tests/cuda_emu/cuda_emu.cpp - the CPU emulator of the CUDA execution model:
+ * device memory, launches, the fiber scheduler, warp intrinsics, mma.sync and
+ * the runtime API calls nanguard's kernels and tests make. See cuda_emu.h
+ * for the model and the limits it enforces.
+ *
+ * Scheduling: one host thread runs everything. A block's threads are fibers
+ * (a hand-written x86-64 context switch, ucontext elsewhere); the scheduler
+ * sweeps them in the schedule's order, and each runs until it waits at a
+ * barrier or a warp intrinsic, or ends. A warp intrinsic completes the
+ * moment the last lane of its mask arrives; a barrier when a sweep ends with
+ * every thread of the block waiting on it. A sweep in which nothing can run
+ * while threads still wait is a deadlock, reported with every thread's
+ * position.
+ *
+ * Device memory: each cudaMalloc is an mmap of its own, the buffer placed at
+ * the end of its readable pages (256-byte aligned, as cudaMalloc's are), with
+ * 64 KiB of inaccessible pages before it and at least 1 MiB after, so an
+ * access far out of bounds faults and is reported with the buffer it missed.
+ * Under AddressSanitizer the few bytes between the buffer's end and the
+ * guard (and before its start) are poisoned too. Fresh buffers hold 0xff
+ * bytes, as shared memory does at every block start.
+ *
+ * Two schedules per launch: device memory is snapshotted, the grid runs with
+ * blocks in order and threads in order, the result is kept, memory is
+ * restored, the grid runs again with blocks shuffled and threads in reverse
+ * order, and the two results must be equal byte for byte.
+ */
+#include "cuda_emu.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define NG_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define NG_EMU_ASAN 1
+#endif
+#endif
+#ifdef NG_EMU_ASAN
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+/* The static __shared__ variables of every kernel (cuda_emu.h puts them in
+ * this section); weak, in case a program has none. */
+extern "C" char __start_ng_emu_shared[] __attribute__((weak));
+extern "C" char __stop_ng_emu_shared[] __attribute__((weak));
+
+namespace ng_emu {
+
+lane_view *g_cur;
+uint3 g_block_idx;
+dim3 g_block_dim, g_grid_dim;
+
+namespace {
+
+/* ---- errors ----------------------------------------------------------------- */
+
+cudaError_t g_last = cudaSuccess;   /* what cudaGetLastError returns and clears */
+cudaError_t g_sticky = cudaSuccess; /* a kernel fault: every later call fails */
+
+cudaError_t fail(cudaError_t e) {
+    g_last = e;
+    return e;
+}
+
+__attribute__((format(printf, 1, 2))) void say(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("cuda_emu: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    fflush(stderr);
+}
+
+/* ---- the device the emulator imitates -------------------------------------- */
+
+struct arch {
+    int sm, optin_smem, sms;
+};
+const arch kArchs[] = {
+    {75, 64 * 1024, 40}, {80, 163 * 1024, 108}, {86, 99 * 1024, 84}, {89, 99 * 1024, 128}, {90, 227 * 1024, 132},
+};
+const arch *g_arch;
+
+const arch *find_arch(int sm) {
+    for (const arch &a : kArchs)
+        if (a.sm == sm) return &a;
+    return nullptr;
+}
+
+const arch &device() {
+    if (!g_arch) {
+        const char *env = getenv("NG_EMU_SM");
+        g_arch = find_arch(env ? atoi(env) : 90);
+        if (!g_arch) {
+            say("NG_EMU_SM=%s is not an sm the emulator knows (75, 80, 86, 89, 90); using 90", env);
+            g_arch = find_arch(90);
+        }
+    }
+    return *g_arch;
+}
+
+/* ---- device memory ---------------------------------------------------------- */
+
+constexpr size_t kPage = 4096, kPre = 64 * 1024, kMinPost = 1024 * 1024;
+
+struct alloc {
+    char *map;      /* the whole mapping, guards included */
+    size_t map_len;
+    char *rw;       /* first readable byte */
+    size_t rw_len;  /* readable bytes */
+    char *ptr;      /* the buffer handed out */
+    size_t size;    /* its size as requested */
+};
+std::map<uintptr_t, alloc> g_allocs; /* by ptr */
+
+size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
+
+void asan_poison(const void *p, size_t n) {
+#ifdef NG_EMU_ASAN
+    if (n) __asan_poison_memory_region(p, n);
+#else
+    (void)p, (void)n;
+#endif
+}
+void asan_unpoison(const void *p, size_t n) {
+#ifdef NG_EMU_ASAN
+    if (n) __asan_unpoison_memory_region(p, n);
+#else
+    (void)p, (void)n;
+#endif
+}
+
+/* The buffer holding [p, p + n), or null. */
+alloc *find_alloc(const void *p, size_t n) {
+    const uintptr_t a = (uintptr_t)p;
+    auto it = g_allocs.upper_bound(a);
+    if (it == g_allocs.begin()) return nullptr;
+    --it;
+    alloc &b = it->second;
+    if (a < (uintptr_t)b.ptr || a + n > (uintptr_t)b.ptr + b.size || a + n < a) return nullptr;
+    return &b;
+}
+
+/* The buffer whose mapping (guards included) holds p, or null. */
+const alloc *find_mapping(uintptr_t p) {
+    for (auto &kv : g_allocs)
+        if (p >= (uintptr_t)kv.second.map && p < (uintptr_t)kv.second.map + kv.second.map_len) return &kv.second;
+    return nullptr;
+}
+
+/* ---- fibers ----------------------------------------------------------------- */
+
+enum tstate { T_RUN, T_BAR, T_WARP, T_DONE };
+
+struct thread_state {
+    lane_view v; /* first: g_cur points here */
+    void *sp;
+    char *stack;
+    int linear, lane, warp;
+    tstate state;
+    const char *site;
+    /* a posted warp intrinsic */
+    warp_kind kind;
+    unsigned mask;
+    uint64_t value, result;
+    int arg, width;
+    float *mma_c;
+    const uint32_t *mma_a, *mma_b;
+    int mma_bf16;
+#ifdef NG_EMU_ASAN
+    void *fake_stack;
+#endif
+#if !defined(__x86_64__)
+    ucontext_t uc;
+#endif
+};
+
+constexpr size_t kStack = 256 * 1024, kStackGuard = kPage;
+std::vector<char *> g_stacks;      /* one per thread slot, allocated on demand */
+std::vector<thread_state> g_threads;
+thread_state *g_running;           /* the fiber now running, or null */
+void *g_sched_sp;                  /* the scheduler's saved stack pointer */
+#if !defined(__x86_64__)
+ucontext_t g_sched_uc;
+#endif
+#ifdef NG_EMU_ASAN
+void *g_sched_fake_stack;
+const void *g_sched_bottom;
+size_t g_sched_size;
+#endif
+
+/* The current launch, for messages. */
+struct launch_info {
+    std::string name;
+    kernel_body *body;
+    char *dyn;
+    size_t dyn_size;
+    int nthreads;
+    int live, at_barrier, exited;
+    int sweep, reverse;               /* the sweep's position and direction */
+    std::vector<unsigned> waiting;    /* per warp: lanes waiting at a warp intrinsic */
+    std::vector<unsigned> gone;       /* per warp: lanes that exited */
+    std::vector<unsigned> present;    /* per warp: lanes the block has */
+    bool fault;
+    bool active;
+} g_launch;
+
+} // namespace
+} // namespace ng_emu
+
+#if defined(__x86_64__)
+/* ng_emu_swap(&save_sp, new_sp): push the callee-saved registers, switch
+ * stacks, pop the other side's. The SSE / x87 control words are not
+ * switched: no kernel changes rounding modes. */
+extern "C" void ng_emu_swap(void **save_sp, void *new_sp);
+asm(R"(
+    .text
+    .globl ng_emu_swap
+    .type ng_emu_swap, @function
+ng_emu_swap:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size ng_emu_swap, .-ng_emu_swap
+)");
+#endif
+
+namespace ng_emu {
+namespace {
+
+void fiber_entry();
+#if !defined(__x86_64__)
+void fiber_entry_uc() { fiber_entry(); }
+#endif
+
+char *stack_for(int i) {
+    while ((int)g_stacks.size() <= i) {
+        void *m = mmap(nullptr, kStack + kStackGuard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                       -1, 0);
+        if (m == MAP_FAILED) {
+            say("cannot map a %zu-byte fiber stack: %s", kStack, strerror(errno));
+            abort();
+        }
+        mprotect(m, kStackGuard, PROT_NONE); /* overflow faults */
+        g_stacks.push_back((char *)m + kStackGuard);
+    }
+    return g_stacks[i];
+}
+
+void init_fiber(thread_state *t) {
+    t->stack = stack_for(t->linear);
+    asan_unpoison(t->stack, kStack); /* a fiber abandoned mid-kernel leaves its frames' poison */
+#if defined(__x86_64__)
+    /* Stacks are kStack apart, so their tops would all fall in the same
+     * cache sets; start each at its own offset within a page. */
+    uint64_t *sp = (uint64_t *)(t->stack + kStack - (size_t)(t->linear * 192 % 4096));
+    *--sp = 0;                            /* where a caller's return address would be */
+    *--sp = (uint64_t)(uintptr_t)&fiber_entry; /* ng_emu_swap returns here */
+    for (int r = 0; r < 6; r++) *--sp = 0; /* rbp rbx r12-r15 */
+    t->sp = sp;
+#else
+    getcontext(&t->uc);
+    t->uc.uc_stack.ss_sp = t->stack;
+    t->uc.uc_stack.ss_size = kStack;
+    t->uc.uc_link = nullptr;
+    makecontext(&t->uc, fiber_entry_uc, 0);
+#endif
+#ifdef NG_EMU_ASAN
+    t->fake_stack = nullptr;
+#endif
+}
+
+/* Switch from the stack of `from` (null: the scheduler) to fiber `to` (null:
+ * the scheduler). `dying`: `from` never runs again. */
+void switch_to(thread_state *from, thread_state *to, bool dying) {
+    void **save = from ? &from->sp : &g_sched_sp;
+#ifdef NG_EMU_ASAN
+    void **fake = dying ? nullptr : from ? &from->fake_stack : &g_sched_fake_stack;
+    __sanitizer_start_switch_fiber(fake, to ? (const void *)to->stack : g_sched_bottom, to ? kStack : g_sched_size);
+#else
+    (void)dying;
+#endif
+    g_running = to;
+    g_cur = to ? &to->v : nullptr;
+#if defined(__x86_64__)
+    ng_emu_swap(save, to ? to->sp : g_sched_sp);
+#else
+    (void)save;
+    swapcontext(from ? &from->uc : &g_sched_uc, to ? &to->uc : &g_sched_uc);
+#endif
+#ifdef NG_EMU_ASAN
+    __sanitizer_finish_switch_fiber(from ? from->fake_stack : g_sched_fake_stack, nullptr, nullptr);
+#endif
+    g_running = from;
+    g_cur = from ? &from->v : nullptr;
+}
+
+/* The next runnable thread of this sweep after the cursor, or null at its end. */
+thread_state *next_in_sweep() {
+    const int n = g_launch.nthreads;
+    while (++g_launch.sweep < n) {
+        thread_state *t = &g_threads[g_launch.reverse ? n - 1 - g_launch.sweep : g_launch.sweep];
+        if (t->state == T_RUN) return t;
+    }
+    return nullptr;
+}
+
+/* A fiber stops (it waits or ends): the next runnable thread of the sweep
+ * runs on, or the scheduler when the sweep is over or a fault stopped it. */
+void leave(thread_state *t, bool dying) {
+    thread_state *next = g_launch.fault ? nullptr : next_in_sweep();
+    switch_to(t, next, dying);
+}
+
+void fiber_entry() {
+#ifdef NG_EMU_ASAN
+    const void *from_bottom;
+    size_t from_size;
+    __sanitizer_finish_switch_fiber(nullptr, &from_bottom, &from_size);
+    if (!g_sched_bottom) { /* the first fiber ever is started by the scheduler: that is its stack */
+        g_sched_bottom = from_bottom;
+        g_sched_size = from_size;
+    }
+#endif
+    thread_state *t = g_running;
+    g_launch.body->run();
+    t->state = T_DONE;
+    g_launch.live--;
+    g_launch.exited++;
+    g_launch.gone[t->warp] |= 1u << t->lane;
+    leave(t, true);
+    __builtin_unreachable();
+}
+
+const char *kind_name(warp_kind k) {
+    switch (k) {
+    case W_SHFL_IDX: return "__shfl_sync";
+    case W_SHFL_UP: return "__shfl_up_sync";
+    case W_SHFL_DOWN: return "__shfl_down_sync";
+    case W_SHFL_XOR: return "__shfl_xor_sync";
+    case W_BALLOT: return "__ballot_sync";
+    case W_ANY: return "__any_sync";
+    case W_ALL: return "__all_sync";
+    case W_SYNCWARP: return "__syncwarp";
+    case W_MMA: return "mma.sync.m16n8k16";
+    }
+    return "?";
+}
+
+/* A fault inside the kernel: say where, abandon the launch. Called on a
+ * fiber (t set) or by the scheduler (t null). */
+__attribute__((format(printf, 2, 3))) void fault(thread_state *t, const char *fmt, ...) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (t)
+        say("%s: block (%u, %u, %u), thread (%u, %u, %u): %s", g_launch.name.c_str(), g_block_idx.x, g_block_idx.y,
+            g_block_idx.z, t->v.idx.x, t->v.idx.y, t->v.idx.z, msg);
+    else
+        say("%s: block (%u, %u, %u): %s", g_launch.name.c_str(), g_block_idx.x, g_block_idx.y, g_block_idx.z, msg);
+    g_launch.fault = true;
+    if (t) {
+        t->state = T_DONE;
+        switch_to(t, nullptr, true);
+        __builtin_unreachable();
+    }
+}
+
+const char *state_name(const thread_state &t) {
+    switch (t.state) {
+    case T_RUN: return "runnable";
+    case T_BAR: return "__syncthreads";
+    case T_WARP: return kind_name(t.kind);
+    case T_DONE: return "exited";
+    }
+    return "?";
+}
+
+/* Every thread's position, for a deadlock report (runs of equal lines folded). */
+std::string positions() {
+    std::string out;
+    const int n = g_launch.nthreads;
+    for (int i = 0; i < n;) {
+        const thread_state &t = g_threads[i];
+        int j = i + 1;
+        while (j < n && g_threads[j].state == t.state && g_threads[j].site == t.site &&
+               (t.state != T_WARP || (g_threads[j].kind == t.kind && g_threads[j].mask == t.mask)))
+            j++;
+        char line[320];
+        if (t.state == T_WARP)
+            snprintf(line, sizeof line, "\n    threads %d..%d: %s (mask 0x%08x) at %s", i, j - 1, state_name(t),
+                     t.mask, t.site);
+        else if (t.state == T_BAR)
+            snprintf(line, sizeof line, "\n    threads %d..%d: __syncthreads at %s", i, j - 1, t.site);
+        else
+            snprintf(line, sizeof line, "\n    threads %d..%d: %s", i, j - 1, state_name(t));
+        out += line;
+        i = j;
+    }
+    return out;
+}
+
+/* ---- warp intrinsics ------------------------------------------------------- */
+
+float half_to_f32(uint16_t h, int bf16) { return bf16 ? bf16_bits_to_f32(h) : f16_bits_to_f32(h); }
+
+/* D = A B + C of one warp, from the PTX ISA's fragment layout of
+ * mma.m16n8k16 with 16-bit A / B and fp32 C / D (lane = 4 g + t):
+ *   A a0..a7 (registers a[i / 2], low half first): row g + 8 ((i / 2) & 1), col 2t + (i & 1) + 8 (i >= 4)
+ *   B b0..b3 (registers b[i / 2]): row (k) 2t + (i & 1) + 8 (i >= 2), col (n) g
+ *   C c0..c3: row g + 8 (i >= 2), col 2t + (i & 1)
+ * Products of 16-bit values are exact; the 16 of a dot product and C are
+ * summed in fp64 and rounded once to fp32. (The tensor cores' own order and
+ * rounding of that sum are not IEEE and differ in the last bits.) */
+void mma_resolve(thread_state *w) {
+    double A[16][16], B[16][8], C[16][8];
+    const int bf16 = w[0].mma_bf16;
+    for (int l = 0; l < 32; l++) {
+        const int g = l >> 2, t = l & 3;
+        const thread_state &u = w[l];
+        for (int i = 0; i < 8; i++) {
+            const uint16_t h = (uint16_t)(u.mma_a[i >> 1] >> (16 * (i & 1)));
+            A[g + 8 * ((i >> 1) & 1)][2 * t + (i & 1) + 8 * (i >= 4)] = half_to_f32(h, bf16);
+        }
+        for (int i = 0; i < 4; i++) {
+            const uint16_t h = (uint16_t)(u.mma_b[i >> 1] >> (16 * (i & 1)));
+            B[2 * t + (i & 1) + 8 * (i >= 2)][g] = half_to_f32(h, bf16);
+        }
+        for (int i = 0; i < 4; i++) C[g + 8 * (i >= 2)][2 * t + (i & 1)] = u.mma_c[i];
+    }
+    for (int l = 0; l < 32; l++) {
+        const int g = l >> 2, t = l & 3;
+        for (int i = 0; i < 4; i++) {
+            const int r = g + 8 * (i >= 2), n = 2 * t + (i & 1);
+            double s = C[r][n];
+            for (int k = 0; k < 16; k++) s += A[r][k] * B[k][n];
+            w[l].mma_c[i] = (float)s;
+        }
+    }
+}
+
+/* If every lane of t's mask waits at a warp intrinsic, complete it. */
+void try_resolve(thread_state *t) {
+    const unsigned mask = t->mask;
+    const int base = t->warp * 32;
+    thread_state *w = &g_threads[base];
+    if (unsigned missing = mask & ~g_launch.present[t->warp])
+        fault(t, "%s at %s: mask 0x%08x names lane %d, which this block of %d threads does not have",
+              kind_name(t->kind), t->site, mask, __builtin_ctz(missing), g_launch.nthreads);
+    if (unsigned gone = mask & g_launch.gone[t->warp])
+        fault(t, "%s at %s: mask 0x%08x names lane %d, which has exited", kind_name(t->kind), t->site, mask,
+              __builtin_ctz(gone));
+    if ((g_launch.waiting[t->warp] & mask) != mask) return; /* not all there yet */
+    for (unsigned m = mask; m; m &= m - 1) {
+        const int l = __builtin_ctz(m);
+        const thread_state &u = w[l];
+        if (u.kind != t->kind || u.mask != mask || u.width != t->width || (t->kind == W_MMA && u.mma_bf16 != t->mma_bf16))
+            fault(t, "lanes of one mask at different warp intrinsics: lane %d at %s (%s, mask 0x%08x), lane %d at %s "
+                     "(%s, mask 0x%08x)",
+                  t->lane, t->site, kind_name(t->kind), mask, l, u.site, kind_name(u.kind), u.mask);
+    }
+    switch (t->kind) {
+    case W_MMA:
+        if (mask != 0xffffffffu) fault(t, "mma.sync at %s needs all 32 lanes, mask 0x%08x", t->site, mask);
+        mma_resolve(w);
+        break;
+    case W_BALLOT:
+    case W_ANY:
+    case W_ALL: {
+        unsigned bits = 0;
+        for (int l = 0; l < 32; l++)
+            if ((mask >> l & 1u) && w[l].value) bits |= 1u << l;
+        const uint64_t r = t->kind == W_BALLOT ? bits : t->kind == W_ANY ? bits != 0 : bits == mask;
+        for (int l = 0; l < 32; l++)
+            if (mask >> l & 1u) w[l].result = r;
+        break;
+    }
+    case W_SYNCWARP: break;
+    default: {
+        for (unsigned m = mask; m; m &= m - 1) {
+            const int l = __builtin_ctz(m);
+            thread_state &u = w[l];
+            const int width = u.width, seg = l & ~(width - 1);
+            int src = l;
+            switch (u.kind) {
+            case W_SHFL_IDX: src = seg + (u.arg & (width - 1)); break;
+            case W_SHFL_UP: src = l - u.arg >= seg ? l - u.arg : l; break;
+            case W_SHFL_DOWN: src = l + u.arg < seg + width ? l + u.arg : l; break;
+            case W_SHFL_XOR: src = (l ^ u.arg) < seg + width ? (l ^ u.arg) : l; break;
+            default: break;
+            }
+            if (src < 0 || src > 31 || !(mask >> src & 1u))
+                fault(t, "%s at %s: lane %d reads lane %d, which is not in the mask 0x%08x (undefined on a GPU)",
+                      kind_name(u.kind), u.site, l, src, mask);
+            u.result = w[src].value;
+        }
+    }
+    }
+    for (unsigned m = mask; m; m &= m - 1) w[__builtin_ctz(m)].state = T_RUN;
+    g_launch.waiting[t->warp] &= ~mask;
+}
+
+thread_state *running(const char *what) {
+    if (!g_running) {
+        say("%s called outside an emulated kernel", what);
+        abort();
+    }
+    return g_running;
+}
+
+uint64_t post(thread_state *t) {
+    if (!(t->mask >> t->lane & 1u))
+        fault(t, "%s at %s: lane %d calls it with mask 0x%08x, which does not include it", kind_name(t->kind), t->site,
+              t->lane, t->mask);
+    t->state = T_WARP;
+    g_launch.waiting[t->warp] |= 1u << t->lane;
+    try_resolve(t);
+    if (t->state == T_WARP) leave(t, false);
+    return t->result;
+}
+
+/* ---- signals ------------------------------------------------------------------- */
+
+struct sigaction g_old_segv, g_old_bus;
+
+void on_fault(int sig, siginfo_t *si, void *uc) {
+    const uintptr_t a = (uintptr_t)si->si_addr;
+    char where[512] = "";
+    if (const alloc *b = find_mapping(a)) {
+        if (a >= (uintptr_t)b->ptr + b->size)
+            snprintf(where, sizeof where, "%zu bytes past the end of a device buffer of %zu bytes",
+                     (size_t)(a - ((uintptr_t)b->ptr + b->size)), b->size);
+        else
+            snprintf(where, sizeof where, "%zu bytes before the start of a device buffer of %zu bytes",
+                     (size_t)((uintptr_t)b->ptr - a), b->size);
+    } else {
+        for (size_t i = 0; i < g_stacks.size(); i++)
+            if (a >= (uintptr_t)(g_stacks[i] - kStackGuard) && a < (uintptr_t)g_stacks[i])
+                snprintf(where, sizeof where, "the guard page of emulated thread %zu's stack (stack overflow)", i);
+        if (!where[0]) snprintf(where, sizeof where, "not in any device buffer");
+    }
+    if (g_launch.active && g_running) {
+        const thread_state *t = g_running;
+        say("%s: block (%u, %u, %u), thread (%u, %u, %u): invalid access to address 0x%lx: %s", g_launch.name.c_str(),
+            g_block_idx.x, g_block_idx.y, g_block_idx.z, t->v.idx.x, t->v.idx.y, t->v.idx.z, (unsigned long)a, where);
+    } else {
+        say("invalid access to address 0x%lx outside any kernel: %s", (unsigned long)a, where);
+    }
+    const struct sigaction &old = sig == SIGSEGV ? g_old_segv : g_old_bus;
+    if ((old.sa_flags & SA_SIGINFO) && old.sa_sigaction) {
+        old.sa_sigaction(sig, si, uc); /* e.g. AddressSanitizer's report */
+        return;
+    }
+    signal(sig, SIG_DFL); /* the access repeats and ends the process */
+}
+
+void install_handlers() {
+    static bool done = false;
+    if (done) return;
+    done = true;
+    static char altstack[64 * 1024];
+    stack_t ss = {};
+    ss.ss_sp = altstack;
+    ss.ss_size = sizeof altstack;
+    sigaltstack(&ss, nullptr);
+    struct sigaction sa = {};
+    sa.sa_sigaction = on_fault;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &g_old_segv);
+    sigaction(SIGBUS, &sa, &g_old_bus);
+}
+
+/* ---- launches ------------------------------------------------------------------ */
+
+std::map<const void *, int> g_max_dyn_smem; /* cudaFuncSetAttribute */
+long long g_launches;
+
+std::string display_name(const char *kernel, const char *where) {
+    std::string k = kernel;
+    if (k.size() >= 2 && k.front() == '(' && k.back() == ')') k = k.substr(1, k.size() - 2);
+    const char *w = strstr(where, "[with ");
+    if (w) k += std::string(" ") + w;
+    return k;
+}
+
+void poison_shared() {
+    if (__start_ng_emu_shared && __stop_ng_emu_shared)
+        memset(__start_ng_emu_shared, 0xff, (size_t)(__stop_ng_emu_shared - __start_ng_emu_shared));
+    if (g_launch.dyn_size) memset(g_launch.dyn, 0xff, g_launch.dyn_size);
+}
+
+/* Run block `lin` (x fastest) of the grid; false after a fault. */
+bool run_block(uint64_t lin, bool reverse) {
+    g_block_idx.x = (unsigned)(lin % g_grid_dim.x);
+    g_block_idx.y = (unsigned)(lin / g_grid_dim.x % g_grid_dim.y);
+    g_block_idx.z = (unsigned)(lin / ((uint64_t)g_grid_dim.x * g_grid_dim.y));
+    poison_shared();
+    const int n = g_launch.nthreads;
+    for (int i = 0; i < n; i++) {
+        thread_state &t = g_threads[i];
+        t.v.idx.x = (unsigned)(i % g_block_dim.x);
+        t.v.idx.y = (unsigned)(i / g_block_dim.x % g_block_dim.y);
+        t.v.idx.z = (unsigned)(i / (g_block_dim.x * g_block_dim.y));
+        t.linear = i;
+        t.lane = i & 31;
+        t.warp = i >> 5;
+        t.state = T_RUN;
+        t.site = nullptr;
+        init_fiber(&t);
+    }
+    g_launch.live = n;
+    g_launch.at_barrier = 0;
+    g_launch.exited = 0;
+    g_launch.reverse = reverse;
+    const int nwarps = (n + 31) / 32;
+    g_launch.waiting.assign(nwarps, 0u);
+    g_launch.gone.assign(nwarps, 0u);
+    g_launch.present.assign(nwarps, 0xffffffffu);
+    if (n % 32) g_launch.present[nwarps - 1] = (1u << (n % 32)) - 1u;
+    while (g_launch.live > 0) {
+        g_launch.sweep = -1;
+        thread_state *first = next_in_sweep();
+        const bool ran = first != nullptr;
+        if (first) switch_to(nullptr, first, false); /* runs the whole sweep, fiber to fiber */
+        if (g_launch.fault) return false;
+        if (g_launch.at_barrier > 0 && g_launch.at_barrier == g_launch.live) {
+            const thread_state *b0 = nullptr;
+            for (int i = 0; i < n; i++) {
+                const thread_state &t = g_threads[i];
+                if (t.state != T_BAR) continue;
+                if (!b0) b0 = &t;
+                else if (t.site != b0->site && strcmp(t.site, b0->site) != 0)
+                    fault(nullptr, "threads wait at different __syncthreads: thread %d at %s, thread %d at %s",
+                          b0->linear, b0->site, t.linear, t.site);
+            }
+            if (g_launch.fault) return false;
+            if (g_launch.exited > 0) {
+                fault(nullptr, "__syncthreads at %s reached by %d of the block's %d threads; the others exited:%s",
+                      b0->site, g_launch.at_barrier, n, positions().c_str());
+                return false;
+            }
+            for (int i = 0; i < n; i++)
+                if (g_threads[i].state == T_BAR) g_threads[i].state = T_RUN;
+            g_launch.at_barrier = 0;
+            continue;
+        }
+        if (!ran) {
+            fault(nullptr, "deadlock: no thread can go on:%s", positions().c_str());
+            return false;
+        }
+    }
+    return true;
+}
+
+bool run_grid(bool shuffled) {
+    const uint64_t nb = (uint64_t)g_grid_dim.x * g_grid_dim.y * g_grid_dim.z;
+    if (!shuffled) {
+        for (uint64_t b = 0; b < nb; b++)
+            if (!run_block(b, false)) return false;
+        return true;
+    }
+    /* a permutation of the blocks from a generator seeded by the launch */
+    std::vector<uint64_t> order(nb);
+    for (uint64_t b = 0; b < nb; b++) order[b] = b;
+    uint64_t s = 0x9e3779b97f4a7c15ull * (uint64_t)(g_launches + 1);
+    for (uint64_t i = nb; i > 1; i--) {
+        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+        std::swap(order[i - 1], order[s % i]);
+    }
+    for (uint64_t b : order)
+        if (!run_block(b, true)) return false;
+    return true;
+}
+
+struct snapshot {
+    std::vector<std::pair<alloc *, std::vector<char>>> bufs;
+    void take() {
+        bufs.clear();
+        for (auto &kv : g_allocs) bufs.emplace_back(&kv.second, std::vector<char>(kv.second.ptr, kv.second.ptr + kv.second.size));
+    }
+    void restore() const {
+        for (auto &b : bufs) memcpy(b.first->ptr, b.second.data(), b.second.size());
+    }
+};
+
+} // namespace
+
+/* ---- the device side's entry points ------------------------------------------ */
+
+void syncthreads(const char *site) {
+    thread_state *t = running("__syncthreads");
+    t->state = T_BAR;
+    t->site = site;
+    g_launch.at_barrier++;
+    leave(t, false);
+}
+
+uint64_t warp_op(warp_kind kind, unsigned mask, uint64_t value, int arg, int width, const char *site) {
+    thread_state *t = running("a warp intrinsic");
+    if (width < 1 || width > 32 || (width & (width - 1)))
+        fault(t, "%s at %s: width %d is not a power of two in [1, 32]", kind_name(kind), site, width);
+    t->kind = kind;
+    t->mask = mask;
+    t->value = value;
+    t->arg = arg;
+    t->width = width;
+    t->site = site;
+    return post(t);
+}
+
+unsigned activemask() {
+    thread_state *t = running("__activemask");
+    return g_launch.present[t->warp] & ~g_launch.gone[t->warp];
+}
+
+void mma_m16n8k16(int bf16, float c[4], const uint32_t a[4], const uint32_t b[2], const char *site) {
+    thread_state *t = running("mma.sync");
+    t->kind = W_MMA;
+    t->mask = 0xffffffffu;
+    t->site = site;
+    t->mma_c = c;
+    t->mma_a = a;
+    t->mma_b = b;
+    t->mma_bf16 = bf16;
+    t->width = 32;
+    (void)post(t);
+}
+
+void trap(const char *site) {
+    thread_state *t = running("__trap");
+    fault(t, "__trap() at %s", site);
+    __builtin_unreachable();
+}
+
+void *dynamic_smem() {
+    (void)running("dynamic shared memory");
+    return g_launch.dyn;
+}
+
+cudaError_t func_set_attribute(const void *fn, int attr, int value) {
+    if (g_sticky) return g_sticky;
+    if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return fail(cudaErrorInvalidValue);
+    if (value < 0 || value > device().optin_smem) {
+        say("cudaFuncSetAttribute(MaxDynamicSharedMemorySize, %d) refused: sm_%d allows at most %d bytes", value,
+            device().sm, device().optin_smem);
+        return fail(cudaErrorInvalidValue);
+    }
+    g_max_dyn_smem[fn] = value;
+    return cudaSuccess;
+}
+
+cudaError_t launch_impl(const char *kernel, const char *where, const void *fn, dim3 grid, dim3 block, size_t smem,
+                        cudaStream_t stream, size_t param_bytes, kernel_body *body) {
+    (void)stream;
+    if (g_sticky) return fail(g_sticky);
+    if (g_running) {
+        say("a kernel launched another kernel (dynamic parallelism is not emulated)");
+        abort();
+    }
+    const std::string name = display_name(kernel, where);
+    const uint64_t threads = (uint64_t)block.x * block.y * block.z;
+    const char *why = nullptr;
+    char msg[256];
+    if (threads == 0 || threads > 1024) {
+        snprintf(msg, sizeof msg, "%llu threads per block (%u x %u x %u); the limit is 1024",
+                 (unsigned long long)threads, block.x, block.y, block.z);
+        why = msg;
+    } else if (block.z > 64) {
+        snprintf(msg, sizeof msg, "blockDim.z %u; the limit is 64", block.z);
+        why = msg;
+    } else if (grid.x == 0 || grid.y == 0 || grid.z == 0) {
+        snprintf(msg, sizeof msg, "an empty grid (%u x %u x %u)", grid.x, grid.y, grid.z);
+        why = msg;
+    } else if (grid.x > 2147483647u) {
+        snprintf(msg, sizeof msg, "gridDim.x %u; the limit is 2147483647", grid.x);
+        why = msg;
+    } else if (grid.y > 65535 || grid.z > 65535) {
+        snprintf(msg, sizeof msg, "gridDim.%c %u; the limit is 65535", grid.y > 65535 ? 'y' : 'z',
+                 grid.y > 65535 ? grid.y : grid.z);
+        why = msg;
+    }
+    if (why) {
+        say("launch of %s refused: %s", name.c_str(), why);
+        return fail(cudaErrorInvalidConfiguration);
+    }
+    auto lim = g_max_dyn_smem.find(fn);
+    const size_t smem_max = lim != g_max_dyn_smem.end() ? (size_t)lim->second : 48 * 1024;
+    if (smem > smem_max) {
+        say("launch of %s refused: %zu bytes of dynamic shared memory; the limit is %zu (48 KiB unless raised with "
+            "cudaFuncSetAttribute, at most %d on sm_%d)",
+            name.c_str(), smem, smem_max, device().optin_smem, device().sm);
+        return fail(cudaErrorInvalidValue);
+    }
+    if (param_bytes > 32764) {
+        say("launch of %s refused: %zu bytes of kernel parameters; the limit is 32764", name.c_str(), param_bytes);
+        return fail(cudaErrorInvalidValue);
+    }
+    install_handlers();
+
+    g_launch.name = name;
+    g_launch.body = body;
+    g_launch.nthreads = (int)threads;
+    g_launch.dyn_size = smem;
+    g_launch.dyn = (char *)malloc(smem ? smem : 1); /* exactly smem bytes: overruns are heap errors */
+    g_launch.fault = false;
+    g_launch.active = true;
+    g_grid_dim = grid;
+    g_block_dim = block;
+    if (g_threads.size() < threads) g_threads.resize(threads);
+
+    snapshot before, first;
+    before.take();
+    bool ok = run_grid(false);
+    if (ok) {
+        first.take();
+        before.restore();
+        ok = run_grid(true);
+    }
+    if (ok) {
+        for (size_t i = 0; i < first.bufs.size() && ok; i++) {
+            const alloc *b = first.bufs[i].first;
+            const char *x = first.bufs[i].second.data();
+            if (memcmp(x, b->ptr, b->size) == 0) continue;
+            size_t off = 0;
+            while (x[off] == b->ptr[off]) off++;
+            say("%s: the two schedules disagree (a race, or a read of memory no thread wrote): device buffer of %zu "
+                "bytes at %p, first difference at byte %zu (0x%02x in order, 0x%02x shuffled / reversed)",
+                name.c_str(), b->size, (void *)b->ptr, off, (unsigned char)x[off], (unsigned char)b->ptr[off]);
+            ok = false;
+        }
+    }
+    free(g_launch.dyn);
+    g_launch.dyn = nullptr;
+    g_launch.active = false;
+    g_launches++;
+    if (!ok) {
+        g_sticky = cudaErrorLaunchFailure;
+        return fail(g_sticky);
+    }
+    return cudaSuccess;
+}
+
+} // namespace ng_emu
+
+/* ---- the runtime API ------------------------------------------------------------ */
+
+using namespace ng_emu;
+
+#define NG_EMU_STICKY()                                                                                            \
+    do {                                                                                                           \
+        if (g_sticky) return fail(g_sticky);                                                                       \
+    } while (0)
+
+extern "C" {
+
+int ng_emu_set_sm(int sm) {
+    const arch *a = find_arch(sm);
+    if (!a) return -1;
+    g_arch = a;
+    return 0;
+}
+int ng_emu_sm(void) { return device().sm; }
+long long ng_emu_launches(void) { return g_launches; }
+int ng_emu_schedules(void) { return 2; }
+
+cudaError_t cudaGetDeviceCount(int *count) {
+    *count = 1;
+    return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int dev) {
+    NG_EMU_STICKY();
+    return dev == 0 ? cudaSuccess : fail(cudaErrorInvalidDevice);
+}
+cudaError_t cudaGetDevice(int *dev) {
+    NG_EMU_STICKY();
+    *dev = 0;
+    return cudaSuccess;
+}
+cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int dev) {
+    NG_EMU_STICKY();
+    if (dev != 0) return fail(cudaErrorInvalidDevice);
+    memset(p, 0, sizeof *p);
+    snprintf(p->name, sizeof p->name, "cuda_emu (CPU emulator of an sm_%d GPU)", device().sm);
+    p->totalGlobalMem = (size_t)16 << 30;
+    p->sharedMemPerBlock = 48 * 1024;
+    p->sharedMemPerBlockOptin = (size_t)device().optin_smem;
+    p->warpSize = 32;
+    p->maxThreadsPerBlock = 1024;
+    p->maxGridSize[0] = 2147483647;
+    p->maxGridSize[1] = p->maxGridSize[2] = 65535;
+    p->major = device().sm / 10;
+    p->minor = device().sm % 10;
+    p->multiProcessorCount = device().sms;
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr attr, int dev) {
+    NG_EMU_STICKY();
+    if (dev != 0) return fail(cudaErrorInvalidDevice);
+    switch (attr) {
+    case cudaDevAttrMaxThreadsPerBlock: *v = 1024; break;
+    case cudaDevAttrMaxGridDimY:
+    case cudaDevAttrMaxGridDimZ: *v = 65535; break;
+    case cudaDevAttrWarpSize: *v = 32; break;
+    case cudaDevAttrMultiProcessorCount: *v = device().sms; break;
+    case cudaDevAttrComputeCapabilityMajor: *v = device().sm / 10; break;
+    case cudaDevAttrComputeCapabilityMinor: *v = device().sm % 10; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = device().optin_smem; break;
+    default: return fail(cudaErrorInvalidValue);
+    }
+    return cudaSuccess;
+}
+cudaError_t cudaRuntimeGetVersion(int *v) {
+    *v = CUDART_VERSION;
+    return cudaSuccess;
+}
+cudaError_t cudaDriverGetVersion(int *v) {
+    *v = CUDART_VERSION;
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize(void) {
+    NG_EMU_STICKY();
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceReset(void) {
+    for (auto &kv : g_allocs) {
+        asan_unpoison(kv.second.rw, kv.second.rw_len);
+        munmap(kv.second.map, kv.second.map_len);
+    }
+    g_allocs.clear();
+    g_max_dyn_smem.clear();
+    g_sticky = g_last = cudaSuccess;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetLastError(void) {
+    const cudaError_t e = g_sticky ? g_sticky : g_last;
+    g_last = cudaSuccess;
+    return e;
+}
+cudaError_t cudaPeekAtLastError(void) { return g_sticky ? g_sticky : g_last; }
+
+const char *cudaGetErrorName(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInitializationError: return "cudaErrorInitializationError";
+    case cudaErrorInsufficientDriver: return "cudaErrorInsufficientDriver";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevicePointer: return "cudaErrorInvalidDevicePointer";
+    case cudaErrorInvalidMemcpyDirection: return "cudaErrorInvalidMemcpyDirection";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
+    case cudaErrorLaunchOutOfResources: return "cudaErrorLaunchOutOfResources";
+    case cudaErrorIllegalInstruction: return "cudaErrorIllegalInstruction";
+    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    }
+    return "cudaErrorUnknown";
+}
+const char *cudaGetErrorString(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInitializationError: return "initialization error";
+    case cudaErrorInsufficientDriver: return "CUDA driver version is insufficient for CUDA runtime version";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDevicePointer: return "invalid device pointer";
+    case cudaErrorInvalidMemcpyDirection: return "invalid copy direction for memcpy";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+    case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
+    case cudaErrorIllegalInstruction: return "an illegal instruction was encountered";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
+    }
+    return "unknown error";
+}
+
+cudaError_t cudaMalloc(void **ptr, size_t size) {
+    NG_EMU_STICKY();
+    install_handlers();
+    const size_t data = round_up(size ? size : 1, 256), rw_len = round_up(data, kPage);
+    const size_t post = size > kMinPost ? round_up(size, kPage) : kMinPost;
+    const size_t map_len = kPre + rw_len + post;
+    void *m = mmap(nullptr, map_len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) return fail(cudaErrorMemoryAllocation);
+    alloc b;
+    b.map = (char *)m;
+    b.map_len = map_len;
+    b.rw = b.map + kPre;
+    b.rw_len = rw_len;
+    if (mprotect(b.rw, rw_len, PROT_READ | PROT_WRITE) != 0) {
+        munmap(m, map_len);
+        return fail(cudaErrorMemoryAllocation);
+    }
+    b.ptr = b.rw + rw_len - data;
+    b.size = size;
+    memset(b.rw, 0xff, rw_len); /* what a fresh buffer holds: NaN in every float type */
+    asan_poison(b.rw, (size_t)(b.ptr - b.rw));
+    asan_poison(b.ptr + size, data - size);
+    g_allocs[(uintptr_t)b.ptr] = b;
+    *ptr = b.ptr;
+    return cudaSuccess;
+}
+
+cudaError_t cudaFree(void *ptr) {
+    NG_EMU_STICKY();
+    if (!ptr) return cudaSuccess;
+    auto it = g_allocs.find((uintptr_t)ptr);
+    if (it == g_allocs.end()) {
+        say("cudaFree(%p): not a pointer cudaMalloc returned", ptr);
+        return fail(cudaErrorInvalidDevicePointer);
+    }
+    asan_unpoison(it->second.rw, it->second.rw_len);
+    munmap(it->second.map, it->second.map_len);
+    g_allocs.erase(it);
+    return cudaSuccess;
+}
+
+static cudaError_t check_range(const void *p, size_t n, const char *what, const char *call) {
+    if (n == 0 || find_alloc(p, n)) return cudaSuccess;
+    say("%s: the %s range [%p, +%zu) is not inside one device buffer", call, what, p, n);
+    return fail(cudaErrorInvalidValue);
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind) {
+    NG_EMU_STICKY();
+    if (kind == cudaMemcpyDefault)
+        kind = find_alloc(dst, 1) ? (find_alloc(src, 1) ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
+                                  : (find_alloc(src, 1) ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost);
+    if ((kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice) &&
+        check_range(dst, n, "destination", "cudaMemcpy"))
+        return g_last;
+    if ((kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice) &&
+        check_range(src, n, "source", "cudaMemcpy"))
+        return g_last;
+    if (n) memmove(dst, src, n);
+    return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind, cudaStream_t) {
+    return cudaMemcpy(dst, src, n, kind);
+}
+cudaError_t cudaMemset(void *p, int v, size_t n) {
+    NG_EMU_STICKY();
+    if (check_range(p, n, "destination", "cudaMemset")) return g_last;
+    if (n) memset(p, v, n);
+    return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t) { return cudaMemset(p, v, n); }
+
+struct ng_emu_stream {
+    unsigned flags;
+};
+cudaError_t cudaStreamCreate(cudaStream_t *s) { return cudaStreamCreateWithFlags(s, cudaStreamDefault); }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags) {
+    NG_EMU_STICKY();
+    *s = new ng_emu_stream{flags};
+    return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+    NG_EMU_STICKY();
+    delete s;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t) {
+    NG_EMU_STICKY();
+    return cudaSuccess; /* launches and copies ran when they were made */
+}
+
+} /* extern "C" */

@@ -1,0 +1,260 @@
+/*
+ * tests/cuda_emu/cuda_emu.h - the device side of the CUDA execution model as
+ * host C++, for running nanguard's own kernels (the .cu files of kernels/) on the CPU.
+ *
+ * A .cu file compiled by g++ with -I tests/cuda_emu/include gets this header
+ * through <cuda_runtime.h>. The kernel sources change only mechanically for
+ * it: launches go through NG_LAUNCH and dynamic shared memory through
+ * NG_DYNAMIC_SMEM (kernels/cuda_launch.h), and the one inline PTX
+ * instruction, mma.sync, sits behind ng_mma_16816 (kernels/attention_mma.h).
+ *
+ * Model (the runtime is tests/cuda_emu/cuda_emu.cpp):
+ * - Blocks run one after another; the threads of a block are fibers with
+ *   stacks of their own. A thread runs until it reaches __syncthreads, a warp
+ *   intrinsic or its end, then the next thread runs. __syncthreads releases
+ *   when every thread of the block has arrived; a barrier that part of the
+ *   block can never reach (threads that exited, or wait elsewhere) is an
+ *   error, never a hang.
+ * - Warp intrinsics (__shfl*_sync, __ballot_sync, __any_sync, __all_sync,
+ *   __syncwarp, mma.sync) complete when every lane their mask names has
+ *   reached the same intrinsic with the same mask; a mask naming a lane that
+ *   has exited or does not exist, a lane outside its own mask, or lanes of
+ *   one mask at different intrinsics is an error.
+ * - __shared__ variables live in one linker section, and dynamic shared
+ *   memory in a buffer of exactly the launch's size; both are filled with
+ *   0xff bytes (NaN in every float type) before each block, so reading shared
+ *   memory before writing it changes results.
+ * - Every launch runs twice from the same device memory: blocks in order with
+ *   threads in order, then blocks shuffled with threads in reverse; the two
+ *   results must agree bit for bit.
+ * - Launch limits are a GPU's: at most 1024 threads (z <= 64) per block,
+ *   gridDim.x < 2^31, gridDim.y and z <= 65535, dynamic shared memory above
+ *   48 KiB only after cudaFuncSetAttribute raised it and never above the
+ *   device's opt-in limit (227 KiB on sm_90), kernel parameters <= 32764
+ *   bytes. A refused launch prints why (kernel, value, limit) and sets
+ *   cudaErrorInvalidConfiguration / cudaErrorInvalidValue, as a GPU would.
+ * - Device memory (cudaMalloc) is host memory between inaccessible guard
+ *   regions, so a stray access faults or is caught by AddressSanitizer.
+ * Errors inside a kernel print the kernel, block, thread and source line and
+ * leave a sticky cudaErrorLaunchFailure, as a faulting kernel does.
+ */
+#ifndef NG_CUDA_EMU_H
+#define NG_CUDA_EMU_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "include/cuda_bf16.h"
+#include "include/cuda_runtime_api.h"
+
+/* ---- keywords --------------------------------------------------------------- */
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+#define __shared__ static __attribute__((section("ng_emu_shared")))
+
+struct uint3 {
+    unsigned x, y, z;
+};
+struct dim3 {
+    unsigned x, y, z;
+    constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+
+#define NG_EMU_STR2(x) #x
+#define NG_EMU_STR(x) NG_EMU_STR2(x)
+#define NG_EMU_SITE __FILE__ ":" NG_EMU_STR(__LINE__)
+
+namespace ng_emu {
+
+/* The running emulated thread (its first member is threadIdx). */
+struct lane_view {
+    uint3 idx;
+};
+extern lane_view *g_cur;
+extern uint3 g_block_idx;
+extern dim3 g_block_dim, g_grid_dim;
+
+enum warp_kind { W_SHFL_IDX, W_SHFL_UP, W_SHFL_DOWN, W_SHFL_XOR, W_BALLOT, W_ANY, W_ALL, W_SYNCWARP, W_MMA };
+
+void syncthreads(const char *site);
+uint64_t warp_op(warp_kind kind, unsigned mask, uint64_t value, int arg, int width, const char *site);
+unsigned activemask();
+void mma_m16n8k16(int bf16, float c[4], const uint32_t a[4], const uint32_t b[2], const char *site);
+[[noreturn]] void trap(const char *site);
+void *dynamic_smem();
+
+inline void syncwarp(const char *site, unsigned mask = 0xffffffffu) { (void)warp_op(W_SYNCWARP, mask, 0, 0, 32, site); }
+
+template <typename T> inline uint64_t to_bits(T v) {
+    static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffle of a type over 64 bits");
+    uint64_t u = 0;
+    memcpy(&u, &v, sizeof v);
+    return u;
+}
+template <typename T> inline T from_bits(uint64_t u) {
+    T v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+template <typename T> inline T shfl(warp_kind k, const char *site, unsigned mask, T v, int arg, int width = 32) {
+    return from_bits<T>(warp_op(k, mask, to_bits(v), arg, width, site));
+}
+
+/* ---- launches ------------------------------------------------------------ */
+struct kernel_body {
+    virtual void run() = 0;
+
+  protected:
+    ~kernel_body() = default;
+};
+
+cudaError_t launch_impl(const char *kernel, const char *where, const void *fn, dim3 grid, dim3 block, size_t smem,
+                        cudaStream_t stream, size_t param_bytes, kernel_body *body);
+cudaError_t func_set_attribute(const void *fn, int attr, int value);
+
+/* Bytes of the parameter buffer: each parameter at its own alignment, as
+ * the CUDA ABI lays them out. */
+template <typename... P> constexpr size_t param_bytes() {
+    size_t off = 0;
+    ((off = (off + alignof(P) - 1) / alignof(P) * alignof(P) + sizeof(P)), ...);
+    return off;
+}
+
+template <typename... P, typename... A>
+void launch(const char *kernel, const char *where, void (*fn)(P...), dim3 grid, dim3 block, size_t smem,
+            cudaStream_t stream, A &&...args) {
+    struct body_t final : kernel_body {
+        void (*fn)(P...);
+        std::tuple<std::decay_t<P>...> params; /* the kernel's own copy, as on a GPU */
+        explicit body_t(void (*f)(P...), A &&...a) : fn(f), params(std::forward<A>(a)...) {}
+        void run() override { std::apply(fn, params); }
+    } body(fn, std::forward<A>(args)...);
+    launch_impl(kernel, where, reinterpret_cast<const void *>(fn), grid, block, smem, stream,
+                param_bytes<std::decay_t<P>...>(), &body);
+}
+
+} // namespace ng_emu
+
+#define NG_EMU_UNPAREN(...) __VA_ARGS__
+#define NG_LAUNCH(kernel, grid, block, smem, stream, ...)                                                 \
+    ng_emu::launch(#kernel, __PRETTY_FUNCTION__, NG_EMU_UNPAREN kernel, (grid), (block), (smem), (stream), \
+                   __VA_ARGS__)
+#define NG_DYNAMIC_SMEM(type, name) type *name = static_cast<type *>(ng_emu::dynamic_smem())
+
+template <typename F> inline cudaError_t cudaFuncSetAttribute(F *fn, enum cudaFuncAttribute attr, int value) {
+    return ng_emu::func_set_attribute(reinterpret_cast<const void *>(fn), (int)attr, value);
+}
+
+/* ---- built-in variables -------------------------------------------------- */
+#define threadIdx (ng_emu::g_cur->idx)
+#define blockIdx (ng_emu::g_block_idx)
+#define blockDim (ng_emu::g_block_dim)
+#define gridDim (ng_emu::g_grid_dim)
+constexpr int warpSize = 32;
+
+/* ---- synchronisation and warp intrinsics --------------------------------- */
+#define __syncthreads() ng_emu::syncthreads(NG_EMU_SITE)
+#define __syncwarp(...) ng_emu::syncwarp(NG_EMU_SITE, ##__VA_ARGS__)
+#define __shfl_sync(...) ng_emu::shfl(ng_emu::W_SHFL_IDX, NG_EMU_SITE, __VA_ARGS__)
+#define __shfl_up_sync(...) ng_emu::shfl(ng_emu::W_SHFL_UP, NG_EMU_SITE, __VA_ARGS__)
+#define __shfl_down_sync(...) ng_emu::shfl(ng_emu::W_SHFL_DOWN, NG_EMU_SITE, __VA_ARGS__)
+#define __shfl_xor_sync(...) ng_emu::shfl(ng_emu::W_SHFL_XOR, NG_EMU_SITE, __VA_ARGS__)
+#define __ballot_sync(mask, pred) ((unsigned)ng_emu::warp_op(ng_emu::W_BALLOT, (mask), (pred) != 0, 0, 32, NG_EMU_SITE))
+#define __any_sync(mask, pred) ((int)ng_emu::warp_op(ng_emu::W_ANY, (mask), (pred) != 0, 0, 32, NG_EMU_SITE))
+#define __all_sync(mask, pred) ((int)ng_emu::warp_op(ng_emu::W_ALL, (mask), (pred) != 0, 0, 32, NG_EMU_SITE))
+#define __activemask() ng_emu::activemask()
+#define __trap() ng_emu::trap(NG_EMU_SITE)
+/* mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32, for ng_mma_16816 */
+#define NG_EMU_MMA_M16N8K16(bf16, c, a, b) ng_emu::mma_m16n8k16((bf16), (c), (a), (b), NG_EMU_SITE)
+
+/* ---- atomics: one host thread runs every emulated thread, and none is
+ * interrupted inside these, so a plain read-modify-write is atomic ------- */
+template <typename T> inline T atomicAdd(T *p, T v) {
+    T o = *p;
+    *p = o + v;
+    return o;
+}
+template <typename T> inline T atomicSub(T *p, T v) {
+    T o = *p;
+    *p = o - v;
+    return o;
+}
+template <typename T> inline T atomicMax(T *p, T v) {
+    T o = *p;
+    *p = v > o ? v : o;
+    return o;
+}
+template <typename T> inline T atomicMin(T *p, T v) {
+    T o = *p;
+    *p = v < o ? v : o;
+    return o;
+}
+template <typename T> inline T atomicExch(T *p, T v) {
+    T o = *p;
+    *p = v;
+    return o;
+}
+template <typename T> inline T atomicCAS(T *p, T cmp, T v) {
+    T o = *p;
+    if (o == cmp) *p = v;
+    return o;
+}
+template <typename T> inline T atomicOr(T *p, T v) {
+    T o = *p;
+    *p = o | v;
+    return o;
+}
+template <typename T> inline T atomicAnd(T *p, T v) {
+    T o = *p;
+    *p = o & v;
+    return o;
+}
+
+/* ---- device functions ---------------------------------------------------- */
+inline long long __double_as_longlong(double d) {
+    long long x;
+    memcpy(&x, &d, sizeof x);
+    return x;
+}
+inline double __longlong_as_double(long long x) {
+    double d;
+    memcpy(&d, &x, sizeof d);
+    return d;
+}
+inline int __float_as_int(float f) {
+    int x;
+    memcpy(&x, &f, sizeof x);
+    return x;
+}
+inline float __int_as_float(int x) {
+    float f;
+    memcpy(&f, &x, sizeof f);
+    return f;
+}
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline long min(long a, long b) { return a < b ? a : b; }
+inline long max(long a, long b) { return a > b ? a : b; }
+inline unsigned long long min(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
+inline unsigned long long max(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+
+#endif /* NG_CUDA_EMU_H */

@@ -1,0 +1,421 @@
+/*
+ * tests/cuda_emu/test_emu.cpp - the CPU emulator of the CUDA execution model
+ * tested on small kernels of its own: every intrinsic against its CUDA
+ * definition, fp16 / bf16 conversions against independent references, and
+ * every error the emulator must report (a launch over a GPU's limits, a
+ * barrier only part of a block reaches, a warp mask naming an inactive lane,
+ * a race) reported as an error, never a hang or a pass.
+ *
+ * Faults are sticky, as on a GPU; cudaDeviceReset clears them between cases.
+ * Exit 0 when every check passed; the last line is "N passed, M failed".
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <vector>
+
+static int g_pass, g_fail;
+
+#define CHECK(cond, ...)                                                                                           \
+    do {                                                                                                           \
+        if (cond) {                                                                                                \
+            g_pass++;                                                                                              \
+        } else {                                                                                                   \
+            g_fail++;                                                                                              \
+            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                                                   \
+            fprintf(stderr, __VA_ARGS__);                                                                          \
+            fputc('\n', stderr);                                                                                   \
+        }                                                                                                          \
+    } while (0)
+
+template <typename T> static T *dalloc(size_t n) {
+    void *p = nullptr;
+    if (cudaMalloc(&p, n * sizeof(T)) != cudaSuccess) {
+        fprintf(stderr, "cudaMalloc failed\n");
+        exit(1);
+    }
+    return (T *)p;
+}
+
+template <typename T> static std::vector<T> download(const T *d, size_t n) {
+    std::vector<T> h(n);
+    cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost);
+    return h;
+}
+
+/* ---- fp16 / bf16 conversions ------------------------------------------------ */
+
+static uint16_t ref_f16(float f) { /* GCC's _Float16: IEEE round to nearest even */
+    if (isnan(f)) return 0x7fff;  /* CUDA's canonical NaN */
+    _Float16 h = (_Float16)f;
+    uint16_t u;
+    memcpy(&u, &h, 2);
+    return u;
+}
+
+static uint16_t ref_bf16(float f) { /* the nearer of the two bf16 neighbours, ties to even, in fp64 */
+    if (isnan(f)) return 0x7fff;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t lo = u & 0xffff0000u, hi = lo + 0x10000u;
+    float flo, fhi;
+    memcpy(&flo, &lo, 4);
+    memcpy(&fhi, &hi, 4);
+    if (isinf(flo)) return (uint16_t)(lo >> 16);
+    const double dl = fabs((double)f - (double)flo), dh = isnan(fhi) ? INFINITY : fabs((double)fhi - (double)f);
+    if (isinf(fhi) && !isinf(f)) { /* above the largest finite bf16: inf only past the rounding midpoint */
+        const double mid = fabs((double)flo) + 0.5 * ldexp(1.0, ((int)((lo >> 23) & 0xff) - 127) - 7);
+        if (fabs((double)f) < fabs(mid) || (fabs((double)f) == fabs(mid) && !((lo >> 16) & 1u)))
+            return (uint16_t)(lo >> 16);
+        return (uint16_t)(hi >> 16);
+    }
+    if (dl < dh || (dl == dh && !((lo >> 16) & 1u))) return (uint16_t)(lo >> 16);
+    return (uint16_t)(hi >> 16);
+}
+
+static void test_conversions() {
+    int bad16 = 0, bad_back16 = 0, badbf = 0;
+    for (uint32_t h = 0; h < 65536; h++) { /* fp16 -> fp32 exactly */
+        _Float16 x;
+        uint16_t hb = (uint16_t)h;
+        memcpy(&x, &hb, 2);
+        const float want = (float)x, got = __half2float(__half{hb});
+        if (!(got == want || (isnan(got) && isnan(want)))) bad_back16++;
+    }
+    /* fp32 -> 16 bits: every float on a stride, plus every value near the
+     * rounding boundaries of both formats */
+    auto one = [&](uint32_t u) {
+        float f;
+        memcpy(&f, &u, 4);
+        if (__float2half_rn(f).__x != ref_f16(f) && bad16++ < 5)
+            fprintf(stderr, "  f16(%a): got 0x%04x want 0x%04x\n", f, __float2half_rn(f).__x, ref_f16(f));
+        if (__float2bfloat16_rn(f).__x != ref_bf16(f) && badbf++ < 5)
+            fprintf(stderr, "  bf16(%a): got 0x%04x want 0x%04x\n", f, __float2bfloat16_rn(f).__x, ref_bf16(f));
+    };
+    for (uint64_t u = 0; u < (1ull << 32); u += 4093) one((uint32_t)u);
+    for (uint32_t e = 0; e < 256; e++)
+        for (uint32_t m : {0x0u, 0x1u, 0xfffu, 0x1000u, 0x1001u, 0x2000u, 0x3000u, 0x7fffu, 0x8000u, 0x8001u, 0x18000u,
+                           0x7fffffu, 0x7ff000u, 0x7fe000u, 0x7fefffu})
+            for (uint32_t s : {0u, 0x80000000u}) one(s | e << 23 | m);
+    CHECK(bad_back16 == 0, "fp16 -> fp32: %d of 65536 differ", bad_back16);
+    CHECK(bad16 == 0, "fp32 -> fp16: %d values differ from IEEE round-to-nearest-even", bad16);
+    CHECK(badbf == 0, "fp32 -> bf16: %d values differ from round-to-nearest-even", badbf);
+    CHECK(__float2half_rn(65519.99f).__x == 0x7bff && __float2half_rn(65520.0f).__x == 0x7c00, "fp16 overflow edge");
+    CHECK(__floats2half2_rn(1.0f, 2.0f).x.__x == 0x3c00 && __floats2half2_rn(1.0f, 2.0f).y.__x == 0x4000,
+          "half2: low half first");
+}
+
+/* ---- warp intrinsics ------------------------------------------------------- */
+
+static __global__ void warp_kernel(int *out, int width) {
+    const int t = threadIdx.x, lane = t & 31;
+    int *o = out + t * 8;
+    o[0] = __shfl_xor_sync(0xffffffffu, t, 5, width);
+    o[1] = __shfl_down_sync(0xffffffffu, t, 3, width);
+    o[2] = __shfl_up_sync(0xffffffffu, t, 2, width);
+    o[3] = __shfl_sync(0xffffffffu, t, 7, width);
+    o[4] = (int)__ballot_sync(0xffffffffu, lane % 3 == 0);
+    o[5] = __any_sync(0xffffffffu, lane == 17);
+    o[6] = __all_sync(0xffffffffu, lane < 31);
+    o[7] = (int)(__shfl_xor_sync(0xffffffffu, (double)t + 0.5, 1) * 2); /* 64-bit values */
+}
+
+/* Half of the warp shuffles among itself with its own mask. */
+static __global__ void half_warp_kernel(int *out) {
+    const int lane = threadIdx.x & 31;
+    if (lane < 16) out[threadIdx.x] = __shfl_xor_sync(0x0000ffffu, lane * 10, 1);
+    else out[threadIdx.x] = -1;
+}
+
+static void test_warp() {
+    for (int width : {32, 16, 8}) {
+        int *d = dalloc<int>(64 * 8);
+        NG_LAUNCH((warp_kernel), 1, 64, 0, 0, d, width);
+        CHECK(cudaGetLastError() == cudaSuccess, "warp_kernel launch (width %d)", width);
+        auto h = download(d, 64 * 8);
+        int bad = 0;
+        for (int t = 0; t < 64; t++) {
+            const int lane = t & 31, seg = lane & ~(width - 1), base = t - lane;
+            const int x = (lane ^ 5) < seg + width ? base + (lane ^ 5) : t;
+            const int dn = lane + 3 < seg + width ? t + 3 : t;
+            const int up = lane - 2 >= seg ? t - 2 : t;
+            const int idx = base + seg + (7 & (width - 1));
+            unsigned ballot = 0;
+            for (int l = 0; l < 32; l++)
+                if (l % 3 == 0) ballot |= 1u << l;
+            const int want[8] = {x, dn, up, idx, (int)ballot, 1, 0, 2 * (t ^ 1) + 1};
+            for (int k = 0; k < 8; k++)
+                if (h[t * 8 + k] != want[k] && bad++ < 5)
+                    fprintf(stderr, "  width %d thread %d op %d: got %d want %d\n", width, t, k, h[t * 8 + k],
+                            want[k]);
+        }
+        CHECK(bad == 0, "warp intrinsics, width %d: %d results wrong", width, bad);
+        cudaFree(d);
+    }
+    int *d = dalloc<int>(32);
+    NG_LAUNCH((half_warp_kernel), 1, 32, 0, 0, d);
+    CHECK(cudaGetLastError() == cudaSuccess, "half-warp mask launch");
+    auto h = download(d, 32);
+    int bad = 0;
+    for (int l = 0; l < 32; l++) bad += h[l] != (l < 16 ? (l ^ 1) * 10 : -1);
+    CHECK(bad == 0, "a half-warp mask: %d results wrong", bad);
+    cudaFree(d);
+}
+
+/* ---- shared memory, barriers, atomics --------------------------------------- */
+
+/* Block sum through static shared memory; every block its own data. */
+static __global__ void block_sum_kernel(const float *x, float *out, unsigned long long *count) {
+    __shared__ float part[256];
+    part[threadIdx.x] = x[blockIdx.x * blockDim.x + threadIdx.x];
+    __syncthreads();
+    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = part[0];
+    atomicAdd(count, 1ull);
+}
+
+/* Reads dynamic shared memory nobody wrote: the poison. */
+static __global__ void read_unwritten_kernel(uint32_t *out) {
+    NG_DYNAMIC_SMEM(uint32_t, smem);
+    out[threadIdx.x] = smem[threadIdx.x];
+}
+
+static __global__ void index_kernel(int *out) {
+    const int b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const int t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    out[b * blockDim.x * blockDim.y * blockDim.z + t] = b * 1000 + t;
+}
+
+static void test_shared() {
+    const int nb = 7;
+    std::vector<float> hx(nb * 256);
+    for (size_t i = 0; i < hx.size(); i++) hx[i] = (float)(i % 97);
+    float *x = dalloc<float>(hx.size()), *out = dalloc<float>(nb);
+    unsigned long long *count = dalloc<unsigned long long>(1);
+    cudaMemcpy(x, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice);
+    cudaMemset(count, 0, 8);
+    NG_LAUNCH((block_sum_kernel), nb, 256, 0, 0, x, out, count);
+    CHECK(cudaGetLastError() == cudaSuccess, "block_sum_kernel launch");
+    auto h = download(out, nb);
+    for (int b = 0; b < nb; b++) {
+        double want = 0;
+        for (int i = 0; i < 256; i++) want += hx[b * 256 + i];
+        CHECK(h[b] == (float)want, "block %d sum %g, want %g", b, h[b], want);
+    }
+    CHECK(download(count, 1)[0] == (unsigned long long)nb * 256, "atomicAdd count %llu", download(count, 1)[0]);
+
+    uint32_t *u = dalloc<uint32_t>(64);
+    NG_LAUNCH((read_unwritten_kernel), 1, 64, 64 * 4, 0, u);
+    auto hu = download(u, 64);
+    int poisoned = 0;
+    for (uint32_t v : hu) poisoned += v == 0xffffffffu;
+    CHECK(poisoned == 64, "unwritten dynamic shared memory reads as 0xff bytes (%d of 64)", poisoned);
+
+    int *idx = dalloc<int>(3 * 2 * 2 * 4 * 3 * 2);
+    NG_LAUNCH((index_kernel), dim3(3, 2, 2), dim3(4, 3, 2), 0, 0, idx);
+    auto hi = download(idx, 3 * 2 * 2 * 4 * 3 * 2);
+    int bad = 0;
+    for (int b = 0; b < 12; b++)
+        for (int t = 0; t < 24; t++) bad += hi[b * 24 + t] != b * 1000 + t;
+    CHECK(bad == 0, "threadIdx / blockIdx / blockDim / gridDim in 3-d: %d wrong", bad);
+    cudaFree(x), cudaFree(out), cudaFree(count), cudaFree(u), cudaFree(idx);
+}
+
+/* ---- mma.sync --------------------------------------------------------------- */
+
+static __global__ void mma_kernel(const uint16_t *A, const uint16_t *B, float *D, int bf16) {
+    /* fragments by the PTX ISA tables, written out element by element */
+    const int l = threadIdx.x, g = l >> 2, t = l & 3;
+    uint32_t a[4], b[2];
+    float c[4];
+    for (int r = 0; r < 4; r++) {
+        const int row = g + 8 * (r & 1), col = 2 * t + 8 * (r >> 1);
+        a[r] = (uint32_t)A[row * 16 + col] | (uint32_t)A[row * 16 + col + 1] << 16;
+    }
+    for (int r = 0; r < 2; r++) {
+        const int k = 2 * t + 8 * r;
+        b[r] = (uint32_t)B[k * 8 + g] | (uint32_t)B[(k + 1) * 8 + g] << 16;
+    }
+    for (int i = 0; i < 4; i++) c[i] = 0.25f * (float)i;
+    NG_EMU_MMA_M16N8K16(bf16, c, a, b);
+    for (int i = 0; i < 4; i++) D[(g + 8 * (i >> 1)) * 8 + 2 * t + (i & 1)] = c[i];
+}
+
+static void test_mma() {
+    for (int bf16 = 0; bf16 < 2; bf16++) {
+        uint16_t hA[256], hB[128];
+        float fA[256], fB[128];
+        for (int i = 0; i < 256; i++) {
+            fA[i] = (float)((i * 7) % 13 - 6);
+            hA[i] = bf16 ? __float2bfloat16_rn(fA[i]).__x : __float2half_rn(fA[i]).__x;
+        }
+        for (int i = 0; i < 128; i++) {
+            fB[i] = (float)((i * 5) % 11 - 5) * 0.5f;
+            hB[i] = bf16 ? __float2bfloat16_rn(fB[i]).__x : __float2half_rn(fB[i]).__x;
+        }
+        uint16_t *A = dalloc<uint16_t>(256), *B = dalloc<uint16_t>(128);
+        float *D = dalloc<float>(128);
+        cudaMemcpy(A, hA, sizeof hA, cudaMemcpyHostToDevice);
+        cudaMemcpy(B, hB, sizeof hB, cudaMemcpyHostToDevice);
+        NG_LAUNCH((mma_kernel), 1, 32, 0, 0, A, B, D, bf16);
+        CHECK(cudaGetLastError() == cudaSuccess, "mma launch");
+        auto h = download(D, 128);
+        int bad = 0;
+        for (int r = 0; r < 16; r++)
+            for (int n = 0; n < 8; n++) {
+                double s = 0.25 * ((r >= 8) * 2 + (n & 1)); /* the c[i] each lane put there */
+                for (int k = 0; k < 16; k++) s += (double)fA[r * 16 + k] * fB[k * 8 + n];
+                bad += h[r * 8 + n] != (float)s;
+            }
+        CHECK(bad == 0, "mma.m16n8k16 %s: %d of 128 results differ from A B + C", bf16 ? "bf16" : "f16", bad);
+        cudaFree(A), cudaFree(B), cudaFree(D);
+    }
+}
+
+/* ---- limits and faults ----------------------------------------------------- */
+
+static __global__ void empty_kernel(int) {}
+
+struct big_param {
+    char bytes[32768];
+};
+static __global__ void big_param_kernel(big_param) {}
+
+static __global__ void dyn_smem_kernel(float *out) {
+    NG_DYNAMIC_SMEM(float, smem);
+    smem[threadIdx.x] = 1.0f;
+    __syncthreads();
+    out[threadIdx.x] = smem[threadIdx.x];
+}
+
+static __global__ void partial_barrier_kernel(int *out) {
+    if (threadIdx.x >= 40) return; /* part of the block leaves */
+    __syncthreads();
+    out[threadIdx.x] = 1;
+}
+
+static __global__ void exited_lane_kernel(int *out) {
+    if (threadIdx.x == 3) return;
+    out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, (int)threadIdx.x, 1);
+}
+
+static __global__ void own_mask_kernel(int *out) {
+    out[threadIdx.x] = __shfl_xor_sync(0x0000fffeu, (int)threadIdx.x, 1); /* lane 0 calls with a mask without it */
+}
+
+static __global__ void race_kernel(int *out) {
+    __shared__ int cell[64];
+    cell[threadIdx.x] = (int)threadIdx.x;
+    /* no __syncthreads: the neighbour's cell may not be written yet */
+    out[threadIdx.x] = cell[(threadIdx.x + 33) % 64];
+}
+
+static __global__ void warp_waits_for_barrier_kernel(int *out) {
+    if (threadIdx.x == 5) __syncthreads();
+    else out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1, 1);
+}
+
+static __global__ void oob_kernel(float *x, int n) {
+    x[threadIdx.x + n + 16384] = 1.0f; /* 64 KiB past the end */
+}
+
+static void expect_refused(cudaError_t want, const char *what) {
+    const cudaError_t got = cudaGetLastError();
+    CHECK(got == want, "%s: got %s, want %s", what, cudaGetErrorName(got), cudaGetErrorName(want));
+}
+
+static void expect_fault(const char *what) {
+    const cudaError_t got = cudaGetLastError();
+    CHECK(got == cudaErrorLaunchFailure, "%s: got %s, want cudaErrorLaunchFailure", what, cudaGetErrorName(got));
+    CHECK(cudaMemset(nullptr, 0, 0) == cudaErrorLaunchFailure, "%s: the fault is sticky", what);
+    cudaDeviceReset();
+}
+
+static void test_limits() {
+    NG_LAUNCH((empty_kernel), 1, 1025, 0, 0, 0);
+    expect_refused(cudaErrorInvalidConfiguration, "1025 threads per block");
+    NG_LAUNCH((empty_kernel), 1, dim3(1, 1, 65), 0, 0, 0);
+    expect_refused(cudaErrorInvalidConfiguration, "blockDim.z 65");
+    NG_LAUNCH((empty_kernel), dim3(1, 65536), 1, 0, 0, 0);
+    expect_refused(cudaErrorInvalidConfiguration, "gridDim.y 65536");
+    NG_LAUNCH((empty_kernel), dim3(1, 1, 65536), 1, 0, 0, 0);
+    expect_refused(cudaErrorInvalidConfiguration, "gridDim.z 65536");
+    NG_LAUNCH((empty_kernel), dim3(1, 65535, 1), 1, 0, 0, 0);
+    expect_refused(cudaSuccess, "gridDim.y 65535 is allowed");
+    NG_LAUNCH((big_param_kernel), 1, 1, 0, 0, big_param{});
+    expect_refused(cudaErrorInvalidValue, "32768 bytes of parameters");
+
+    float *out = dalloc<float>(64);
+    NG_LAUNCH((dyn_smem_kernel), 1, 64, 49 * 1024, 0, out);
+    expect_refused(cudaErrorInvalidValue, "49 KiB of dynamic shared memory without the attribute");
+    CHECK(cudaFuncSetAttribute(dyn_smem_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 228 * 1024) ==
+              cudaErrorInvalidValue,
+          "the attribute above 227 KiB is refused");
+    (void)cudaGetLastError();
+    CHECK(cudaFuncSetAttribute(dyn_smem_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 * 1024) ==
+              cudaSuccess,
+          "the attribute at 100 KiB");
+    NG_LAUNCH((dyn_smem_kernel), 1, 64, 100 * 1024, 0, out);
+    expect_refused(cudaSuccess, "100 KiB of dynamic shared memory after the attribute");
+    cudaFree(out);
+}
+
+static void test_faults() {
+    int *out = dalloc<int>(64);
+    NG_LAUNCH((partial_barrier_kernel), 1, 64, 0, 0, out);
+    expect_fault("a __syncthreads part of the block never reaches");
+    out = dalloc<int>(64);
+    NG_LAUNCH((exited_lane_kernel), 1, 32, 0, 0, out);
+    expect_fault("a shuffle mask naming an exited lane");
+    out = dalloc<int>(64);
+    NG_LAUNCH((exited_lane_kernel), 1, 20, 0, 0, out);
+    expect_fault("a full mask in a warp of 20 threads");
+    out = dalloc<int>(64);
+    NG_LAUNCH((own_mask_kernel), 1, 32, 0, 0, out);
+    expect_fault("a lane outside its own mask");
+    out = dalloc<int>(64);
+    NG_LAUNCH((race_kernel), 1, 64, 0, 0, out);
+    expect_fault("a missing barrier (the two schedules disagree)");
+    out = dalloc<int>(64);
+    NG_LAUNCH((warp_waits_for_barrier_kernel), 1, 32, 0, 0, out);
+    expect_fault("a warp waiting on a lane stuck at a barrier (deadlock)");
+}
+
+/* A far out-of-bounds access ends the process with a report: run in a child. */
+static void test_oob_in_child(const char *self) {
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "'%s' --oob 2>&1", self);
+    FILE *p = popen(cmd, "r");
+    char buf[4096];
+    size_t n = p ? fread(buf, 1, sizeof buf - 1, p) : 0;
+    buf[n] = 0;
+    const int rc = p ? pclose(p) : 0;
+    CHECK(rc != 0, "an out-of-bounds store ends the process (exit %d)", rc);
+    CHECK(strstr(buf, "past the end of a device buffer") || strstr(buf, "AddressSanitizer"),
+          "an out-of-bounds store is reported with its buffer; got:\n%s", buf);
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "--oob") == 0) {
+        float *x = dalloc<float>(100);
+        NG_LAUNCH((oob_kernel), 1, 32, 0, 0, x, 100);
+        return 0; /* not reached */
+    }
+    test_conversions();
+    test_warp();
+    test_shared();
+    test_mma();
+    test_limits();
+    test_faults();
+    test_oob_in_child(argv[0]);
+    printf("test_emu: %lld launches, each under %d schedules\n", ng_emu_launches(), ng_emu_schedules());
+    printf("%d passed, %d failed\n", g_pass, g_fail);
+    return g_fail ? 1 : 0;
+}
