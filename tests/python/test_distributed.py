@@ -592,6 +592,71 @@ def _tp_norms(rank, world, mesh, placements_list):
     return out
 
 
+class TPBlock(torch.nn.Module):
+    """Pre-norm causal self-attention with a residual, written as model code
+    is: nanguard's RMSNorm and SafeAttention modules."""
+
+    def __init__(self, d=16, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, d // heads
+        self.norm = nanguard.nn.StableRMSNorm(d, eps=1e-5)
+        self.q = torch.nn.Linear(d, d, bias=False)
+        self.k = torch.nn.Linear(d, d, bias=False)
+        self.v = torch.nn.Linear(d, d, bias=False)
+        self.o = torch.nn.Linear(d, d, bias=False)
+        self.attn = nanguard.nn.SafeAttention(is_causal=True)
+
+    def forward(self, x):
+        h = self.norm(x)
+        B, L = h.shape[0], h.shape[1]
+        q, k, v = (m(h).view(B, L, -1, self.hd).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = self.attn(q, k, v).transpose(1, 2).reshape(B, L, -1)
+        return x + self.o(a)
+
+
+def _tp_plan(rank, world, mesh):
+    """A Megatron-style sequence + tensor parallel plan (parallelize_module):
+    the norm gets a sequence-sharded DTensor, the attention DTensors sharded
+    on heads; output and every parameter gradient against the unsharded
+    block."""
+    import copy
+
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    torch.manual_seed(8)
+    ref = TPBlock()
+    with torch.no_grad():
+        ref.norm.weight.normal_()
+    model = copy.deepcopy(ref)
+    x = torch.randn(2, 8, 16)
+    go = torch.randn(2, 8, 16)
+    y_ref = ref(x)
+    y_ref.backward(go)
+    col = dict(input_layouts=Shard(1), use_local_output=False)
+    parallelize_module(model, mesh, {
+        "norm": SequenceParallel(use_local_output=False),
+        "q": ColwiseParallel(**col), "k": ColwiseParallel(**col), "v": ColwiseParallel(**col),
+        "o": RowwiseParallel(output_layouts=Shard(1)),
+    })
+    seen = {}
+    model.attn.register_forward_pre_hook(
+        lambda m, a: seen.update(attn_in=[str(t.placements) for t in a]))
+    model.norm.register_forward_hook(lambda m, a, o: seen.update(norm_out=str(o.placements)))
+    x_local = x.chunk(world, dim=1)[rank]
+    y_local = model(x_local)
+    y_local.backward(go.chunk(world, dim=1)[rank])
+    y = DTensor.from_local(y_local, mesh, [Shard(1)]).full_tensor()
+    out = {"seen": seen, "out": (y - y_ref).abs().max().item(), "scale": y_ref.abs().max().item()}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        r = dict(ref.named_parameters())[name].grad
+        out["d_" + name] = (g - r).abs().max().item()
+        out["scale"] = max(out["scale"], r.abs().max().item())
+    return out
+
+
 def scenario_tp(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
@@ -600,6 +665,10 @@ def scenario_tp(rank, world):
     att = {"batch": [Shard(0)], "heads": [Shard(1)], "seq": [Shard(2)], "replicate": [Replicate()]}
     nrm = {"batch": [Shard(0)], "seq": [Shard(1)], "hidden": [Shard(2)], "replicate": [Replicate()]}
     res = {"attention": _tp_attention(rank, world, mesh, att), "norms": _tp_norms(rank, world, mesh, nrm)}
+    try:
+        res["plan"] = _tp_plan(rank, world, mesh)
+    except Exception:
+        res["plan"] = {"error": traceback.format_exc()}
     if world == 4:
         mesh2 = init_device_mesh("cpu", (2, 2))
         res["attention2d"] = _tp_attention(rank, world, mesh2, {"batch_heads": [Shard(0), Shard(1)]})
@@ -928,6 +997,24 @@ def test_tp_norms_match_unsharded(runs, world):
         assert all("Shard(dim=2)" not in c["out_placements"] for k, c in d["norms"].items())
         if world == 4:
             _check_tp(d["norms2d"], "layernorm", {"batch_seq": "(Shard(dim=0), Shard(dim=1))"})
+
+
+@dist_ok
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_plan_block_matches_unsharded(runs, world):
+    """parallelize_module with SequenceParallel norms and Colwise / Rowwise
+    projections: nanguard's modules receive DTensors and stay sharded."""
+    from conftest import TOLERANCES
+
+    for d in _part(runs, world, "tp"):
+        c = d["plan"]
+        assert "error" not in c, c.get("error")
+        assert c["seen"] == {"norm_out": "(Shard(dim=1),)", "attn_in": ["(Shard(dim=1),)"] * 3}, c["seen"]
+        atol = TOLERANCES["attention"][torch.float32][0]
+        gatol = TOLERANCES["attention_grad"][torch.float32][0]
+        assert c["out"] <= atol * (1 + c["scale"]), c
+        grads = {k: v for k, v in c.items() if k.startswith("d_")}
+        assert len(grads) == 5 and max(grads.values()) <= gatol * (1 + c["scale"]), c
 
 
 # ---- a small Llama, patched, FSDP2 bf16, guard and watch in the loop ---------------------------
