@@ -46,6 +46,16 @@ ng_status ng_layernorm_bwd(const ng_layernorm_args *a, ng_parallel_fn par);
  * not supported on CUDA (NG_ERR_DTYPE). */
 ng_status ng_layernorm_fwd_cuda(const ng_layernorm_args *a, void *stream);
 ng_status ng_layernorm_bwd_cuda(const ng_layernorm_args *a, void *stream);
+/* The backward with a device workspace (4-byte aligned) of at least
+ * ng_layernorm_bwd_cuda_workspace_bytes(a) bytes, which lets the dweight /
+ * dbias sums run in parallel over chunks of rows (fp32 partials combined in
+ * a fixed order). Without one (NULL, as ng_layernorm_bwd_cuda passes) they
+ * run in parallel over columns only. The result is deterministic either way,
+ * and the two differ only in fp32 summation order. */
+ng_status ng_layernorm_bwd_cuda_ws(const ng_layernorm_args *a, void *workspace, int64_t workspace_bytes,
+                                   void *stream);
+/* 0 when no dweight / dbias is asked for, or the rows fit one chunk. */
+int64_t ng_layernorm_bwd_cuda_workspace_bytes(const ng_layernorm_args *a);
 
 #ifdef __cplusplus
 }
