@@ -47,6 +47,7 @@ typedef struct sdpa_params {
     int64_t seed, offset;
 } sdpa_params;
 
+/* The scalars at stack[i .. i+4] and the rng tensor at stack[i+5]. */
 static sdpa_params read_params(ng_frame *f, const StableIValue *stack, uint64_t i) {
     sdpa_params p;
     int64_t rng[2];
@@ -55,7 +56,7 @@ static sdpa_params read_params(ng_frame *f, const StableIValue *stack, uint64_t 
     p.scale = ng_arg_double(stack, i + 2);
     p.max_score = ng_arg_double(stack, i + 3);
     p.softcap = ng_arg_double(stack, i + 4);
-    ng_arg_host_int64s(f, stack, i + 5, "rng", 2, rng);
+    ng_host_int64s(f, ng_arg(f, i + 5), "rng", 2, rng);
     p.seed = rng[0];
     p.offset = rng[1];
     return p;
@@ -89,8 +90,8 @@ static void view_mask(ng_frame *f, AtenTensorHandle h, ng_tensor *m, ng_mask_kin
         return;
     }
     if (ng_dtype_from_torch(dt) < 0)
-        ng_fail(f, "attn_mask must be bool or float16, bfloat16, float32 or float64 (got dtype code %d)",
-                (int)dt);
+        ng_fail(f, "attn_mask must be bool or float16, bfloat16, float32 or float64 (got %s)",
+                ng_torch_dtype_name(dt));
     *kind = NG_MASK_ADD;
 }
 
@@ -114,6 +115,7 @@ static void fill_args(ng_frame *f, ng_attention_args *a, const ng_tensor *q, con
     if (v->sizes[1] != a->Hkv || v->sizes[2] != a->S)
         ng_fail(f, "value must have key's heads and sequence length ([%lld, %lld]), got [%lld, %lld]",
                 (long long)a->Hkv, (long long)a->S, (long long)v->sizes[1], (long long)v->sizes[2]);
+    if (a->Hq < 1) ng_fail(f, "query must have at least one head, got %lld", (long long)a->Hq);
     if (a->Hkv < 1 || a->Hq % a->Hkv != 0)
         ng_fail(f, "query heads (%lld) must be a multiple of key/value heads (%lld)", (long long)a->Hq,
                 (long long)a->Hkv);
@@ -158,16 +160,17 @@ static void fill_args(ng_frame *f, ng_attention_args *a, const ng_tensor *q, con
 
 static ng_dtype lse_dtype(ng_dtype t) { return t == NG_F64 ? NG_F64 : NG_F32; }
 
-static void sdpa_forward(StableIValue *stack, int has_mask) {
+static void sdpa_forward(StableIValue *stack, uint64_t na, uint64_t no, int has_mask) {
     ng_frame f;
     ng_frame_init(&f, SDPA_OP);
+    ng_take_args(&f, stack, na, no, has_mask ? "TTTT-----T" : "TTT-----T", 2);
     uint64_t i = 0;
     ng_tensor q, k, v, m = {0};
     ng_mask_kind kind = NG_MASK_NONE;
-    ng_view(&f, ng_arg_tensor(&f, stack, i++), "query", &q);
-    ng_view(&f, ng_arg_tensor(&f, stack, i++), "key", &k);
-    ng_view(&f, ng_arg_tensor(&f, stack, i++), "value", &v);
-    if (has_mask) view_mask(&f, ng_arg_tensor(&f, stack, i++), &m, &kind);
+    ng_view(&f, ng_arg(&f, i++), "query", &q);
+    ng_view(&f, ng_arg(&f, i++), "key", &k);
+    ng_view(&f, ng_arg(&f, i++), "value", &v);
+    if (has_mask) view_mask(&f, ng_arg(&f, i++), &m, &kind);
     sdpa_params p = read_params(&f, stack, i);
     check_params(&f, &p);
     check_qkv(&f, &q, "query", NULL);
@@ -181,11 +184,11 @@ static void sdpa_forward(StableIValue *stack, int has_mask) {
     AtenTensorHandle out = ng_empty(&f, 4, osz, q.dtype, q.device_type, q.device_index);
     AtenTensorHandle lse = ng_empty(&f, 3, osz, lse_dtype(q.dtype), q.device_type, q.device_index);
     ng_tensor ov, lv;
-    ng_view(&f, out, "out", &ov);
-    ng_view(&f, lse, "lse", &lv);
-    a.out = ov.data;
+    ng_view_mut(&f, out, "out", &ov);
+    ng_view_mut(&f, lse, "lse", &lv);
+    a.out = ov.mut;
     for (int d = 0; d < 3; d++) a.out_stride[d] = ov.strides[d];
-    a.lse = lv.data;
+    a.lse = lv.mut;
 #ifdef NG_BUILD_CUDA
     NG_KERNEL_CHECK(&f, ng_attention_fwd_cuda(&a, ng_cuda_current_stream(&f, q.device_index)));
 #else
@@ -196,22 +199,23 @@ static void sdpa_forward(StableIValue *stack, int has_mask) {
     ng_frame_release(&f);
 }
 
-static void sdpa_fwd_plain(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; sdpa_forward(s, 0); }
-static void sdpa_fwd_masked(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; sdpa_forward(s, 1); }
+static void sdpa_fwd_plain(StableIValue *s, uint64_t na, uint64_t no) { sdpa_forward(s, na, no, 0); }
+static void sdpa_fwd_masked(StableIValue *s, uint64_t na, uint64_t no) { sdpa_forward(s, na, no, 1); }
 
-static void sdpa_backward(StableIValue *stack, int has_mask) {
+static void sdpa_backward(StableIValue *stack, uint64_t na, uint64_t no, int has_mask) {
     ng_frame f;
     ng_frame_init(&f, SDPA_BWD_OP);
+    ng_take_args(&f, stack, na, no, has_mask ? "TTTTTTT-----T" : "TTTTTT-----T", 3);
     uint64_t i = 0;
     ng_tensor g, q, k, v, m = {0}, o, lse;
     ng_mask_kind kind = NG_MASK_NONE;
-    ng_view(&f, ng_arg_tensor(&f, stack, i++), "grad_out", &g);
-    ng_view(&f, ng_arg_tensor(&f, stack, i++), "query", &q);
-    ng_view(&f, ng_arg_tensor(&f, stack, i++), "key", &k);
-    ng_view(&f, ng_arg_tensor(&f, stack, i++), "value", &v);
-    if (has_mask) view_mask(&f, ng_arg_tensor(&f, stack, i++), &m, &kind);
-    ng_view(&f, ng_arg_tensor(&f, stack, i++), "out", &o);
-    ng_view(&f, ng_arg_tensor(&f, stack, i++), "lse", &lse);
+    ng_view(&f, ng_arg(&f, i++), "grad_out", &g);
+    ng_view(&f, ng_arg(&f, i++), "query", &q);
+    ng_view(&f, ng_arg(&f, i++), "key", &k);
+    ng_view(&f, ng_arg(&f, i++), "value", &v);
+    if (has_mask) view_mask(&f, ng_arg(&f, i++), &m, &kind);
+    ng_view(&f, ng_arg(&f, i++), "out", &o);
+    ng_view(&f, ng_arg(&f, i++), "lse", &lse);
     sdpa_params p = read_params(&f, stack, i);
     check_params(&f, &p);
     check_qkv(&f, &q, "query", NULL);
@@ -238,14 +242,16 @@ static void sdpa_backward(StableIValue *stack, int has_mask) {
     AtenTensorHandle dk = ng_empty(&f, 4, k.sizes, q.dtype, q.device_type, q.device_index);
     AtenTensorHandle dv = ng_empty(&f, 4, v.sizes, q.dtype, q.device_type, q.device_index);
     ng_tensor dqv, dkv, dvv;
-    ng_view(&f, dq, "grad_query", &dqv);
-    ng_view(&f, dk, "grad_key", &dkv);
-    ng_view(&f, dv, "grad_value", &dvv);
-    a.out = o.data;
+    ng_view_mut(&f, dq, "grad_query", &dqv);
+    ng_view_mut(&f, dk, "grad_key", &dkv);
+    ng_view_mut(&f, dv, "grad_value", &dvv);
+    /* out and lse are only read by the backward; the kernel's struct has one
+     * mutable field for both directions. */
+    a.out = (void *)(uintptr_t)o.data;
     a.dout = g.data;
-    a.dq = dqv.data;
-    a.dk = dkv.data;
-    a.dv = dvv.data;
+    a.dq = dqv.mut;
+    a.dk = dkv.mut;
+    a.dv = dvv.mut;
     for (int d = 0; d < 3; d++) {
         a.out_stride[d] = o.strides[d];
         a.dout_stride[d] = g.strides[d];
@@ -253,7 +259,7 @@ static void sdpa_backward(StableIValue *stack, int has_mask) {
         a.dk_stride[d] = dkv.strides[d];
         a.dv_stride[d] = dvv.strides[d];
     }
-    a.lse = lse.data;
+    a.lse = (void *)(uintptr_t)lse.data;
 #ifdef NG_BUILD_CUDA
     NG_KERNEL_CHECK(&f, ng_attention_bwd_cuda(&a, ng_cuda_current_stream(&f, q.device_index)));
 #else
@@ -265,12 +271,12 @@ static void sdpa_backward(StableIValue *stack, int has_mask) {
     ng_frame_release(&f);
 }
 
-static void sdpa_bwd_plain(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; sdpa_backward(s, 0); }
-static void sdpa_bwd_masked(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; sdpa_backward(s, 1); }
+static void sdpa_bwd_plain(StableIValue *s, uint64_t na, uint64_t no) { sdpa_backward(s, na, no, 0); }
+static void sdpa_bwd_masked(StableIValue *s, uint64_t na, uint64_t no) { sdpa_backward(s, na, no, 1); }
 
 #define SDPA_ARGS "float dropout_p, bool is_causal, float scale, float max_score, float softcap, Tensor rng"
 
-void ng_register_attention(const ng_registrar *r) {
+void ng_register_attention(ng_registrar *r) {
     ng_def(r, "safe_sdpa(Tensor query, Tensor key, Tensor value, " SDPA_ARGS ") -> (Tensor, Tensor)");
     ng_def(r, "safe_sdpa.masked(Tensor query, Tensor key, Tensor value, Tensor attn_mask, " SDPA_ARGS
               ") -> (Tensor, Tensor)");

@@ -39,7 +39,8 @@ typedef struct gg_list {
     size_t n;
     AtenTensorHandle *h;
     ng_tensor *t;
-    void **ptrs;
+    const void **cptrs; /* every gradient, for pass 1 */
+    void **ptrs;        /* the same, writable: NULL for the read-only op */
     int64_t *numels;
     ng_dtype dtype;
     ng_tensor scale; /* inv_scale: the list's device, also for an empty list */
@@ -49,7 +50,6 @@ static ng_gg_norm gg_norm_arg(ng_frame *f, double norm_type) {
     if (norm_type == 2.0) return NG_GG_NORM_2;
     if (norm_type == (double)INFINITY) return NG_GG_NORM_INF;
     ng_fail(f, "norm_type must be 2.0 or inf, got %g", norm_type);
-    return NG_GG_NORM_2;
 }
 
 /* A float32 one-element tensor on the device of inv_scale. */
@@ -62,21 +62,25 @@ static void gg_check_scalar(ng_frame *f, const ng_tensor *ref, const ng_tensor *
                 ng_dtype_name(t->dtype), (long long)t->numel);
 }
 
-/* Take the Tensor[] at stack[i] into l, then read inv_scale at stack[i + 1]
- * and validate the list against it. */
-static void gg_read_list(ng_frame *f, const StableIValue *stack, uint64_t i, gg_list *l) {
-    size_t len = ng_arg_tensor_list(f, stack, i, &l->h);
+/* The Tensor[] argument (stack[0]) into l, validated against inv_scale
+ * (stack[1]). `mut`: the op writes the gradients. */
+static void gg_read_list(ng_frame *f, gg_list *l, bool mut) {
+    size_t len = ng_arg_list(f, &l->h);
     l->t = (ng_tensor *)ng_frame_calloc(f, len, sizeof *l->t);
-    l->ptrs = (void **)ng_frame_calloc(f, len, sizeof *l->ptrs);
+    l->cptrs = (const void **)ng_frame_calloc(f, len, sizeof *l->cptrs);
+    l->ptrs = mut ? (void **)ng_frame_calloc(f, len, sizeof *l->ptrs) : NULL;
     l->numels = (int64_t *)ng_frame_calloc(f, len, sizeof *l->numels);
     l->n = len;
 
-    ng_view(f, ng_arg_tensor(f, stack, i + 1), "inv_scale", &l->scale);
+    ng_view(f, ng_arg(f, 1), "inv_scale", &l->scale);
     gg_check_scalar(f, NULL, &l->scale, "inv_scale");
     l->dtype = NG_F32;
     for (size_t k = 0; k < len; k++) {
         ng_tensor *t = &l->t[k];
-        ng_view(f, l->h[k], "grads", t);
+        if (mut)
+            ng_view_mut(f, l->h[k], "grads", t);
+        else
+            ng_view(f, l->h[k], "grads", t);
         ng_check_device_dtype(f, t, "grads");
         ng_check_same_device(f, &l->scale, "inv_scale", t, "grads");
         if (k == 0) l->dtype = t->dtype;
@@ -85,8 +89,9 @@ static void gg_read_list(ng_frame *f, const StableIValue *stack, uint64_t i, gg_
                        "them by dtype",
                     ng_dtype_name(l->dtype), k, ng_dtype_name(t->dtype));
         if (!ng_is_contiguous(t))
-            ng_fail(f, "grads[%zu] must be contiguous (it is updated in place)", k);
-        l->ptrs[k] = t->data;
+            ng_fail(f, "grads[%zu] must be contiguous%s", k, mut ? " (it is updated in place)" : "");
+        l->cptrs[k] = t->data;
+        if (mut) l->ptrs[k] = t->mut;
         l->numels[k] = t->numel;
     }
     ng_device_guard(f, &l->scale);
@@ -107,21 +112,21 @@ static AtenTensorHandle gg_reduce(ng_frame *f, gg_list *l, ng_gg_norm norm) {
     int64_t four = NG_GG_NSTATS;
     AtenTensorHandle st = ng_empty(f, 1, &four, NG_F64, l->scale.device_type, l->scale.device_index);
     ng_tensor sv;
-    ng_view(f, st, "stats", &sv);
+    ng_view_mut(f, st, "stats", &sv);
     const float *s = (const float *)l->scale.data;
 #ifdef NG_BUILD_CUDA
     int64_t bytes = ng_grad_guard_cuda_workspace_bytes(l->numels, (int64_t)l->n);
     int64_t words = NG_MAX(NG_CEIL_DIV(bytes, 8), 1);
     AtenTensorHandle ws = ng_empty(f, 1, &words, NG_F64, l->scale.device_type, l->scale.device_index);
     ng_tensor wv;
-    ng_view(f, ws, "workspace", &wv);
-    NG_KERNEL_CHECK(f, ng_grad_guard_reduce_cuda((const void *const *)l->ptrs, l->numels,
+    ng_view_mut(f, ws, "workspace", &wv);
+    NG_KERNEL_CHECK(f, ng_grad_guard_reduce_cuda((const void *const *)l->cptrs, l->numels,
                                                  (int64_t)l->n, l->dtype, s, norm,
-                                                 (double *)sv.data, wv.data, words * 8,
+                                                 (double *)sv.mut, wv.mut, words * 8,
                                                  ng_cuda_current_stream(f, l->scale.device_index)));
 #else
-    NG_KERNEL_CHECK(f, ng_grad_guard_reduce((const void *const *)l->ptrs, l->numels, (int64_t)l->n,
-                                            l->dtype, s, norm, (double *)sv.data,
+    NG_KERNEL_CHECK(f, ng_grad_guard_reduce((const void *const *)l->cptrs, l->numels, (int64_t)l->n,
+                                            l->dtype, s, norm, (double *)sv.mut,
                                             ng_torch_parallel));
 #endif
     return st;
@@ -133,18 +138,18 @@ static AtenTensorHandle gg_apply(ng_frame *f, gg_list *l, const ng_tensor *stats
     AtenTensorHandle tn = ng_empty(f, 0, NULL, gg_norm_dtype(l), l->scale.device_type,
                                    l->scale.device_index);
     ng_tensor tv;
-    ng_view(f, tn, "total_norm", &tv);
+    ng_view_mut(f, tn, "total_norm", &tv);
     const float *s = (const float *)l->scale.data;
 #ifdef NG_BUILD_CUDA
     NG_KERNEL_CHECK(f, ng_grad_guard_apply_cuda(l->ptrs, l->numels, (int64_t)l->n, l->dtype, s,
                                                 (const double *)stats->data, max_norm, norm,
-                                                (float *)found_inf->data, tv.data,
+                                                (float *)found_inf->mut, tv.mut,
                                                 gg_norm_dtype(l),
                                                 ng_cuda_current_stream(f, l->scale.device_index)));
 #else
     NG_KERNEL_CHECK(f, ng_grad_guard_apply(l->ptrs, l->numels, (int64_t)l->n, l->dtype, s,
                                            (const double *)stats->data, max_norm, norm,
-                                           (float *)found_inf->data, tv.data, gg_norm_dtype(l),
+                                           (float *)found_inf->mut, tv.mut, gg_norm_dtype(l),
                                            ng_torch_parallel));
 #endif
     return tn;
@@ -156,11 +161,11 @@ static void gg_check_max_norm(ng_frame *f, double max_norm) {
 
 /* grad_guard_reduce(Tensor[] grads, Tensor inv_scale, float norm_type) -> Tensor */
 static void gg_reduce_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
-    (void)na, (void)no;
     ng_frame f;
     ng_frame_init(&f, GG_REDUCE_OP);
+    ng_take_args(&f, stack, na, no, "LT-", 1);
     gg_list l = {0};
-    gg_read_list(&f, stack, 0, &l);
+    gg_read_list(&f, &l, false);
     ng_gg_norm norm = gg_norm_arg(&f, ng_arg_double(stack, 2));
     AtenTensorHandle st = gg_reduce(&f, &l, norm);
     ng_ret_tensor(&f, stack, 0, st);
@@ -169,14 +174,14 @@ static void gg_reduce_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
 
 /* grad_guard_apply_(grads, inv_scale, stats, found_inf, max_norm, norm_type) -> Tensor */
 static void gg_apply_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
-    (void)na, (void)no;
     ng_frame f;
     ng_frame_init(&f, GG_APPLY_OP);
+    ng_take_args(&f, stack, na, no, "LTTT--", 1);
     gg_list l = {0};
-    gg_read_list(&f, stack, 0, &l);
+    gg_read_list(&f, &l, true);
     ng_tensor st, fi;
-    ng_view(&f, ng_arg_tensor(&f, stack, 2), "stats", &st);
-    ng_view(&f, ng_arg_tensor(&f, stack, 3), "found_inf", &fi);
+    ng_view(&f, ng_arg(&f, 2), "stats", &st);
+    ng_view_mut(&f, ng_arg(&f, 3), "found_inf", &fi);
     double max_norm = ng_arg_double(stack, 4);
     ng_gg_norm norm = gg_norm_arg(&f, ng_arg_double(stack, 5));
     gg_check_stats(&f, &l, &st);
@@ -189,13 +194,13 @@ static void gg_apply_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
 
 /* fused_unscale_clip_(grads, inv_scale, found_inf, max_norm, norm_type) -> (Tensor, Tensor) */
 static void gg_fused_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
-    (void)na, (void)no;
     ng_frame f;
     ng_frame_init(&f, GG_OP);
+    ng_take_args(&f, stack, na, no, "LTT--", 2);
     gg_list l = {0};
-    gg_read_list(&f, stack, 0, &l);
+    gg_read_list(&f, &l, true);
     ng_tensor fi;
-    ng_view(&f, ng_arg_tensor(&f, stack, 2), "found_inf", &fi);
+    ng_view_mut(&f, ng_arg(&f, 2), "found_inf", &fi);
     double max_norm = ng_arg_double(stack, 3);
     ng_gg_norm norm = gg_norm_arg(&f, ng_arg_double(stack, 4));
     gg_check_scalar(&f, &l.scale, &fi, "found_inf");
@@ -209,7 +214,7 @@ static void gg_fused_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
     ng_frame_release(&f);
 }
 
-void ng_register_grad_guard(const ng_registrar *r) {
+void ng_register_grad_guard(ng_registrar *r) {
     ng_def(r, "grad_guard_reduce(Tensor[] grads, Tensor inv_scale, float norm_type) -> Tensor");
     ng_def(r, "grad_guard_apply_(Tensor(a!)[] grads, Tensor inv_scale, Tensor stats, "
               "Tensor(b!) found_inf, float max_norm, float norm_type) -> Tensor");

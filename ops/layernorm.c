@@ -29,8 +29,9 @@ static void check_param(ng_frame *f, const ng_tensor *x, const ng_tensor *p, con
     ng_check_same_device(f, x, "input", p, name);
     ng_check_same_dtype(f, x, "input", p, name);
     if (p->ndim != 1 || p->sizes[0] != x->sizes[x->ndim - 1])
-        ng_fail(f, "%s must have shape [%lld] (the last dimension of input), got %lld dims", name,
-                (long long)x->sizes[x->ndim - 1], (long long)p->ndim);
+        ng_fail(f, "%s must have shape [%lld] (the last dimension of input), got %s%lld%s", name,
+                (long long)x->sizes[x->ndim - 1], p->ndim == 1 ? "[" : "",
+                (long long)(p->ndim == 1 ? p->sizes[0] : p->ndim), p->ndim == 1 ? "]" : " dims");
 }
 
 static void check_input(ng_frame *f, ng_tensor *x, double eps) {
@@ -50,14 +51,16 @@ static int64_t leading_rows(const ng_tensor *x) {
 }
 
 /* Shared body of the four forward overloads. */
-static void ln_forward(StableIValue *stack, int has_w, int has_b) {
+static void ln_forward(StableIValue *stack, uint64_t na, uint64_t no, int has_w, int has_b) {
+    static const char *kinds[2][2] = {{"T--", "TT--"}, {"TT--", "TTT--"}};
     ng_frame f;
     ng_frame_init(&f, LN_OP);
+    ng_take_args(&f, stack, na, no, kinds[has_w][has_b], 3);
     uint64_t i = 0;
     ng_tensor x, w = {0}, b = {0};
-    ng_view(&f, ng_arg_tensor(&f, stack, i++), "input", &x);
-    if (has_w) ng_view(&f, ng_arg_tensor(&f, stack, i++), "weight", &w);
-    if (has_b) ng_view(&f, ng_arg_tensor(&f, stack, i++), "bias", &b);
+    ng_view(&f, ng_arg(&f, i++), "input", &x);
+    if (has_w) ng_view(&f, ng_arg(&f, i++), "weight", &w);
+    if (has_b) ng_view(&f, ng_arg(&f, i++), "bias", &b);
     double eps = ng_arg_double(stack, i++);
     int rms = ng_arg_bool(stack, i++);
     check_input(&f, &x, eps);
@@ -79,13 +82,13 @@ static void ln_forward(StableIValue *stack, int has_w, int has_b) {
     AtenTensorHandle rstd = ng_empty(&f, x.ndim - 1, x.sizes, stat_dtype(x.dtype), x.device_type,
                                      x.device_index);
     ng_tensor yv, mv, rv;
-    ng_view(&f, y, "out", &yv);
-    ng_view(&f, mean, "mean", &mv);
-    ng_view(&f, rstd, "rstd", &rv);
+    ng_view_mut(&f, y, "out", &yv);
+    ng_view_mut(&f, mean, "mean", &mv);
+    ng_view_mut(&f, rstd, "rstd", &rv);
     if (rms) NG_SHIM_CHECK(&f, aoti_torch_zero_(mean));
 
     ng_layernorm_args a = {x.dtype, rows, cols, rms, eps, x.data, has_w ? w.data : NULL,
-                           has_b ? b.data : NULL, mv.data, rv.data, yv.data,
+                           has_b ? b.data : NULL, mv.mut, rv.mut, yv.mut,
                            NULL, NULL, NULL, NULL};
 #ifdef NG_BUILD_CUDA
     NG_KERNEL_CHECK(&f, ng_layernorm_fwd_cuda(&a, ng_cuda_current_stream(&f, x.device_index)));
@@ -98,22 +101,23 @@ static void ln_forward(StableIValue *stack, int has_w, int has_b) {
     ng_frame_release(&f);
 }
 
-static void ln_fwd_plain(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; ln_forward(s, 0, 0); }
-static void ln_fwd_w(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; ln_forward(s, 1, 0); }
-static void ln_fwd_b(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; ln_forward(s, 0, 1); }
-static void ln_fwd_wb(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; ln_forward(s, 1, 1); }
+static void ln_fwd_plain(StableIValue *s, uint64_t na, uint64_t no) { ln_forward(s, na, no, 0, 0); }
+static void ln_fwd_w(StableIValue *s, uint64_t na, uint64_t no) { ln_forward(s, na, no, 1, 0); }
+static void ln_fwd_b(StableIValue *s, uint64_t na, uint64_t no) { ln_forward(s, na, no, 0, 1); }
+static void ln_fwd_wb(StableIValue *s, uint64_t na, uint64_t no) { ln_forward(s, na, no, 1, 1); }
 
 /* Shared body of the two backward overloads. */
-static void ln_backward(StableIValue *stack, int has_w) {
+static void ln_backward(StableIValue *stack, uint64_t na, uint64_t no, int has_w) {
     ng_frame f;
     ng_frame_init(&f, LN_BWD_OP);
+    ng_take_args(&f, stack, na, no, has_w ? "TTTTT--" : "TTTT--", has_w ? 3 : 2);
     uint64_t i = 0;
     ng_tensor dy, x, w = {0}, mean, rstd;
-    ng_view(&f, ng_arg_tensor(&f, stack, i++), "grad_out", &dy);
-    ng_view(&f, ng_arg_tensor(&f, stack, i++), "input", &x);
-    if (has_w) ng_view(&f, ng_arg_tensor(&f, stack, i++), "weight", &w);
-    ng_view(&f, ng_arg_tensor(&f, stack, i++), "mean", &mean);
-    ng_view(&f, ng_arg_tensor(&f, stack, i++), "rstd", &rstd);
+    ng_view(&f, ng_arg(&f, i++), "grad_out", &dy);
+    ng_view(&f, ng_arg(&f, i++), "input", &x);
+    if (has_w) ng_view(&f, ng_arg(&f, i++), "weight", &w);
+    ng_view(&f, ng_arg(&f, i++), "mean", &mean);
+    ng_view(&f, ng_arg(&f, i++), "rstd", &rstd);
     int rms = ng_arg_bool(stack, i++);
     int with_bias = ng_arg_bool(stack, i++);
     check_input(&f, &x, 0.0);
@@ -147,16 +151,18 @@ static void ln_backward(StableIValue *stack, int has_w) {
     int64_t bias_len = with_bias ? cols : 0;
     AtenTensorHandle db = ng_empty(&f, 1, &bias_len, x.dtype, x.device_type, x.device_index);
     ng_tensor dxv, dwv = {0}, dbv;
-    ng_view(&f, dx, "grad_input", &dxv);
-    ng_view(&f, db, "grad_bias", &dbv);
+    ng_view_mut(&f, dx, "grad_input", &dxv);
+    ng_view_mut(&f, db, "grad_bias", &dbv);
     if (has_w) {
         dw = ng_empty(&f, 1, &cols, x.dtype, x.device_type, x.device_index);
-        ng_view(&f, dw, "grad_weight", &dwv);
+        ng_view_mut(&f, dw, "grad_weight", &dwv);
     }
     if (with_bias && rms) ng_fail(&f, "with_bias is not supported with rms=True");
+    /* mean and rstd are only read; the kernel's struct has one mutable field
+     * for both directions. */
     ng_layernorm_args a = {x.dtype, rows, cols, rms, 0.0, x.data, has_w ? w.data : NULL, NULL,
-                           mean.data, rstd.data, NULL, dy.data, dxv.data,
-                           has_w ? dwv.data : NULL, with_bias ? dbv.data : NULL};
+                           (void *)(uintptr_t)mean.data, (void *)(uintptr_t)rstd.data, NULL,
+                           dy.data, dxv.mut, has_w ? dwv.mut : NULL, with_bias ? dbv.mut : NULL};
 #ifdef NG_BUILD_CUDA
     NG_KERNEL_CHECK(&f, ng_layernorm_bwd_cuda(&a, ng_cuda_current_stream(&f, x.device_index)));
 #else
@@ -169,10 +175,10 @@ static void ln_backward(StableIValue *stack, int has_w) {
     ng_frame_release(&f);
 }
 
-static void ln_bwd_plain(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; ln_backward(s, 0); }
-static void ln_bwd_w(StableIValue *s, uint64_t na, uint64_t no) { (void)na, (void)no; ln_backward(s, 1); }
+static void ln_bwd_plain(StableIValue *s, uint64_t na, uint64_t no) { ln_backward(s, na, no, 0); }
+static void ln_bwd_w(StableIValue *s, uint64_t na, uint64_t no) { ln_backward(s, na, no, 1); }
 
-void ng_register_layernorm(const ng_registrar *r) {
+void ng_register_layernorm(ng_registrar *r) {
     ng_def(r, "stable_layernorm(Tensor input, float eps, bool rms) -> (Tensor, Tensor, Tensor)");
     ng_def(r, "stable_layernorm.weight(Tensor input, Tensor weight, float eps, bool rms) -> (Tensor, Tensor, Tensor)");
     ng_def(r, "stable_layernorm.bias(Tensor input, Tensor bias, float eps, bool rms) -> (Tensor, Tensor, Tensor)");

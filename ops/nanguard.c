@@ -10,11 +10,24 @@
  *
  * Registration runs from a constructor when the library is loaded. On a
  * PyTorch older than the stable ABI nanguard targets it registers nothing and
- * records why; Python reads that through ng_load_error() and raises.
+ * records why; a schema or kernel that cannot be registered is recorded the
+ * same way. Python reads that through ng_load_error() and raises ImportError.
  * Library handles are never freed: the registrations must live as long as
  * the process.
+ *
+ * Both libraries export ng_build_id(): the target stable ABI and a
+ * fingerprint of every schema string. The boxed kernels read fixed stack
+ * slots, so a CUDA library registered against the schemas of another core
+ * library would read past the stack; before registering anything the CUDA
+ * library finds the loaded core library (dlopen with RTLD_NOLOAD), compares
+ * the two ids and refuses, naming both builds, when they differ.
  */
+#ifdef NG_BUILD_CUDA
+#define _GNU_SOURCE /* dladdr, RTLD_NOLOAD */
+#include <dlfcn.h>
+#endif
 #include <stdio.h>
+#include <string.h>
 
 #include "ops/ops.h"
 #ifdef NG_BUILD_CUDA
@@ -23,7 +36,7 @@
 
 #define NG_EXPORT __attribute__((visibility("default")))
 
-typedef void (*ng_register_fn)(const ng_registrar *r);
+typedef void (*ng_register_fn)(ng_registrar *r);
 
 /* Every op file, in the order their schemas are defined. */
 static const ng_register_fn ng_ops[] = {
@@ -33,14 +46,59 @@ static const ng_register_fn ng_ops[] = {
     ng_register_tensor_stats,
 };
 
-static char ng_load_err[512];
+static char ng_load_err[1024];
+static char ng_id[96];
 static TorchLibraryHandle ng_lib_def, ng_lib_impl;
 
 NG_EXPORT const char *ng_load_error(void) { return ng_load_err[0] ? ng_load_err : NULL; }
 
+/* "stable-abi-2.11/schemas-<16 hex digits>": equal in two libraries exactly
+ * when they target the same ABI and define the same schemas in the same
+ * order. */
+NG_EXPORT const char *ng_build_id(void) { return ng_id; }
+
+static void make_build_id(void) {
+    ng_registrar dry = {NULL, NULL, 0, NG_SCHEMA_HASH_INIT, NULL, 0};
+    for (size_t i = 0; i < sizeof ng_ops / sizeof ng_ops[0]; i++) ng_ops[i](&dry);
+    snprintf(ng_id, sizeof ng_id, "stable-abi-%d.%d/schemas-%016llx",
+             (int)(NG_TORCH_TARGET_VERSION >> 56), (int)((NG_TORCH_TARGET_VERSION >> 48) & 0xff),
+             (unsigned long long)dry.schema_hash);
+}
+
+#ifdef NG_BUILD_CUDA
+/* 0 when the loaded libnanguard.so has this library's build id; otherwise
+ * writes why into ng_load_err, naming both builds. */
+static int check_core_build(void) {
+    Dl_info self;
+    const char *self_path = dladdr((void *)ng_build_id, &self) && self.dli_fname ? self.dli_fname
+                                                                                 : "libnanguard_cuda.so";
+    void *core = dlopen("libnanguard.so", RTLD_NOW | RTLD_NOLOAD);
+    typedef const char *(*id_fn)(void);
+    id_fn core_id = core ? (id_fn)dlsym(core, "ng_build_id") : NULL;
+    if (!core_id) {
+        if (core) dlclose(core);
+        snprintf(ng_load_err, sizeof ng_load_err,
+                 "%s (build %s) needs libnanguard.so loaded first", self_path, ng_id);
+        return 1;
+    }
+    Dl_info info;
+    const char *core_path =
+        dladdr((void *)core_id, &info) && info.dli_fname ? info.dli_fname : "libnanguard.so";
+    int bad = strcmp(core_id(), ng_id) != 0;
+    if (bad)
+        snprintf(ng_load_err, sizeof ng_load_err,
+                 "%s is build %s but the loaded %s is build %s: the two libraries come from "
+                 "different builds (their schemas differ); rebuild or reinstall both together",
+                 self_path, ng_id, core_path, core_id());
+    dlclose(core); /* drops only the reference RTLD_NOLOAD took */
+    return bad;
+}
+#endif
+
 NG_EXPORT uint64_t ng_target_abi_version(void) { return NG_TORCH_TARGET_VERSION; }
 
 __attribute__((constructor)) static void ng_load(void) {
+    make_build_id();
     uint64_t have = aoti_torch_abi_version();
     if (have < NG_TORCH_TARGET_VERSION) {
         snprintf(ng_load_err, sizeof ng_load_err,
@@ -49,8 +107,9 @@ __attribute__((constructor)) static void ng_load(void) {
                  (int)(have >> 56), (int)((have >> 48) & 0xff));
         return;
     }
-    ng_registrar r = {NULL, NULL, 0};
+    ng_registrar r = {NULL, NULL, 0, NG_SCHEMA_HASH_INIT, ng_load_err, sizeof ng_load_err};
 #ifdef NG_BUILD_CUDA
+    if (check_core_build() != 0) return;
     if (!ng_cuda_stream_available()) {
         snprintf(ng_load_err, sizeof ng_load_err,
                  "libnanguard_cuda: this PyTorch has no CUDA support (libtorch_cuda.so not loaded)");

@@ -26,14 +26,14 @@
 #define TS_OP "nanguard::tensor_stats_"
 
 static void ts_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
-    (void)na, (void)no;
     ng_frame f;
     ng_frame_init(&f, TS_OP);
+    ng_take_args(&f, stack, na, no, "TTT-", 0);
     ng_tensor x, counts, values;
-    ng_view(&f, ng_arg_tensor(&f, stack, 0), "x", &x);
+    ng_view(&f, ng_arg(&f, 0), "x", &x);
     /* counts is int64: the view without ng_view's floating-dtype check */
-    const int32_t counts_dtype = ng_view_raw(&f, ng_arg_tensor(&f, stack, 1), "counts", &counts);
-    ng_view(&f, ng_arg_tensor(&f, stack, 2), "values", &values);
+    const int32_t counts_dtype = ng_view_raw_mut(&f, ng_arg(&f, 1), "counts", &counts);
+    ng_view_mut(&f, ng_arg(&f, 2), "values", &values);
     const int64_t slot = ng_arg_int(stack, 3);
 
     /* x: this library's device; float64 is fine on CUDA for a read-only op. */
@@ -76,8 +76,8 @@ static void ts_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
     a.x = x.data;
     a.ndim = nd;
     for (int64_t d = 0; d < nd; d++) a.sizes[d] = sizes[d], a.strides[d] = strides[d];
-    a.counts = (int64_t *)counts.data + slot * NG_TS_NCOUNTS;
-    a.values = (double *)values.data + slot * NG_TS_NVALUES;
+    a.counts = (int64_t *)counts.mut + slot * NG_TS_NCOUNTS;
+    a.values = (double *)values.mut + slot * NG_TS_NVALUES;
     ng_device_guard(&f, &x);
 #ifdef NG_BUILD_CUDA
     NG_KERNEL_CHECK(&f, ng_tensor_stats_cuda(&a, ng_cuda_current_stream(&f, x.device_index)));
@@ -87,7 +87,7 @@ static void ts_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
     ng_frame_release(&f);
 }
 
-void ng_register_tensor_stats(const ng_registrar *r) {
+void ng_register_tensor_stats(ng_registrar *r) {
     ng_def(r, "tensor_stats_(Tensor x, Tensor(a!) counts, Tensor(b!) values, int slot) -> ()");
     ng_impl(r, "tensor_stats_", ts_boxed);
 }

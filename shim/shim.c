@@ -10,6 +10,7 @@
 #include "shim/shim.h"
 
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
@@ -21,6 +22,10 @@ const char *ng_kernel_error_detail(void) { return ng_cuda_error_string(); }
 const char *ng_kernel_error_detail(void) { return ""; }
 #endif
 
+static _Thread_local bool ng_par_failed;
+
+bool ng_parallel_failed(void) { return ng_par_failed; }
+
 void ng_frame_init(ng_frame *f, const char *op) {
     f->op = op;
     f->n = 0;
@@ -29,6 +34,10 @@ void ng_frame_init(ng_frame *f, const char *op) {
     f->mem = NULL;
     f->nmem = f->capmem = 0;
     f->guard = NULL;
+    memset(f->arg, 0, sizeof f->arg);
+    f->list = NULL;
+    f->list_len = 0;
+    ng_par_failed = false;
 }
 
 /* Room for `extra` more handles; false when out of memory. */
@@ -105,27 +114,36 @@ void ng_fail(ng_frame *f, const char *fmt, ...) {
     va_end(ap);
     if (f) ng_frame_release(f);
     aoti_torch_check(false, "nanguard", __FILE__, __LINE__, ng_msg);
+    /* aoti_torch_check(false, ...) always throws. Were it ever to return, the
+     * caller would go on with a released frame (use after free, a second
+     * delete of each handle): stopping here is the only safe thing left. */
+    abort();
 }
 
 /* ---- stack ------------------------------------------------------------------ */
 
-AtenTensorHandle ng_arg_tensor(ng_frame *f, const StableIValue *stack, uint64_t i) {
-    return ng_frame_own(f, (AtenTensorHandle)(uintptr_t)stack[i]);
-}
-
-double ng_arg_double(const StableIValue *stack, uint64_t i) {
-    double d;
-    memcpy(&d, &stack[i], sizeof d);
-    return d;
-}
-
-int64_t ng_arg_int(const StableIValue *stack, uint64_t i) { return (int64_t)stack[i]; }
-
-bool ng_arg_bool(const StableIValue *stack, uint64_t i) { return (stack[i] & 0xff) != 0; }
-
-size_t ng_arg_tensor_list(ng_frame *f, const StableIValue *stack, uint64_t i,
-                          AtenTensorHandle **out) {
-    StableListHandle list = (StableListHandle)(uintptr_t)stack[i];
+void ng_take_args(ng_frame *f, const StableIValue *stack, uint64_t num_args, uint64_t num_outputs,
+                  const char *kinds, uint64_t schema_outputs) {
+    const size_t nk = strlen(kinds);
+    if (num_args != nk || num_outputs != schema_outputs)
+        ng_fail(f, "called with %llu arguments and %llu outputs but this library's schema has %zu "
+                   "and %llu: the loaded nanguard libraries come from different builds",
+                (unsigned long long)num_args, (unsigned long long)num_outputs, nk,
+                (unsigned long long)schema_outputs);
+    if (nk > NG_MAX_ARGS) ng_fail(f, "a schema of %zu arguments (at most %d)", nk, NG_MAX_ARGS);
+    int list_at = -1;
+    /* Every Tensor first: at most NG_MAX_ARGS of them, all in the frame's
+     * inline slots, so nothing can fail until the frame owns them all. */
+    for (size_t i = 0; i < nk; i++) {
+        if (kinds[i] == 'T') {
+            f->arg[i] = (AtenTensorHandle)(uintptr_t)stack[i];
+            f->owned[f->n++] = f->arg[i];
+        } else if (kinds[i] == 'L') {
+            list_at = (int)i;
+        }
+    }
+    if (list_at < 0) return;
+    StableListHandle list = (StableListHandle)(uintptr_t)stack[list_at];
     size_t len = 0;
     if (torch_list_size(list, &len) != 0) {
         torch_delete_list(list);
@@ -152,11 +170,28 @@ size_t ng_arg_tensor_list(ng_frame *f, const StableIValue *stack, uint64_t i,
         ng_fail(f, "out of host memory reading a Tensor[] of %zu tensors", len);
     }
     frame_adopt(f, h);
+    f->list = h;
+    f->list_len = len;
     for (size_t k = 0; k < len; k++)
         if (!h[k]) ng_fail(f, "could not read element %zu of a Tensor[] argument", k);
-    *out = h;
-    return len;
 }
+
+AtenTensorHandle ng_arg(const ng_frame *f, uint64_t i) { return f->arg[i]; }
+
+size_t ng_arg_list(const ng_frame *f, AtenTensorHandle **out) {
+    *out = f->list;
+    return f->list_len;
+}
+
+double ng_arg_double(const StableIValue *stack, uint64_t i) {
+    double d;
+    memcpy(&d, &stack[i], sizeof d);
+    return d;
+}
+
+int64_t ng_arg_int(const StableIValue *stack, uint64_t i) { return (int64_t)stack[i]; }
+
+bool ng_arg_bool(const StableIValue *stack, uint64_t i) { return (stack[i] & 0xff) != 0; }
 
 void ng_ret_tensor(ng_frame *f, StableIValue *stack, uint64_t i, AtenTensorHandle h) {
     for (int k = 0; k < f->n; k++) {
@@ -191,13 +226,24 @@ int32_t ng_dtype_to_torch(ng_dtype t) {
 int32_t ng_device_cpu(void) { return aoti_torch_device_type_cpu(); }
 int32_t ng_device_cuda(void) { return aoti_torch_device_type_cuda(); }
 
+const char *ng_torch_dtype_name(int32_t d) {
+    if (d == aoti_torch_dtype_float32()) return "float32";
+    if (d == aoti_torch_dtype_float64()) return "float64";
+    if (d == aoti_torch_dtype_float16()) return "float16";
+    if (d == aoti_torch_dtype_bfloat16()) return "bfloat16";
+    if (d == aoti_torch_dtype_int64()) return "int64";
+    if (d == aoti_torch_dtype_bool()) return "bool";
+    return "another dtype";
+}
+
 static const char *device_name(int32_t type) {
     if (type == ng_device_cpu()) return "cpu";
     if (type == ng_device_cuda()) return "cuda";
     return "another device";
 }
 
-int32_t ng_view_raw(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out) {
+static int32_t view_raw(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out,
+                        bool mut) {
     int32_t dt = 0, layout = 0;
     out->h = h;
     NG_SHIM_CHECK(f, aoti_torch_get_layout(h, &layout));
@@ -213,17 +259,40 @@ int32_t ng_view_raw(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor
     NG_SHIM_CHECK(f, aoti_torch_get_numel(h, &out->numel));
     NG_SHIM_CHECK(f, aoti_torch_get_device_type(h, &out->device_type));
     NG_SHIM_CHECK(f, aoti_torch_get_device_index(h, &out->device_index));
-    NG_SHIM_CHECK(f, aoti_torch_get_data_ptr(h, &out->data));
+    /* Inputs are only read: the const pointer leaves a copy-on-write tensor
+     * shared, where the mutable one would materialise a copy. */
+    out->mut = NULL;
+    if (mut) {
+        NG_SHIM_CHECK(f, torch_get_mutable_data_ptr(h, &out->mut));
+        out->data = out->mut;
+    } else {
+        NG_SHIM_CHECK(f, torch_get_const_data_ptr(h, &out->data));
+    }
     out->sizes = sizes;
     out->strides = strides;
     return dt;
 }
 
-void ng_view(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out) {
-    int32_t dt = ng_view_raw(f, h, name, out);
+int32_t ng_view_raw(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out) {
+    return view_raw(f, h, name, out, false);
+}
+
+int32_t ng_view_raw_mut(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out) {
+    return view_raw(f, h, name, out, true);
+}
+
+static void check_float(ng_frame *f, int32_t dt, const char *name) {
     if (ng_dtype_from_torch(dt) < 0)
-        ng_fail(f, "%s must be float16, bfloat16, float32 or float64 (got dtype code %d)", name,
-                (int)dt);
+        ng_fail(f, "%s must be float16, bfloat16, float32 or float64 (got %s)", name,
+                ng_torch_dtype_name(dt));
+}
+
+void ng_view(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out) {
+    check_float(f, view_raw(f, h, name, out, false), name);
+}
+
+void ng_view_mut(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out) {
+    check_float(f, view_raw(f, h, name, out, true), name);
 }
 
 void ng_check_same_device(ng_frame *f, const ng_tensor *a, const char *an, const ng_tensor *b,
@@ -263,15 +332,14 @@ bool ng_is_contiguous(const ng_tensor *t) {
     return true;
 }
 
-void ng_arg_host_int64s(ng_frame *f, const StableIValue *stack, uint64_t i, const char *name,
-                        int64_t n, int64_t *out) {
+void ng_host_int64s(ng_frame *f, AtenTensorHandle h, const char *name, int64_t n, int64_t *out) {
     ng_tensor t;
-    const int32_t dt = ng_view_raw(f, ng_arg_tensor(f, stack, i), name, &t);
+    const int32_t dt = ng_view_raw(f, h, name, &t);
     if (t.device_type != ng_device_cpu())
         ng_fail(f, "%s must be a CPU tensor (its values are read on the host), got a %s tensor",
                 name, device_name(t.device_type));
     if (dt != aoti_torch_dtype_int64())
-        ng_fail(f, "%s must be an int64 tensor, got dtype code %d", name, (int)dt);
+        ng_fail(f, "%s must be an int64 tensor, got %s", name, ng_torch_dtype_name(dt));
     if (t.numel != n)
         ng_fail(f, "%s must have exactly %lld elements, got %lld", name, (long long)n,
                 (long long)t.numel);
@@ -283,8 +351,9 @@ void ng_arg_host_int64s(ng_frame *f, const StableIValue *stack, uint64_t i, cons
 
 AtenTensorHandle ng_empty(ng_frame *f, int64_t ndim, const int64_t *sizes, ng_dtype dtype,
                           int32_t device_type, int32_t device_index) {
-    int64_t strides[16];
-    if (ndim > 16) ng_fail(f, "tensors of more than 16 dimensions are not supported");
+    int64_t inline_strides[16];
+    int64_t *strides = inline_strides;
+    if (ndim > 16) strides = (int64_t *)ng_frame_calloc(f, (size_t)ndim, sizeof *strides);
     int64_t s = 1;
     for (int64_t d = ndim - 1; d >= 0; d--) {
         strides[d] = s;
@@ -324,23 +393,77 @@ static void par_trampoline(int64_t begin, int64_t end, void *ctx) {
     p->fn(begin, end, p->ctx);
 }
 
+/* torch_parallel_for turns an exception inside the pool into an error code,
+ * possibly after other chunks of the range have run. Re-running the range
+ * would apply an in-place kernel (gradient scaling, accumulation) twice, so
+ * the failure is recorded instead and NG_KERNEL_CHECK raises it once the
+ * kernel returns. The flag is per thread: the op's own thread calls this;
+ * a nested call inside the pool runs serially and cannot fail this way. */
 void ng_torch_parallel(int64_t n, int64_t grain, ng_range_fn fn, void *ctx) {
     par_ctx p = {fn, ctx};
     if (torch_parallel_for(0, n, grain < 1 ? 1 : grain, par_trampoline, &p) != 0)
-        fn(0, n, ctx); /* the pool refused: run serially rather than skip work */
+        ng_par_failed = true;
+}
+
+/* Self-test of the failure path above, for the Python test suite
+ * (tests/python/test_hostile.py); never called by the ops. The range function
+ * adds 1 to each element it is given and, on its first call only, then fails
+ * the way a throwing callback fails inside PyTorch's pool. Returns the largest
+ * number of times any element was processed (1 when nothing ran twice), or -1
+ * when the failure went unreported. */
+#define NG_SELFTEST_N 64
+typedef struct selftest_ctx {
+    atomic_int calls;
+    atomic_int hits[NG_SELFTEST_N];
+} selftest_ctx;
+
+static void selftest_range(int64_t begin, int64_t end, void *ctx) {
+    selftest_ctx *c = (selftest_ctx *)ctx;
+    for (int64_t i = begin; i < end; i++) atomic_fetch_add(&c->hits[i], 1);
+    if (atomic_fetch_add(&c->calls, 1) == 0)
+        aoti_torch_check(false, "nanguard", __FILE__, __LINE__, "self-test: a failing range");
+}
+
+__attribute__((visibility("default"))) int ng_selftest_parallel_failure(void) {
+    selftest_ctx c;
+    atomic_init(&c.calls, 0);
+    for (int i = 0; i < NG_SELFTEST_N; i++) atomic_init(&c.hits[i], 0);
+    ng_par_failed = false;
+    ng_torch_parallel(NG_SELFTEST_N, 1, selftest_range, &c);
+    int most = 0;
+    for (int i = 0; i < NG_SELFTEST_N; i++) {
+        int h = atomic_load(&c.hits[i]);
+        if (h > most) most = h;
+    }
+    const bool reported = ng_par_failed;
+    ng_par_failed = false;
+    return reported || most > 1 ? most : -1;
 }
 
 /* ---- registration ----------------------------------------------------------- */
 
-void ng_def(const ng_registrar *r, const char *schema) {
-    if (!r->def) return;
-    if (aoti_torch_library_def(r->def, schema) != 0)
-        fprintf(stderr, "nanguard: could not define schema %s\n", schema);
+static void record_failure(ng_registrar *r, const char *what, const char *name) {
+    if (r->err && r->errlen && !r->err[0])
+        snprintf(r->err, r->errlen, "could not %s %s%s", what, name,
+                 r->cuda ? " for CUDA" : "");
 }
 
-void ng_impl(const ng_registrar *r, const char *name, ng_boxed_fn fn) {
-    /* The build version we pass is the ABI whose stack conventions the boxed
-     * kernels follow (2.11), so newer runtimes convert for us. */
+void ng_def(ng_registrar *r, const char *schema) {
+    /* FNV-1a, 64-bit: the fingerprint of every schema, in order, that the
+     * two libraries compare to be sure they read the same stack layouts. */
+    for (const unsigned char *c = (const unsigned char *)schema; *c; c++)
+        r->schema_hash = (r->schema_hash ^ *c) * 0x100000001b3ULL;
+    r->schema_hash = (r->schema_hash ^ 0xff) * 0x100000001b3ULL; /* separator */
+    if (!r->def) return;
+    if (aoti_torch_library_def(r->def, schema) != 0) record_failure(r, "define the schema", schema);
+}
+
+void ng_impl(ng_registrar *r, const char *name, ng_boxed_fn fn) {
+    if (!r->impl) return;
+    /* The build version passed is the ABI whose stack conventions the boxed
+     * kernels follow (2.11), not the headers' version that PyTorch's C++
+     * wrapper passes: nanguard reads the stack with its own C code, written
+     * to the 2.11 conventions, so a newer runtime must convert to those. */
     if (torch_library_impl(r->impl, name, fn, NG_TORCH_TARGET_VERSION) != 0)
-        fprintf(stderr, "nanguard: could not register %s for %s\n", name, r->cuda ? "CUDA" : "CPU");
+        record_failure(r, "register a kernel for", name);
 }

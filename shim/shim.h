@@ -25,6 +25,7 @@
 #include <stdint.h>
 
 #include "kernels/common.h"
+#include "shim/version.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -56,12 +57,11 @@ typedef void (*ParallelFunc)(int64_t begin, int64_t end, void *ctx);
     X(int32_t, aoti_torch_dtype_float32, (void))                                              \
     X(int32_t, aoti_torch_dtype_float64, (void))                                              \
     X(int32_t, aoti_torch_dtype_int64, (void))                                                \
-    X(int32_t, aoti_torch_dtype_int32, (void))                                                \
-    X(int32_t, aoti_torch_dtype_uint8, (void))                                                \
     X(int32_t, aoti_torch_dtype_bool, (void))                                                 \
     X(int32_t, aoti_torch_layout_strided, (void))                                             \
     X(AOTITorchError, aoti_torch_delete_tensor_object, (AtenTensorHandle tensor))             \
-    X(AOTITorchError, aoti_torch_get_data_ptr, (AtenTensorHandle tensor, void **ret))         \
+    X(AOTITorchError, torch_get_const_data_ptr, (AtenTensorHandle tensor, const void **ret))  \
+    X(AOTITorchError, torch_get_mutable_data_ptr, (AtenTensorHandle tensor, void **ret))      \
     X(AOTITorchError, aoti_torch_get_dim, (AtenTensorHandle tensor, int64_t *ret))            \
     X(AOTITorchError, aoti_torch_get_numel, (AtenTensorHandle tensor, int64_t *ret))          \
     X(AOTITorchError, aoti_torch_get_sizes, (AtenTensorHandle tensor, int64_t **ret))         \
@@ -70,8 +70,6 @@ typedef void (*ParallelFunc)(int64_t begin, int64_t end, void *ctx);
     X(AOTITorchError, aoti_torch_get_device_type, (AtenTensorHandle tensor, int32_t *ret))    \
     X(AOTITorchError, aoti_torch_get_device_index, (AtenTensorHandle tensor, int32_t *ret))   \
     X(AOTITorchError, aoti_torch_get_layout, (AtenTensorHandle tensor, int32_t *ret))         \
-    X(AOTITorchError, aoti_torch_new_tensor_handle,                                           \
-      (AtenTensorHandle orig, AtenTensorHandle *new_handle))                                  \
     X(AOTITorchError, aoti_torch_empty_strided,                                               \
       (int64_t ndim, const int64_t *sizes, const int64_t *strides, int32_t dtype,             \
        int32_t device_type, int32_t device_index, AtenTensorHandle *ret))                     \
@@ -82,8 +80,6 @@ typedef void (*ParallelFunc)(int64_t begin, int64_t end, void *ctx);
       (int32_t device_index, DeviceGuardHandle *ret))                                         \
     X(AOTITorchError, aoti_torch_delete_device_guard, (DeviceGuardHandle guard))              \
     X(AOTITorchError, aoti_torch_library_init_def,                                            \
-      (const char *ns, const char *file, uint32_t line, TorchLibraryHandle *ret))             \
-    X(AOTITorchError, aoti_torch_library_init_fragment,                                       \
       (const char *ns, const char *file, uint32_t line, TorchLibraryHandle *ret))             \
     X(AOTITorchError, aoti_torch_library_init_impl,                                           \
       (const char *ns, const char *k, const char *file, uint32_t line,                        \
@@ -99,25 +95,23 @@ typedef void (*ParallelFunc)(int64_t begin, int64_t end, void *ctx);
     X(AOTITorchError, torch_parallel_for,                                                     \
       (int64_t begin, int64_t end, int64_t grain, ParallelFunc fn, void *ctx))                \
     X(void, aoti_torch_check,                                                                 \
-      (bool cond, const char *func, const char *file, uint32_t line, const char *msg))        \
-    X(void, aoti_torch_warn, (const char *func, const char *file, uint32_t line, const char *msg))
+      (bool cond, const char *func, const char *file, uint32_t line, const char *msg))
 
 #ifndef NG_SHIM_NO_DECLS
 NG_SHIM_FUNCTIONS(NG_ABI_FN)
 #endif
 
-/* ---- versions --------------------------------------------------------------- */
-#define NG_TORCH_VERSION(major, minor) (((uint64_t)(major) << 56) | ((uint64_t)(minor) << 48))
-/* The stable-ABI version whose calling conventions nanguard's code follows. */
-#define NG_TORCH_TARGET_VERSION NG_TORCH_VERSION(2, 11)
-
 /* ---- helpers ------------------------------------------------------------------ */
 
 /* A borrowed view of a tensor's metadata. Sizes and strides point into
- * PyTorch's storage and stay valid while the handle lives. */
+ * PyTorch's storage and stay valid while the handle lives. `data` is read
+ * through PyTorch's const data pointer, so viewing an input never
+ * materialises a copy-on-write tensor; `mut` is set (to the same address)
+ * only by the _mut views, for outputs and tensors an op writes in place. */
 typedef struct ng_tensor {
     AtenTensorHandle h;
-    void *data;
+    const void *data;
+    void *mut;
     ng_dtype dtype;
     int32_t device_type;
     int32_t device_index;
@@ -128,10 +122,13 @@ typedef struct ng_tensor {
 } ng_tensor;
 
 /* What one boxed call owns: tensor handles and scratch memory. ng_fail and
- * ng_frame_release release all of it, so no error path can leak. The first
- * NG_FRAME_INLINE handles live in the frame; more go to the heap. A frame
- * refers to itself: never copy one. */
+ * ng_frame_release release all of it. ng_take_args makes the frame own every
+ * Tensor and Tensor[] argument before the first check, so no error path can
+ * leak an argument. The first NG_FRAME_INLINE handles live in the frame; more
+ * go to the heap. A frame refers to itself: never copy one. */
 #define NG_FRAME_INLINE 16
+/* Most arguments of any nanguard schema (safe_sdpa_backward.masked has 13). */
+#define NG_MAX_ARGS 16
 typedef struct ng_frame {
     const char *op; /* "nanguard::stable_layernorm", for messages */
     int n, cap;
@@ -140,6 +137,11 @@ typedef struct ng_frame {
     void **mem; /* scratch blocks from ng_frame_calloc */
     int nmem, capmem;
     DeviceGuardHandle guard;
+    /* arguments taken by ng_take_args: arg[i] for a Tensor at stack[i]; the
+     * elements of the (at most one) Tensor[] argument */
+    AtenTensorHandle arg[NG_MAX_ARGS];
+    AtenTensorHandle *list;
+    size_t list_len;
 } ng_frame;
 
 void ng_frame_init(ng_frame *f, const char *op);
@@ -150,11 +152,17 @@ void ng_frame_release(ng_frame *f);
 void *ng_frame_calloc(ng_frame *f, size_t count, size_t size);
 
 /* Release the frame and raise RuntimeError("<op>: <message>"). Unwinds
- * through the caller: nothing after it runs. */
-void ng_fail(ng_frame *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+ * through the caller: it never returns. */
+__attribute__((noreturn)) void ng_fail(ng_frame *f, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 /* The CUDA runtime's own message for the last NG_ERR_CUDA of this thread
  * (kernels/cuda_status.h); "" in the CPU library. */
 const char *ng_kernel_error_detail(void);
+/* True when PyTorch's thread pool failed during an ng_torch_parallel call on
+ * this thread since the frame was initialised: the kernel's work is then
+ * incomplete, and it is reported rather than re-run (an in-place kernel run
+ * twice would apply twice). */
+bool ng_parallel_failed(void);
 /* Raise on a failed stable-ABI call or kernel status. */
 #define NG_SHIM_CHECK(f, call)                                                              \
     do {                                                                                    \
@@ -168,35 +176,53 @@ const char *ng_kernel_error_detail(void);
                     ng_ks_ == NG_ERR_CUDA ? ": " : "",                                      \
                     ng_ks_ == NG_ERR_CUDA ? ng_kernel_error_detail() : "", #call, __FILE__, \
                     __LINE__);                                                              \
+        if (ng_parallel_failed())                                                           \
+            ng_fail((f), "PyTorch's thread pool failed while running %s; its outputs are "  \
+                    "incomplete (nothing was re-run)", #call);                              \
     } while (0)
 
-/* Reading the boxed stack. Tensor and list elements become owned by f. */
-AtenTensorHandle ng_arg_tensor(ng_frame *f, const StableIValue *stack, uint64_t i);
+/* Reading the boxed stack.
+ *
+ * ng_take_args is the first thing every boxed kernel does. `kinds` has one
+ * letter per schema argument: 'T' a Tensor, 'L' a Tensor[] (at most one),
+ * anything else a scalar. It raises, touching nothing, unless num_args and
+ * num_outputs are the schema's (a kernel registered against a schema of
+ * another nanguard build); then the frame takes every Tensor (inline slots:
+ * this cannot fail) and then the list's elements (whose only failure, out of
+ * host memory, releases everything already taken). Read them back with
+ * ng_arg / ng_arg_list. */
+void ng_take_args(ng_frame *f, const StableIValue *stack, uint64_t num_args, uint64_t num_outputs,
+                  const char *kinds, uint64_t schema_outputs);
+/* The Tensor argument at stack position i (taken by ng_take_args). */
+AtenTensorHandle ng_arg(const ng_frame *f, uint64_t i);
+/* The Tensor[] argument's elements (frame scratch, stable for the call). */
+size_t ng_arg_list(const ng_frame *f, AtenTensorHandle **out);
 double ng_arg_double(const StableIValue *stack, uint64_t i);
 int64_t ng_arg_int(const StableIValue *stack, uint64_t i);
 bool ng_arg_bool(const StableIValue *stack, uint64_t i);
-/* A Tensor[] argument of any length: its handles become owned by f and are
- * copied to *out (frame scratch, stable for the call); the list itself is
- * freed. Returns the length. */
-size_t ng_arg_tensor_list(ng_frame *f, const StableIValue *stack, uint64_t i,
-                          AtenTensorHandle **out);
 /* A Tensor argument that carries a few int64 values for the host (a dropout
  * [seed, offset] pair): it must be a contiguous CPU int64 tensor of exactly n
  * elements, whatever device the op runs on, so that a CUDA op can read it
- * before launching. The handle becomes owned by f; the values are copied to
- * out. Raises naming `name` otherwise. */
-void ng_arg_host_int64s(ng_frame *f, const StableIValue *stack, uint64_t i, const char *name,
-                        int64_t n, int64_t *out);
+ * before launching. The values are copied to out. Raises naming `name`
+ * otherwise. */
+void ng_host_int64s(ng_frame *f, AtenTensorHandle h, const char *name, int64_t n, int64_t *out);
 /* Put an owned output on the stack; the frame gives up ownership. */
 void ng_ret_tensor(ng_frame *f, StableIValue *stack, uint64_t i, AtenTensorHandle h);
 
-/* Fill a view of h. Raises, naming `name`, unless h is a strided tensor of a
- * floating dtype nanguard handles (fp16, bf16, fp32, fp64). */
+/* Fill a read-only view of h (out->mut is NULL). Raises, naming `name`,
+ * unless h is a strided tensor of a floating dtype nanguard handles (fp16,
+ * bf16, fp32, fp64). */
 void ng_view(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out);
-/* The same for a strided tensor of any dtype (bool masks, int64 counters):
- * returns PyTorch's dtype code; out->dtype is meaningful only for the four
- * floating dtypes. */
+/* The same for a tensor the op writes (an output, or an in-place argument):
+ * out->mut is PyTorch's mutable data pointer. */
+void ng_view_mut(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out);
+/* ng_view / ng_view_mut for a strided tensor of any dtype (bool masks, int64
+ * counters): returns PyTorch's dtype code; out->dtype is meaningful only for
+ * the four floating dtypes. */
 int32_t ng_view_raw(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out);
+int32_t ng_view_raw_mut(ng_frame *f, AtenTensorHandle h, const char *name, ng_tensor *out);
+/* "float32", "int64", ... for a PyTorch dtype code (for messages). */
+const char *ng_torch_dtype_name(int32_t torch_dtype);
 /* Map a PyTorch dtype code to ng_dtype; returns -1 when there is none. */
 int ng_dtype_from_torch(int32_t torch_dtype);
 int32_t ng_dtype_to_torch(ng_dtype t);
@@ -216,7 +242,8 @@ AtenTensorHandle ng_empty(ng_frame *f, int64_t ndim, const int64_t *sizes, ng_dt
                           int32_t device_type, int32_t device_index);
 AtenTensorHandle ng_empty_like(ng_frame *f, const ng_tensor *t);
 /* t itself when contiguous, else a contiguous copy (owned by f); the view is
- * refreshed either way. */
+ * refreshed (read-only) either way. For inputs only: a copy of an in-place
+ * argument would not write back. */
 void ng_make_contiguous(ng_frame *f, ng_tensor *t);
 
 /* Set the current device to t's for the rest of the call (CUDA tensors). */
@@ -234,13 +261,24 @@ typedef void (*ng_boxed_fn)(StableIValue *stack, uint64_t num_args, uint64_t num
 
 typedef struct ng_registrar {
     TorchLibraryHandle def;  /* NULL in the CUDA library: schemas live in the core one */
-    TorchLibraryHandle impl; /* CPU or CUDA */
+    TorchLibraryHandle impl; /* CPU or CUDA; NULL: only fingerprint the schemas */
     int cuda;                /* 1 when registering CUDA implementations */
+    uint64_t schema_hash;    /* FNV-1a over every schema string, in order */
+    char *err;               /* the first registration failure is written here */
+    size_t errlen;
 } ng_registrar;
 
-/* Define a schema (core library only) and register a kernel for it. */
-void ng_def(const ng_registrar *r, const char *schema);
-void ng_impl(const ng_registrar *r, const char *name, ng_boxed_fn fn);
+/* Define a schema (core library only) and register a kernel for it. Both
+ * add the schema to r->schema_hash (also when r->def is NULL, so the CUDA
+ * library computes the core's fingerprint) and record the first failure in
+ * r->err, which makes the Python import fail. */
+void ng_def(ng_registrar *r, const char *schema);
+void ng_impl(ng_registrar *r, const char *name, ng_boxed_fn fn);
+/* FNV-1a 64-bit offset basis: the initial schema_hash. */
+#define NG_SCHEMA_HASH_INIT 0xcbf29ce484222325ULL
+
+/* Exported for the Python test suite only (see shim.c). */
+int ng_selftest_parallel_failure(void);
 
 /* In the CUDA library: the current CUDA stream of a device, and whether the
  * function that gives it could be found in the running PyTorch. */

@@ -4,6 +4,16 @@
 // declarations and static_asserts that every function nanguard declares has
 // exactly the type PyTorch gives it. Any drift in a signature fails the
 // build. At run time it checks the few facts the shim relies on.
+//
+// PyTorch's headers are read as the target stable ABI sees them
+// (TORCH_TARGET_VERSION, set from shim/version.h before any of them): a
+// function that only a newer PyTorch declares is then undeclared here, and
+// the static_asserts below fail to compile instead of passing against the
+// newer headers.
+#include "shim/version.h"
+#ifndef TORCH_TARGET_VERSION
+#define TORCH_TARGET_VERSION NG_TORCH_TARGET_VERSION
+#endif
 #define USE_CUDA 1 // also see the CUDA-only declarations (nothing is called)
 #include <torch/csrc/stable/c/shim.h>
 #include <torch/headeronly/version.h>
@@ -27,6 +37,13 @@ static_assert(std::is_same_v<StableIValue, uint64_t>, "StableIValue is not uint6
 static_assert(std::is_same_v<AOTITorchError, int32_t>, "AOTITorchError is not int32_t");
 static_assert(TORCH_ABI_VERSION >= NG_TORCH_TARGET_VERSION,
               "building against a PyTorch older than the target stable ABI");
+static_assert(TORCH_FEATURE_VERSION == NG_TORCH_TARGET_VERSION,
+              "PyTorch's headers must be read as the target stable ABI sees them");
+
+// ng_fail is noreturn: a non-void function may end in it without a return
+// (-Werror=return-type fails this file otherwise), and the compiler knows
+// nothing after it runs.
+[[maybe_unused]] static int ng_fail_never_returns() { ng_fail(nullptr, "unreachable"); }
 
 int main() {
     int bad = 0;
