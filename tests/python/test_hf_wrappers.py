@@ -234,6 +234,9 @@ def test_fsdp2_fully_shard(process_group):
 
 def test_accelerate_prepared_model_trains_in_bf16():
     accelerate = pytest.importorskip("accelerate", reason="pip install accelerate (scripts/setup.sh installs it)")
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)  # one process-wide state: start clean, leave clean
     acc = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -252,6 +255,7 @@ def test_accelerate_prepared_model_trains_in_bf16():
     assert all(torch.isfinite(p).all() for p in pm.parameters())
     nanguard.unpatch(pm)
     _assert_restored(pm, snap, "sdpa")
+    AcceleratorState._reset_state(True)
 
 
 def test_unwrap_and_bad_input():

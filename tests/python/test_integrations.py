@@ -11,6 +11,7 @@ are clipped once, by nanguard.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import subprocess
@@ -31,6 +32,25 @@ def test_import_nanguard_imports_no_framework():
             "'accelerate') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@contextlib.contextmanager
+def _records_of(logger_name):
+    """The messages a framework's logger emits (its own handlers may write
+    to a stream captured elsewhere)."""
+    got = []
+
+    class _H(logging.Handler):
+        def emit(self, record):
+            got.append(record.getMessage())
+
+    h = _H(logging.WARNING)
+    logger = logging.getLogger(logger_name)
+    logger.addHandler(h)
+    try:
+        yield got
+    finally:
+        logger.removeHandler(h)
 
 
 # ---- StepGuard, the shared core -----------------------------------------------------------------
@@ -186,7 +206,7 @@ class _NaNAtCollator:
         return batch
 
 
-def test_transformers_trainer_bf16_nan_batch_is_skipped(tmp_path, capfd):
+def test_transformers_trainer_bf16_nan_batch_is_skipped(tmp_path, fresh_accelerate_state):
     T, model = _llama()
     from nanguard.integrations.transformers import NanguardCallback
 
@@ -195,6 +215,7 @@ def test_transformers_trainer_bf16_nan_batch_is_skipped(tmp_path, capfd):
 
     class Probe(T.TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kw):
+            assert args.max_grad_norm == 0.0  # the Trainer does not clip: nanguard does
             watch_steps.pre()
 
         def on_optimizer_step(self, args, state, control, **kw):
@@ -207,8 +228,9 @@ def test_transformers_trainer_bf16_nan_batch_is_skipped(tmp_path, capfd):
                                disable_tqdm=True, seed=0)
     trainer = T.Trainer(model=model, args=args, train_dataset=_Rows(BATCH * 5),
                         data_collator=_NaNAtCollator(32), callbacks=[cb, Probe()])
-    trainer.train()
-    err = capfd.readouterr().err  # transformers' own log handler writes to stderr
+    with _records_of("transformers.trainer") as msgs:
+        trainer.train()
+    err = "\n".join(msgs)
     # the NaN step (the third) was skipped: no parameter moved; every other step moved them
     assert watch_steps.changed == [i != NAN_AT for i in range(5)], watch_steps.changed
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -223,3 +245,122 @@ def test_transformers_trainer_bf16_nan_batch_is_skipped(tmp_path, capfd):
     assert trainer.state.log_history[-2]["nanguard_skipped_steps"] == 1
     # clipping done once, by nanguard, at the Trainer's max_grad_norm; the Trainer's own is restored
     assert cb.guard.max_grad_norm == 1.0 and args.max_grad_norm == 1.0
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one process-wide state; start and leave it clean."""
+    state = pytest.importorskip("accelerate.state")
+    state.AcceleratorState._reset_state(True)
+    yield
+    state.AcceleratorState._reset_state(True)
+
+
+def test_transformers_callback_fp16_through_accelerates_scaler(tmp_path, fresh_accelerate_state):
+    """The Trainer's fp16 path, on the CPU: accelerate's AcceleratedOptimizer
+    holding a GradScaler (which accelerate only creates on a GPU), driven
+    the way the Trainer drives it: its grad-norm computation unscales first
+    (accelerator.clip_grad_norm_ with max_norm=inf), then the callback, then
+    optimizer.step(). A NaN step is skipped by the scaler, which backs off."""
+    T, model = _llama()
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.optimizer import AcceleratedOptimizer
+    from nanguard.integrations.transformers import NanguardCallback
+
+    args = T.TrainingArguments(output_dir=str(tmp_path), max_grad_norm=1.0, report_to=[], use_cpu=True)
+    _ = args.device  # sets accelerate's state up (and resets it) as the Trainer would, before the accelerator
+    accelerate.Accelerator(cpu=True)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    opt = AcceleratedOptimizer(inner, device_placement=False, scaler=scaler)
+    state, control = T.TrainerState(), T.TrainerControl()
+    cb = NanguardCallback()
+    cb.on_train_begin(args, state, control, model=model)
+    coll = _NaNAtCollator(32)
+    rows = _Rows(BATCH * 4)
+    for step in range(4):
+        batch = coll([rows[i] for i in range(step * BATCH, (step + 1) * BATCH)])
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(**batch).loss
+        scaler.scale(loss).backward()
+        if step % 2:
+            scaler.unscale_(inner)  # what the Trainer's grad-norm computation does first
+        before = [p.detach().clone() for p in model.parameters()]
+        state.global_step = step
+        cb.on_pre_optimizer_step(args, state, control, model=model, optimizer=opt)
+        if step != NAN_AT:
+            n = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+            assert n <= 1.0 + 1e-4  # unscaled and clipped once, by the callback
+        opt.step()
+        moved = any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+        assert moved == (step != NAN_AT) and opt.step_was_skipped == (step == NAN_AT), step
+    assert scaler.get_scale() == 512.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert [s.step for s in cb.guard.skipped] == [NAN_AT]
+    cb.on_train_end(args, state, control)
+    assert args.max_grad_norm == 1.0
+
+
+# ---- Lightning -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "32-true"])
+def test_lightning_trainer_nan_batch_is_skipped(precision):
+    """bf16 as Lightning runs it on the CPU; 16-mixed through Lightning's own
+    MixedPrecision plugin and GradScaler (on the CPU, which Lightning's
+    precision flag would turn into bf16: the plugin is passed directly)."""
+    L = pytest.importorskip("lightning.pytorch", reason="pip install lightning (scripts/setup.sh installs it)")
+    from nanguard.integrations.lightning import NanguardCallback
+
+    T, lm = _llama()
+    nanguard.patch(lm)
+    steps = _ParamSteps(lm)
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lm = lm
+
+        def training_step(self, batch, i):
+            return self.lm(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class Probe(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            assert trainer.gradient_clip_val is None  # Lightning does not clip: nanguard did
+            steps.pre()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            steps.post()
+
+    rows = _Rows(BATCH * 5)
+    loader = torch.utils.data.DataLoader(rows, batch_size=BATCH, collate_fn=_NaNAtCollator(32))
+    cb = NanguardCallback()
+    kw = dict(precision=precision)
+    scaler = None
+    if precision == "16-mixed":
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        kw = dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=5, gradient_clip_val=1.0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[cb, Probe()], **kw)
+    with _records_of("lightning.pytorch.callbacks.nanguard") as msgs:
+        trainer.fit(Module(), loader)
+    err = "\n".join(msgs)
+    assert steps.changed == [i != NAN_AT for i in range(5)], steps.changed
+    assert all(torch.isfinite(p).all() for p in lm.parameters())
+    assert len(cb.guard.skipped) == 1 and cb.guard.skipped[0].step == NAN_AT
+    rec = cb.guard.skipped[0]
+    assert rec.module_class and rec.pass_ == "forward", str(rec)
+    # Lightning's logs: its logger and the logged metrics
+    assert f"optimizer step {NAN_AT} skipped" in err and f"({rec.module_class}, forward pass)" in err, err
+    assert trainer.callback_metrics["nanguard/skipped_steps"].item() == 1.0
+    if scaler is not None:
+        assert scaler.get_scale() == 512.0  # the scaler's own skip backed the scale off once
+    # clipping done once, by nanguard, at the Trainer's gradient_clip_val, which is restored
+    assert cb.guard.max_grad_norm == 1.0 and trainer.gradient_clip_val == 1.0

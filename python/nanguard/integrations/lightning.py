@@ -1,0 +1,113 @@
+"""``NanguardCallback`` for a Lightning ``Trainer`` (``lightning.pytorch``,
+or ``pytorch_lightning`` when only that is installed)::
+
+    from nanguard.integrations.lightning import NanguardCallback
+
+    trainer = lightning.pytorch.Trainer(precision="bf16-mixed", gradient_clip_val=1.0,
+                                        callbacks=[NanguardCallback()])
+
+What it does, at each optimizer step (``on_before_optimizer_step``: after the
+closure's backward pass, and under ``"16-mixed"`` after Lightning's scaler
+has unscaled the gradients):
+
+- checks and clips the gradients in nanguard's two fused passes;
+- when a gradient is NaN or Inf, or the norm overflows, the step is skipped
+  and nothing is applied to the weights: under ``16-mixed`` through the
+  scaler's own ``found_inf`` (the scaler skips the step and backs the scale
+  off), under ``bf16-mixed`` / ``32-true`` by leaving no gradient for the
+  optimizer to apply;
+- :func:`nanguard.watch` (policy ``"record"``) names the first non-finite
+  module: a skipped step is logged as a warning on the
+  ``lightning.pytorch.callbacks.nanguard`` logger, and ``nanguard/skipped_steps``
+  and ``nanguard/grad_norm`` are logged as metrics (``self.log``) at every
+  training batch.
+
+Clipping is done once, by nanguard: the Trainer's ``gradient_clip_val``
+(norm clipping) becomes the callback's unless ``max_grad_norm=`` is given,
+and is set to None for the run (restored at the end). Value clipping
+(``gradient_clip_algorithm="value"``) is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:  # the older package name
+    from pytorch_lightning import Callback
+
+from ._guard import StepGuard
+
+__all__ = ["NanguardCallback"]
+
+_logger = logging.getLogger("lightning.pytorch.callbacks.nanguard")
+
+
+class NanguardCallback(Callback):
+    """Watch + fused gradient guard for a Lightning ``Trainer``.
+
+    Args:
+        max_grad_norm: clip to this global norm; None (default) takes the
+            Trainer's ``gradient_clip_val``; 0 checks without clipping.
+        watch: name the first non-finite module with :func:`nanguard.watch`.
+        watch_kwargs: more arguments for :func:`nanguard.watch`.
+
+    ``callback.guard.skipped`` lists the skipped steps and
+    ``callback.guard.summary()`` the counts.
+    """
+
+    def __init__(self, max_grad_norm: Optional[float] = None, watch: bool = True,
+                 watch_kwargs: Optional[dict] = None):
+        super().__init__()
+        StepGuard(max_grad_norm, watch=watch, watch_kwargs=watch_kwargs)  # validate the arguments now
+        self._own_norm = max_grad_norm
+        self._watch, self._watch_kwargs = watch, watch_kwargs
+        self.guard: Optional[StepGuard] = None
+        self._saved_clip = None
+        self._trainer = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        clip = trainer.gradient_clip_val
+        if clip is not None and str(getattr(trainer, "gradient_clip_algorithm", "norm")).lower().endswith("value"):
+            raise ValueError("NanguardCallback clips the gradient norm; gradient_clip_algorithm='value' "
+                             "would clip a second time: use gradient_clip_algorithm='norm'")
+        norm = self._own_norm if self._own_norm is not None else clip
+        self.guard = StepGuard(norm, watch=self._watch, watch_kwargs=self._watch_kwargs)
+        self._trainer, self._saved_clip = trainer, clip
+        trainer.gradient_clip_val = None  # one clipping, by nanguard
+        self.guard.attach(pl_module)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        ok = self.guard.guard(params, optimizer=optimizer, scaler=scaler, step=trainer.global_step)
+        if not ok:
+            rec = self.guard.skipped[-1]
+            _logger.warning(str(rec) + (f"\n{rec.report}" if rec.report else ""))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.guard is None:
+            return
+        pl_module.log("nanguard/skipped_steps", float(len(self.guard.skipped)), on_step=True, on_epoch=False)
+        if self.guard.last_grad_norm is not None:
+            pl_module.log("nanguard/grad_norm", float(self.guard.last_grad_norm), on_step=True, on_epoch=False)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._restore()
+        s = self.guard.summary() if self.guard is not None else None
+        if s and s["skipped"]:
+            _logger.warning(f"nanguard: {s['skipped']} of {s['steps']} optimizer steps skipped "
+                            f"({s['skipped_nan']} NaN, {s['skipped_inf']} Inf, "
+                            f"{s['skipped_norm_overflow']} norm overflow)")
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        if self._trainer is not None:
+            self._trainer.gradient_clip_val = self._saved_clip
+            self._trainer = None
+        if self.guard is not None:
+            self.guard.detach()
