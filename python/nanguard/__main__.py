@@ -1,4 +1,5 @@
-"""``python -m nanguard <command>``."""
+"""``python -m nanguard <command>``; ``python -m nanguard <command> --help``
+lists a command's options."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanguard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, loaded libraries, and the devices of every op")
-    sub.add_parser("demo", help="a small Hugging Face causal LM trained in fp16 twice, stock and with nanguard, side by side")
-    sub.add_parser("doctor", help="audit a model built from a config: python -m nanguard doctor --model-type llama")
+    # demo and doctor parse their own options (add_help=False hands --help to them)
+    sub.add_parser("demo", add_help=False,
+                   help="a small Hugging Face causal LM trained in fp16 twice, stock and with nanguard, side by side")
+    sub.add_parser("doctor", add_help=False,
+                   help="audit a model built from a config: python -m nanguard doctor --model-type llama")
     args, rest = parser.parse_known_args(argv)
-    import nanguard
-
     if args.command == "info":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        import nanguard
+
         nanguard.info()
         return 0
     if args.command == "demo":

@@ -198,6 +198,19 @@ def _model_config(model: nn.Module):
     return getattr(model, "config", None)
 
 
+def _is_hf(model: nn.Module) -> bool:
+    """A Hugging Face transformers model (inside any wrapper nanguard.patch
+    sees through): nanguard.patch(model) is then the one-line fix."""
+    from .hf import _hf_pretrained_base, unwrap
+
+    base = _hf_pretrained_base()
+    return base is not None and isinstance(unwrap(model)[0], base)
+
+
+def _is_nanguard(mod: nn.Module) -> bool:
+    return type(mod).__module__.startswith("nanguard")
+
+
 def _depth(model: nn.Module) -> int:
     cfg = _model_config(model)
     for attr in ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers"):
@@ -337,6 +350,8 @@ def doctor(model: nn.Module, optimizer=None, scaler=None, scheduler=None, *,
     fp16 = tdtype == torch.float16
     depth = _depth(model)
     cfg = _model_config(model)
+    hf = _is_hf(model)
+    patch_fix = "nanguard.patch(model) (norms with fp32 statistics, attention through safe_sdpa), or "
 
     # -- precision and loss scaling
     fp16_params = [n for n, p in model.named_parameters() if p.dtype == torch.float16]
@@ -377,7 +392,7 @@ def doctor(model: nn.Module, optimizer=None, scaler=None, scheduler=None, *,
     # -- normalization epsilon
     if fp16:
         small = [(n, e) for n, m in model.named_modules()
-                 if (e := _norm_eps(m)) is not None and e < 1e-5]
+                 if not _is_nanguard(m) and (e := _norm_eps(m)) is not None and e < 1e-5]
         if small:
             eps_vals = sorted({e for _, e in small})
             findings.append(Finding(
@@ -386,7 +401,8 @@ def doctor(model: nn.Module, optimizer=None, scaler=None, scheduler=None, *,
                 f"{', '.join(f'{e:g}' for e in eps_vals)} while training in float16: a row that is "
                 "nearly constant has a variance that rounds to 0 in float16 and 1/sqrt(var + eps) "
                 "amplifies its rounding noise by up to 1/sqrt(eps)",
-                "eps >= 1e-5 for float16 (PyTorch's LayerNorm default), or use "
+                (patch_fix if hf else "")
+                + "eps >= 1e-5 for float16 (PyTorch's LayerNorm default), or use "
                 "nanguard.nn.StableLayerNorm / StableRMSNorm (fp32 statistics, eps floor "
                 "per dtype)"))
 
@@ -421,7 +437,7 @@ def doctor(model: nn.Module, optimizer=None, scaler=None, scheduler=None, *,
 
     # -- attention masking in fp16
     if fp16:
-        mha = [n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
+        mha = [n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention) and not _is_nanguard(m)]
         impl = getattr(cfg, "_attn_implementation", None) if cfg is not None else None
         if mha or impl in ("eager", "sdpa"):
             where = _names(mha) if mha else f"model (attn_implementation={impl!r})"
@@ -431,7 +447,8 @@ def doctor(model: nn.Module, optimizer=None, scaler=None, scheduler=None, *,
                 + ("nn.MultiheadAttention" if mha else f"the {impl!r} implementation")
                 + ": Q.K^T can exceed 65504 and become inf, and a row whose keys are all masked "
                 "with -inf gives softmax 0/0 = NaN (padding, causal position 0)",
-                "nanguard.nn.SafeAttention / nanguard.functional.safe_sdpa (fp32 scores, fully "
+                (patch_fix if hf or mha else "")
+                + "nanguard.nn.SafeAttention / nanguard.functional.safe_sdpa (fp32 scores, fully "
                 "masked rows give zeros), or bfloat16"))
 
     # -- warmup

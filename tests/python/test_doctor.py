@@ -280,3 +280,47 @@ def test_cli_config_path(transformers, tmp_path, capsys):
     assert main(["doctor", "--config", str(p)]) == 0
     out = capsys.readouterr().out
     assert "[warning] post-ln" in out and "24 Post-LN" in out
+
+
+def test_hf_model_fix_lines_recommend_patch(transformers):
+    m = small_llama(transformers)
+    f = {x.code: x for x in nanguard.doctor(m, autocast_dtype=torch.float16, scaler=torch.amp.GradScaler("cpu"))}
+    assert set(f) == {"norm-eps", "attention-fp16-mask"}
+    for x in f.values():
+        assert x.fix.startswith("nanguard.patch(model)"), x.fix
+    # after the patch there is nothing left for it to fix
+    nanguard.patch(m)
+    assert nanguard.doctor(m, autocast_dtype=torch.float16, scaler=torch.amp.GradScaler("cpu")) == []
+    nanguard.unpatch(m)
+    # a model that is not a transformers one keeps the module-level fixes
+    plain = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8, eps=1e-6))
+    f = nanguard.doctor(plain, autocast_dtype=torch.float16, scaler=torch.amp.GradScaler("cpu"))
+    assert codes(f) == {"norm-eps"} and "nanguard.patch" not in f[0].fix
+
+
+def test_cli_help_lists_options(capsys):
+    from nanguard.__main__ import main
+
+    for cmd, opts in (("doctor", ("--model-type", "--config", "--layers", "--dtype", "--no-scaler", "--init-scale")),
+                      ("demo", ("--steps", "--lr", "--device", "--seed", "--out", "--no-watch", "--ops"))):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert f"python -m nanguard {cmd}" in out
+        for o in opts:
+            assert o in out, (cmd, o, out)
+
+
+def test_cli_help_as_a_process():
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    root = pathlib.Path(nanguard.__file__).resolve().parent.parent
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-m", "nanguard", "doctor", "--help"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0 and "--model-type" in r.stdout, r.stdout + r.stderr
