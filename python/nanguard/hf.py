@@ -251,10 +251,8 @@ class _RMSScaleFloat:
     ``(weight * x / rms(x)).to(x.dtype)``, everything in float32."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        w = self.weight.float()
-        y = rms_norm(hidden_states.float(), _shape(self), w, _eps(self))
-        return y.to(torch.promote_types(hidden_states.dtype, self.weight.dtype)
-                    if self.weight.dtype == torch.float64 else hidden_states.dtype)
+        y = rms_norm(hidden_states.float(), _shape(self), self.weight.float(), _eps(self))
+        return y.to(hidden_states.dtype)
 
 
 class _RMSUnitOffset:

@@ -610,3 +610,55 @@ def test_demo_short_mode_end_to_end(tmp_path):
         assert verdicts["stock"].startswith("finite"), verdicts
     else:
         assert verdicts["stock"].startswith("NaN"), verdicts
+
+
+# ---- the attention function's arguments ---------------------------------------------------------
+
+
+def test_attention_function_position_bias_and_refusals():
+    """A fixed position_bias (ALiBi-like) is added to the scores exactly as
+    transformers' sdpa path does; what safe_sdpa cannot express (sinks,
+    sparse indices, a learned bias) raises instead of being approximated."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 4, 5, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+    dist = (torch.arange(5)[None, :] - torch.arange(5)[:, None]).to(torch.float64)
+    bias = (slopes[:, None, None] * dist)[None].expand(2, 4, 5, 5)
+    mod = nn.Module()
+    mod.is_causal = True
+    out, w = hf._hf_attention(mod, q, k, v, None, scaling=0.3, position_bias=bias)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(~causal, float("-inf")),
+                                                           scale=0.3)
+    assert w is None
+    torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-10, rtol=1e-9)
+    pad = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    pad[1, :, :, 0] = False
+    out, _ = hf._hf_attention(mod, q, k, v, pad, scaling=0.3, position_bias=bias)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(~pad, float("-inf")),
+                                                           scale=0.3)
+    torch.testing.assert_close(out[:, 1:], ref.transpose(1, 2)[:, 1:], atol=1e-10, rtol=1e-9)
+    with pytest.raises(NotImplementedError, match="position_bias"):
+        hf._hf_attention(mod, q, k, v, None, position_bias=bias.clone().requires_grad_())
+    for kw in ("s_aux", "sinks", "indices"):
+        with pytest.raises(NotImplementedError, match=kw):
+            hf._hf_attention(mod, q, k, v, None, **{kw: torch.zeros(4)})
+
+
+def test_accelerate_device_hooks_are_kept():
+    """accelerate's device hooks replace a module's forward on the instance
+    and keep the bound original as _old_forward: patch points it at the new
+    class's forward, unpatch puts the original back."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    m = build("llama").eval()
+    ids, am = batch("right_pad")
+    ref = m(input_ids=ids, attention_mask=am).logits
+    norm = m.model.norm
+    hooks.add_hook_to_module(norm, hooks.ModelHook())
+    old = norm._old_forward
+    s = nanguard.patch(m)
+    assert "model.norm" not in s.skipped and type(norm).__name__ == "StableLlamaRMSNorm"
+    assert norm._old_forward.__func__ is type(norm).forward
+    _close(m(input_ids=ids, attention_mask=am).logits, ref, TOL_LOGITS, "hooked norm")
+    nanguard.unpatch(m)
+    assert norm._old_forward is old and type(norm).__name__ == "LlamaRMSNorm"
