@@ -894,7 +894,7 @@ enum { LAY_BHSD, LAY_BSHD, LAY_PAD, LAY_SHIFT };
 #define PAD_EXTRA 5
 enum { AM_NONE, AM_BOOL, AM_NEG_INF, AM_LOWEST };
 enum { MS_FULL, MS_PAD, MS_LS }; /* mask shape: [B, Hq, L, S], [B, 1, 1, S], [L, S] */
-enum { SP_NONE, SP_LARGE, SP_NAN };
+enum { SP_NONE, SP_LARGE, SP_NAN, SP_NAN_DOUT };
 
 typedef struct acase {
     const char *name;
@@ -905,7 +905,8 @@ typedef struct acase {
     int mask_f32;    /* additive mask stored as fp32 whatever the data dtype */
     int special;     /* SP_LARGE: q.k far beyond fp16's range (see attn_case; forward
                         only: its softmax is one-hot, so its gradients are rounding
-                        noise); SP_NAN: one NaN in q */
+                        noise); SP_NAN: one NaN in q; SP_NAN_DOUT: one NaN
+                        in dout */
     uint64_t offset; /* dropout counter offset */
 } acase;
 
@@ -955,8 +956,22 @@ static const acase ATTN_CASES[] = {
     {"large_scores_E128",       1, 1, 1,  7,   129, 128, 128, LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_LARGE, 42},
     {"nan_in_q_E64",            1, 2, 2,  64,  64,  64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NAN, 42},
     {"nan_in_q_E40_clamp",      1, 1, 1,  7,   33,  40,  40,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 5.0, 0,   0,   1,   0, SP_NAN, 42},
+    /* a NaN in a row that also has masked positions: masked pairs add exactly
+     * nothing to any gradient, on both sides, whatever the tile sizes */
+    {"nan_in_q_causal_mask_E64", 1, 2, 2, 129, 129, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_FULL, 0, 1, 0,   0,   0,   1,   0, SP_NAN, 42},
+    {"nan_in_dout_pad_mask_E128", 2, 2, 2, 64, 129, 128, 128, LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_PAD,  1, 0, 0,   0,   0,   1,   0, SP_NAN_DOUT, 42},
+    {"nan_in_dout_causal_E40",  1, 2, 2,  64,  64,  40,  40,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 1, 0,   0,   0,   1,   0, SP_NAN_DOUT, 42},
+    /* more heads than gridDim.y / z allow (65535) */
+    {"heads_65537_gqa",         1, 65537, 1, 1,  3,   64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
     {"empty_S",                 1, 2, 2,  5,   0,   64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
     {"empty_L",                 1, 2, 2,  0,   7,   64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
+};
+/* fp16 / bf16 only (the tensor-core path): a dropout keep factor 1/(1-p) =
+ * 2^17, above fp16's 65504. With S = 2 every row has a probability >= 1/2,
+ * and Philox offset 14771 keeps 2 of the 256 elements (found by search), so
+ * p * keep exceeds fp16's range where it is kept. */
+static const acase ATTN_CASES_16[] = {
+    {"dropout_scale_above_fp16_max_E64", 1, 2, 2, 64, 2, 64, 64, LAY_BHSD, LAY_BHSD, AM_NONE, MS_FULL, 0, 0, 0, 0, 1.0 - 1.0 / 131072.0, 1, 0, SP_NONE, 14771},
 };
 /* clang-format on */
 
@@ -1123,6 +1138,8 @@ static void attn_case(const acase *c, ng_dtype t) {
         ng_store_f64(dout.h, t, i, ng_rng_unif(&rng));
     if (c->special == SP_NAN && L > 0)
         ng_store_f64(q.h, t, at_off(&q, 0, 0, NG_MIN(2, L - 1), NG_MIN(3, E - 1)), NAN);
+    if (c->special == SP_NAN_DOUT && L > 0)
+        ng_store_f64(dout.h, t, at_off(&dout, 0, 0, NG_MIN(2, L - 1), NG_MIN(3, Ev - 1)), NAN);
 
     /* mask, stored broadcast: strides 0 on the broadcast dims */
     const ng_dtype mdt = c->mask_f32 ? NG_F32 : t;
@@ -1319,6 +1336,9 @@ static void test_attention(void) {
     for (size_t ci = 0; ci < sizeof ATTN_CASES / sizeof ATTN_CASES[0]; ci++)
         for (int di = 0; di < 3; di++)
             attn_case(&ATTN_CASES[ci], FLOAT_TYPES[di]);
+    for (size_t ci = 0; ci < sizeof ATTN_CASES_16 / sizeof ATTN_CASES_16[0]; ci++)
+        for (int di = 1; di < 3; di++)
+            attn_case(&ATTN_CASES_16[ci], FLOAT_TYPES[di]);
     attn_rejects_fp64();
 }
 
