@@ -39,3 +39,119 @@ def check_eps(name: str, eps) -> float:
     if not (eps >= 0.0) or eps == float("inf"):
         raise ValueError(f"{name} must be a finite number >= 0, got {eps}")
     return eps
+
+
+# ---- fake (meta) kernels -------------------------------------------------------
+#
+# torch.library.register_fake also installs the fake as the Meta kernel, and
+# the dispatcher picks Meta when *any* argument is a meta tensor. A meta
+# tensor among CPU ones would otherwise run the fake on real tensors and
+# return uninitialised memory; these checks make it raise instead, naming the
+# argument. Under torch.compile the fakes see FakeTensors whose devices are
+# the real ones, so the same checks hold there.
+
+
+def fake_same_device(op: str, ref_name: str, ref: torch.Tensor, *named) -> None:
+    """Raise unless every (name, tensor) in ``named`` is on ``ref``'s device."""
+    for name, t in named:
+        if t is None:
+            continue
+        ts = t if isinstance(t, (list, tuple)) else (t,)
+        for k, x in enumerate(ts):
+            label = f"{name}[{k}]" if isinstance(t, (list, tuple)) else name
+            torch._check(
+                x.device == ref.device,
+                lambda: f"{op}: {label} is on {x.device} but {ref_name} is on {ref.device}; "
+                "every tensor argument must be on one device",
+            )
+
+
+def fake_host_tensor(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """A host-side argument (dropout's rng): a CPU tensor, or meta when
+    ``ref`` is meta too (shape inference on the meta device)."""
+    ok = t.device.type == "cpu" or (t.device.type == "meta" and ref.device.type == "meta")
+    torch._check(
+        ok,
+        lambda: f"{op}: {name} must be a CPU tensor (its values are read on the host), got a "
+        f"{t.device} tensor with {ref_name} on {ref.device}",
+    )
+
+
+# ---- in-place ops ---------------------------------------------------------------
+
+_inplace_libs: list = []  # the registrations must live as long as the process
+
+
+def register_inplace(qualname: str, mutated: dict) -> None:
+    """The ADInplaceOrView kernel of an op defined in C that writes some of
+    its arguments in place (``Tensor(a!)`` in its schema).
+
+    Kernels registered from C have none, so without this PyTorch neither
+    bumps the written tensors' version counters (autograd would then use a
+    saved tensor's new values silently) nor refuses a write into a leaf that
+    requires grad. ``mutated`` maps argument positions to their names; a
+    position may hold a list of tensors.
+    """
+    ns, name = qualname.split("::")
+    packet, _, overload = name.partition(".")
+    op = getattr(getattr(getattr(torch.ops, ns), packet), overload or "default")
+    lib = torch.library.Library(ns, "IMPL")
+    _inplace_libs.append(lib)
+
+    def written(args):
+        for i, arg_name in mutated.items():
+            a = args[i]
+            if isinstance(a, (list, tuple)):
+                for k, t in enumerate(a):
+                    yield f"{arg_name}[{k}]", t
+            else:
+                yield arg_name, a
+
+    def kernel(keyset, *args):
+        if torch.is_grad_enabled():
+            for arg_name, t in written(args):
+                if t.requires_grad and t.is_leaf:
+                    raise RuntimeError(
+                        f"a leaf Variable that requires grad is being used in an in-place "
+                        f"operation: {qualname} writes {arg_name} in place (call it under "
+                        "torch.no_grad(), as optimizers do)"
+                    )
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            out = op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args)
+        touched = [t for _, t in written(args)]
+        if touched:
+            torch.autograd.graph.increment_version(touched)
+        return out
+
+    lib.impl(name, kernel, "ADInplaceOrView", with_keyset=True)
+
+
+# ---- autocast -------------------------------------------------------------------
+
+#: dtypes autocast casts; float64 (and every non-float dtype) is left alone
+AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
+
+#: (aten op, device type) -> whether PyTorch's op has an autocast kernel
+#: there, read once at import (a plain dict lookup traces under torch.compile).
+_HAS_AUTOCAST = {
+    (op, dev): torch._C._dispatch_has_kernel_for_dispatch_key("aten::" + op, key)
+    for op in ("layer_norm", "rms_norm", "scaled_dot_product_attention")
+    for dev, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA"))
+}
+
+
+def autocast_active(aten_op: str, device_type: str) -> bool:
+    """True when autocast is on for ``device_type`` and PyTorch's own
+    ``aten::<aten_op>`` has an autocast kernel there, i.e. when the op a
+    nanguard function replaces would have its inputs cast right now."""
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return False
+    return _HAS_AUTOCAST[(aten_op, device_type)]
+
+
+def autocast_to(t, dtype: torch.dtype):
+    """``t`` cast to ``dtype`` the way autocast casts an argument (float16,
+    bfloat16 and float32 tensors only)."""
+    if isinstance(t, torch.Tensor) and t.dtype in AUTOCAST_ELIGIBLE and t.dtype != dtype:
+        return t.to(dtype)
+    return t

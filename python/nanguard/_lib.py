@@ -2,8 +2,17 @@
 
 ``libnanguard.so`` (every schema, CPU kernels) is loaded on import;
 ``libnanguard_cuda.so`` (CUDA kernels) only when the running PyTorch was built
-with CUDA. Both are looked for in ``$NANGUARD_LIB_DIR`` first (a development
-build tree), then in the installed package's ``lib/`` folder.
+with CUDA. The core library is looked for in ``$NANGUARD_LIB_DIR`` first (a
+development build tree), then in the installed package's ``lib/`` folder; the
+CUDA library only beside the core library that was loaded.
+
+The two must come from one build: the CUDA kernels read the stack layouts of
+the core library's schemas. Both export ``ng_build_id()`` (the target stable
+ABI and a fingerprint of every schema); a CUDA library whose id differs from
+the core library's is refused with an ImportError that names both files and
+both ids (the CUDA library also refuses, in C, to register its kernels).
+A core library that could not register every schema and kernel makes the
+import fail too.
 """
 
 from __future__ import annotations
@@ -61,10 +70,36 @@ def _candidates(name: str) -> list[pathlib.Path]:
     return [d / name for d in dirs]
 
 
-def _load(name: str) -> str:
-    for path in _candidates(name):
+class BuildMismatchError(ImportError):
+    """libnanguard.so and libnanguard_cuda.so come from different builds."""
+
+
+def build_id(path: str) -> str | None:
+    """The ``ng_build_id()`` of a nanguard library (None for a library built
+    before build ids existed)."""
+    lib = ctypes.CDLL(path)
+    try:
+        fn = lib.ng_build_id
+    except AttributeError:
+        return None
+    fn.restype = ctypes.c_char_p
+    v = fn()
+    return v.decode() if v else None
+
+
+def _load(name: str, paths: list[pathlib.Path]) -> str:
+    for path in paths:
         if path.is_file():
             torch.ops.load_library(str(path))
+            if name == "libnanguard_cuda.so":
+                core = _loaded["libnanguard.so"]
+                mine, theirs = build_id(str(path)), build_id(core)
+                if mine != theirs:
+                    raise BuildMismatchError(
+                        f"nanguard: {path} is build {mine or '(no build id: an older build)'} but "
+                        f"the loaded {core} is build {theirs}; the two libraries come from "
+                        "different builds. Rebuild or reinstall both together."
+                    )
             err = ctypes.CDLL(str(path)).ng_load_error
             err.restype = ctypes.c_char_p
             msg = err()
@@ -74,20 +109,24 @@ def _load(name: str) -> str:
             return str(path)
     raise ImportError(
         f"nanguard: {name} not found (looked in: "
-        + ", ".join(str(p.parent) for p in _candidates(name))
+        + ", ".join(str(p.parent) for p in paths)
         + "). Build it with `pip install --no-build-isolation .` or point NANGUARD_LIB_DIR at a "
         "CMake build folder."
     )
 
 
 def load() -> None:
-    """Load the core library and, when PyTorch has CUDA, the CUDA one."""
+    """Load the core library and, when PyTorch has CUDA, the CUDA one from the
+    same folder."""
     check_torch_version()
     if "libnanguard.so" not in _loaded:
-        _load("libnanguard.so")
+        _load("libnanguard.so", _candidates("libnanguard.so"))
     if torch.version.cuda is not None and "libnanguard_cuda.so" not in _loaded:
+        beside = pathlib.Path(_loaded["libnanguard.so"]).parent / "libnanguard_cuda.so"
         try:
-            _load("libnanguard_cuda.so")
+            _load("libnanguard_cuda.so", [beside])
+        except BuildMismatchError:
+            raise
         except (ImportError, OSError) as e:  # CPU ops keep working without it
             _errors["libnanguard_cuda.so"] = str(e)
 

@@ -44,18 +44,31 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 # ---- fake (meta) kernels ----------------------------------------------------
 
 
-def _fake_fwd(query, key, value, *rest):
+def _fake_checks(op, query, tensors, rng):
+    _checks.fake_same_device(op, "query", query, *tensors)
+    _checks.fake_host_tensor(op, "rng", rng, "query", query)
+
+
+def _fake_out(query, value):
     B, H, L, _ = query.shape
     out = query.new_empty((B, H, L, value.shape[-1]))
     lse = query.new_empty((B, H, L), dtype=_lse_dtype(query.dtype))
     return out, lse
 
 
-for _name in ("nanguard::safe_sdpa", "nanguard::safe_sdpa.masked"):
-    torch.library.register_fake(_name)(_fake_fwd)
+@torch.library.register_fake("nanguard::safe_sdpa")
+def _fake_fwd(query, key, value, dropout_p, is_causal, scale, max_score, softcap, rng):
+    _fake_checks("nanguard::safe_sdpa", query, (("key", key), ("value", value)), rng)
+    return _fake_out(query, value)
 
 
-def _fake_bwd(grad_out, query, key, value, *rest):
+@torch.library.register_fake("nanguard::safe_sdpa.masked")
+def _fake_fwd_masked(query, key, value, attn_mask, dropout_p, is_causal, scale, max_score, softcap, rng):
+    _fake_checks("nanguard::safe_sdpa", query, (("key", key), ("value", value), ("attn_mask", attn_mask)), rng)
+    return _fake_out(query, value)
+
+
+def _fake_grads(query, key, value):
     return (
         torch.empty_like(query, memory_format=torch.contiguous_format),
         torch.empty_like(key, memory_format=torch.contiguous_format),
@@ -63,8 +76,20 @@ def _fake_bwd(grad_out, query, key, value, *rest):
     )
 
 
-for _name in ("nanguard::safe_sdpa_backward", "nanguard::safe_sdpa_backward.masked"):
-    torch.library.register_fake(_name)(_fake_bwd)
+@torch.library.register_fake("nanguard::safe_sdpa_backward")
+def _fake_bwd(grad_out, query, key, value, out, lse, dropout_p, is_causal, scale, max_score, softcap, rng):
+    named = (("grad_out", grad_out), ("key", key), ("value", value), ("out", out), ("lse", lse))
+    _fake_checks("nanguard::safe_sdpa_backward", query, named, rng)
+    return _fake_grads(query, key, value)
+
+
+@torch.library.register_fake("nanguard::safe_sdpa_backward.masked")
+def _fake_bwd_masked(grad_out, query, key, value, attn_mask, out, lse, dropout_p, is_causal, scale,
+                     max_score, softcap, rng):
+    named = (("grad_out", grad_out), ("key", key), ("value", value), ("attn_mask", attn_mask),
+             ("out", out), ("lse", lse))
+    _fake_checks("nanguard::safe_sdpa_backward", query, named, rng)
+    return _fake_grads(query, key, value)
 
 
 # ---- autograd ---------------------------------------------------------------
@@ -84,6 +109,9 @@ def _make_setup(masked: bool):
             query, key, value, *params, rng = inputs
             mask = None
         out, lse = output
+        # lse is the softmax's normaliser, an output for the backward only:
+        # marked so, it does not claim a gradient it would never get.
+        ctx.mark_non_differentiable(lse)
         # rng is saved like any tensor: the backward regenerates the forward's
         # dropout mask from the same [seed, offset] values.
         ctx.save_for_backward(query, key, value, mask, out, lse, rng)
@@ -118,7 +146,11 @@ torch.library.register_autograd(
 
 def _no_double_backward(ctx, *grads):
     raise NotImplementedError(
-        "nanguard.safe_sdpa: double backward (gradients of gradients) is not supported"
+        "nanguard.safe_sdpa: double backward (gradients of gradients, e.g. autograd.grad with "
+        "create_graph=True then backward) is not supported, as in FlashAttention. "
+        "nanguard.functional.layer_norm and rms_norm (nanguard.nn.StableLayerNorm, "
+        "StableRMSNorm) do support it; for attention use "
+        "torch.nn.functional.scaled_dot_product_attention where it is needed"
     )
 
 
@@ -188,7 +220,17 @@ def safe_sdpa(
     ``torch.manual_seed`` makes it reproducible, CPU and CUDA drop the same
     elements for the same pair, and ``torch.compile(fullgraph=True)`` traces
     it without a graph break. Head dims up to 256; float64 on the CPU only.
+
+    Under autocast it gets the casts PyTorch's ``scaled_dot_product_attention``
+    gets (lower precision on the CPU and CUDA): float16 / bfloat16 / float32
+    ``query``, ``key``, ``value`` and float ``attn_mask`` become the autocast
+    dtype, so the result has the dtype PyTorch's would have.
     """
+    if isinstance(query, torch.Tensor) and _checks.autocast_active(
+        "scaled_dot_product_attention", query.device.type
+    ):
+        dt = torch.get_autocast_dtype(query.device.type)
+        query, key, value, attn_mask = (_checks.autocast_to(t, dt) for t in (query, key, value, attn_mask))
     for name, t in (("query", query), ("key", key), ("value", value)):
         _checks.check_tensor(name, t)
         if t.dim() < 2:

@@ -48,20 +48,30 @@ def _norm_dtype(grads) -> torch.dtype:
 
 @torch.library.register_fake("nanguard::grad_guard_reduce")
 def _fake_reduce(grads, inv_scale, norm_type):
+    _checks.fake_same_device("nanguard::grad_guard_reduce", "inv_scale", inv_scale, ("grads", grads))
     return inv_scale.new_empty((4,), dtype=torch.float64)
 
 
 @torch.library.register_fake("nanguard::grad_guard_apply_")
 def _fake_apply(grads, inv_scale, stats, found_inf, max_norm, norm_type):
+    _checks.fake_same_device("nanguard::grad_guard_apply_", "inv_scale", inv_scale, ("grads", grads),
+                             ("stats", stats), ("found_inf", found_inf))
     return inv_scale.new_empty((), dtype=_norm_dtype(grads))
 
 
 @torch.library.register_fake("nanguard::fused_unscale_clip_")
 def _fake_fused(grads, inv_scale, found_inf, max_norm, norm_type):
+    _checks.fake_same_device("nanguard::fused_unscale_clip_", "inv_scale", inv_scale, ("grads", grads),
+                             ("found_inf", found_inf))
     return (
         inv_scale.new_empty((), dtype=_norm_dtype(grads)),
         inv_scale.new_empty((4,), dtype=torch.float64),
     )
+
+
+# grads and found_inf are written in place: version counters and the leaf check
+_checks.register_inplace("nanguard::grad_guard_apply_", {0: "grads", 3: "found_inf"})
+_checks.register_inplace("nanguard::fused_unscale_clip_", {0: "grads", 2: "found_inf"})
 
 
 # ---- helpers ----------------------------------------------------------------------
@@ -143,6 +153,11 @@ def _group(grads: Sequence[torch.Tensor]):
         _checks.check_tensor(f"grads[{i}]", g)
         if g.is_sparse:
             raise TypeError(f"grads[{i}] is sparse; nanguard guards dense gradients")
+        # Before anything is written. A stride-0 dim of size > 1 is what makes
+        # PyTorch's own write-back (copy_) refuse a tensor as overlapping.
+        if any(n > 1 and st == 0 for n, st in zip(g.shape, g.stride())):
+            raise ValueError(f"grads[{i}] has elements that overlap in memory (an expanded view); "
+                             "it cannot be written in place")
         groups.setdefault((g.device, g.dtype), []).append((i, g))
     return groups
 

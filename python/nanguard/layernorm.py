@@ -56,29 +56,39 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
 # ---- fake (meta) kernels: shapes and dtypes for torch.compile / opcheck ----
 
 
-def _fake_fwd(input, *rest):
-    stats = input.shape[:-1]
-    sd = _stat_dtype(input.dtype)
-    return (
-        torch.empty_like(input, memory_format=torch.contiguous_format),
-        input.new_empty(stats, dtype=sd),
-        input.new_empty(stats, dtype=sd),
-    )
+def _make_fake_fwd(param_names):
+    def fake(input, *rest):  # rest: the overload's parameters, then eps and rms
+        named = zip(param_names, rest[: len(param_names)])
+        _checks.fake_same_device("nanguard::stable_layernorm", "input", input, *named)
+        stats = input.shape[:-1]
+        sd = _stat_dtype(input.dtype)
+        return (
+            torch.empty_like(input, memory_format=torch.contiguous_format),
+            input.new_empty(stats, dtype=sd),
+            input.new_empty(stats, dtype=sd),
+        )
+
+    return fake
 
 
-for _overload in ("default", "weight", "bias", "weight_bias"):
+for _overload, _params in (("default", ()), ("weight", ("weight",)), ("bias", ("bias",)),
+                           ("weight_bias", ("weight", "bias"))):
     _name = "nanguard::stable_layernorm" + ("" if _overload == "default" else "." + _overload)
-    torch.library.register_fake(_name)(_fake_fwd)
+    torch.library.register_fake(_name)(_make_fake_fwd(_params))
 
 
 @torch.library.register_fake("nanguard::stable_layernorm_backward")
 def _fake_bwd(grad_out, input, mean, rstd, rms, with_bias):
+    _checks.fake_same_device("nanguard::stable_layernorm_backward", "input", input,
+                             ("grad_out", grad_out), ("mean", mean), ("rstd", rstd))
     n = input.shape[-1] if with_bias else 0
     return torch.empty_like(input, memory_format=torch.contiguous_format), input.new_empty((n,))
 
 
 @torch.library.register_fake("nanguard::stable_layernorm_backward.weight")
 def _fake_bwd_w(grad_out, input, weight, mean, rstd, rms, with_bias):
+    _checks.fake_same_device("nanguard::stable_layernorm_backward", "input", input,
+                             ("grad_out", grad_out), ("weight", weight), ("mean", mean), ("rstd", rstd))
     n = input.shape[-1] if with_bias else 0
     return (
         torch.empty_like(input, memory_format=torch.contiguous_format),
@@ -96,6 +106,9 @@ def _make_setup(has_w: bool, has_b: bool):
         weight = inputs[1] if has_w else None
         rms = inputs[-1]
         _, mean, rstd = output
+        # The statistics are outputs for the backward only: marked so, they do
+        # not claim a gradient they would never get.
+        ctx.mark_non_differentiable(mean, rstd)
         ctx.save_for_backward(input, weight, mean, rstd)
         ctx.rms = rms
         ctx.has_b = has_b
@@ -130,16 +143,100 @@ for (_has_w, _has_b), _op in _FWD.items():
     )
 
 
-def _no_double_backward(ctx, *grads):
-    raise NotImplementedError(
-        "nanguard.stable_layernorm: double backward (gradients of gradients) is not supported"
-    )
+# ---- double backward ----------------------------------------------------------
+#
+# The first backward stays in C. Its own derivative (for gradient penalties,
+# Hessian-vector products) comes from the same closed-form backward written
+# in PyTorch ops and differentiated by autograd. The backward op receives
+# mean and rstd, not eps; they are functions of the input, and the formula
+# must see them as such. Per row, with v(x) the variance (LayerNorm) or mean
+# square (RMSNorm) of x, rstd = (v(x) + eps)^(-1/2); eps is recovered as the
+# constant c = 1/rstd^2 - v(x), so that r(x) = (v(x) + c)^(-1/2) equals rstd
+# in value and has every derivative of the true one. A row whose rstd is 0
+# (var + eps == 0, see kernels/layernorm_math.h) has a zero gradient, and so a
+# zero derivative of it; a NaN rstd stays NaN. Arithmetic is in the
+# statistics dtype (fp32, fp64 for fp64).
 
 
-for _name in ("stable_layernorm_backward.default", "stable_layernorm_backward.weight"):
-    torch.library.register_autograd(
-        "nanguard::" + _name.replace(".default", ""), _no_double_backward
-    )
+def backward_reference(grad_out, input, weight, mean, rstd, rms: bool, with_bias: bool):
+    """``stable_layernorm_backward`` in PyTorch ops, differentiable in
+    ``grad_out``, ``input`` and ``weight`` (mean and rstd taken as the
+    statistics of ``input``). Returns (grad_input, grad_weight or None,
+    grad_bias), in the input dtype."""
+    sd = _stat_dtype(input.dtype)
+    x, go = input.to(sd), grad_out.to(sd)
+    r0 = rstd.to(sd).unsqueeze(-1)
+    live = r0 != 0  # NaN counts as live: it must reach the result
+    d = x if rms else x - x.mean(-1, keepdim=True)
+    v = (d * d).mean(-1, keepdim=True)
+    c = torch.where(live, torch.where(live, r0, 1.0).square().reciprocal() - v.detach(), 0.0)
+    # where() backpropagates into both branches: keep the unused one finite
+    r = torch.where(live, torch.where(live, v + c, 1.0).rsqrt(), 0.0)
+    xhat = d * r
+    g = go * weight.to(sd) if weight is not None else go
+    gxhat = (g * xhat).mean(-1, keepdim=True)
+    gx = r * (g - xhat * gxhat) if rms else r * (g - g.mean(-1, keepdim=True) - xhat * gxhat)
+    rows = tuple(range(input.dim() - 1))
+    gw = (go * xhat).sum(rows).to(input.dtype) if weight is not None else None
+    gb = go.sum(rows) if with_bias else go.new_zeros((0,))
+    return gx.to(input.dtype), gw, gb.to(input.dtype)
+
+
+def _make_bwd_setup(has_w: bool):
+    def setup_context(ctx, inputs, output):
+        if has_w:
+            grad_out, input, weight, mean, rstd, rms, with_bias = inputs
+        else:
+            grad_out, input, mean, rstd, rms, with_bias = inputs
+            weight = None
+        if mean.requires_grad or rstd.requires_grad:
+            raise RuntimeError(
+                "nanguard.stable_layernorm_backward: mean and rstd require grad; they must be "
+                "the forward's statistics, which are not differentiable (its derivative treats "
+                "them as functions of input)"
+            )
+        ctx.save_for_backward(grad_out, input, weight, mean, rstd)
+        ctx.rms, ctx.with_bias = rms, with_bias
+
+    return setup_context
+
+
+def _make_bwd_backward(has_w: bool):
+    def backward(ctx, *grads):
+        grad_out, input, weight, mean, rstd = ctx.saved_tensors
+        ins = [grad_out, input] + ([weight] if has_w else [])
+        needed = [i for i, t in enumerate(ins) if ctx.needs_input_grad[i]]
+        result = [None] * len(ins)
+        if needed:
+            # the saved tensors themselves when they carry a graph, so that a
+            # create_graph=True call can differentiate this once more
+            leaves = [t if t.requires_grad else t.detach().requires_grad_() for t in ins]
+            with torch.enable_grad():
+                outs = backward_reference(
+                    leaves[0], leaves[1], leaves[2] if has_w else None, mean, rstd, ctx.rms,
+                    ctx.with_bias,
+                )
+            pairs = [(o, g) for o, g in zip([o for o in outs if o is not None], grads)
+                     if g is not None and o.requires_grad]
+            if pairs:
+                got = torch.autograd.grad(
+                    [o for o, _ in pairs], [leaves[i] for i in needed], [g for _, g in pairs],
+                    allow_unused=True, create_graph=torch.is_grad_enabled(),
+                )
+                for i, g in zip(needed, got):
+                    result[i] = g
+        return (*result, None, None, None, None)  # mean, rstd, rms, with_bias
+
+    return backward
+
+
+torch.library.register_autograd(
+    "nanguard::stable_layernorm_backward", _make_bwd_backward(False), setup_context=_make_bwd_setup(False)
+)
+torch.library.register_autograd(
+    "nanguard::stable_layernorm_backward.weight", _make_bwd_backward(True),
+    setup_context=_make_bwd_setup(True),
+)
 
 
 # ---- functional API ---------------------------------------------------------
@@ -183,6 +280,14 @@ def _norm(input, normalized_shape, weight, bias, eps, rms: bool, eps_floor):
             f"normalized_shape {list(shape)} does not match the trailing dimensions of input "
             f"with shape {list(input.shape)}"
         )
+    # Under autocast, the casts PyTorch's own layer_norm / rms_norm get: on
+    # CUDA they run in float32 with float32 parameters and return float32; on
+    # the CPU autocast leaves them alone. Mirrored so that a drop-in module
+    # returns the dtype the module it replaces returns.
+    compute = input.dtype
+    if _checks.autocast_active("rms_norm" if rms else "layer_norm", input.device.type):
+        input = _checks.autocast_to(input, torch.float32)
+        compute = input.dtype
     if eps is None:
         eps = torch.finfo(input.dtype).eps  # rms_norm's default, as in PyTorch
     eps = _effective_eps(_checks.check_eps("eps", eps), eps_floor, input.dtype)
@@ -199,8 +304,8 @@ def _norm(input, normalized_shape, weight, bias, eps, rms: bool, eps_floor):
             )
         # Parameters follow the input's dtype (differentiably), as autocast
         # would; the no-op conversions are skipped (each is a dispatcher call).
-        if p.dtype != input.dtype:
-            p = p.to(input.dtype)
+        if p.dtype != compute:
+            p = p.to(compute)
         params.append(p if k == 1 else p.reshape(-1))
     w, b = params
     if k == 1:

@@ -34,7 +34,12 @@ _op = torch.ops.nanguard.tensor_stats_.default
 
 @torch.library.register_fake("nanguard::tensor_stats_")
 def _fake(x, counts, values, slot):
+    _checks.fake_same_device("nanguard::tensor_stats_", "x", x, ("counts", counts), ("values", values))
     return None
+
+
+# counts and values are written in place: version counters and the leaf check
+_checks.register_inplace("nanguard::tensor_stats_", {1: "counts", 2: "values"})
 
 
 def new_stats_buffers(slots: int, device="cpu") -> Tuple[torch.Tensor, torch.Tensor]:

@@ -403,8 +403,37 @@ def test_gradcheck(kw):
 def test_double_backward_is_a_clear_error():
     q = rand((1, 1, 3, 4), torch.float64, 1).requires_grad_()
     (g,) = torch.autograd.grad(safe_sdpa(q, q, q).pow(2).sum(), q, create_graph=True)
-    with pytest.raises(NotImplementedError, match="double backward"):
+    with pytest.raises(NotImplementedError, match="double backward") as e:
         g.sum().backward()
+    # the message says which ops do support it
+    assert "layer_norm" in str(e.value) and "rms_norm" in str(e.value)
+
+
+def test_lse_is_not_differentiable():
+    """lse is for the backward only: it must not claim a gradient it never
+    gets (it used to be silently zero)."""
+    q = rand((1, 2, 3, 4), torch.float32, 1).requires_grad_()
+    out, lse = ops.safe_sdpa(q, q, q, 0.0, False, 0.5, 0.0, 0.0, rng())
+    assert out.requires_grad and not lse.requires_grad
+
+
+def test_autocast_casts_like_torch_sdpa():
+    """Under autocast, safe_sdpa gets the casts F.scaled_dot_product_attention
+    gets (lower precision on the CPU): mixed dtypes are accepted and the
+    result has PyTorch's dtype; values against the fp64 reference of the
+    cast inputs with the bfloat16 tolerance."""
+    q = rand((1, 2, 5, 8), torch.bfloat16, 1)
+    k = rand((1, 2, 6, 8), torch.float32, 2)
+    v = rand((1, 2, 6, 8), torch.float32, 3)
+    m = make_mask("additive", (5, 6), torch.float32, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = safe_sdpa(q, k, v, attn_mask=m)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        same = safe_sdpa(k[:, :, :5], k, v)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert same.dtype == torch.bfloat16
+    mb = m.to(torch.bfloat16)
+    assert_close(got, ref_sdpa(q, k.to(torch.bfloat16), v.to(torch.bfloat16), mask=mb), "out", torch.bfloat16, mb)
 
 
 def _opcheck_cases():

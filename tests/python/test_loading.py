@@ -1,5 +1,8 @@
 """Loading, version checks and nanguard.info()."""
 
+import pathlib
+import re
+import shutil
 import subprocess
 import sys
 
@@ -48,3 +51,85 @@ def test_cli_info_runs():
     )
     assert out.returncode == 0, out.stderr
     assert "nanguard::stable_layernorm" in out.stdout
+
+
+def _run(code: str, env_extra: dict) -> subprocess.CompletedProcess:
+    import os
+
+    env = dict(os.environ, **env_extra)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_failed_registration_makes_import_fail():
+    """A schema the core library cannot define (here: the name is already
+    taken in this process) must fail the import, not only print to stderr."""
+    code = (
+        "import torch\n"
+        "lib = torch.library.Library('nanguard', 'FRAGMENT')\n"
+        "lib.define('stable_layernorm(Tensor x) -> Tensor')\n"
+        "try:\n"
+        "    import nanguard\n"
+        "except ImportError as e:\n"
+        "    print('IMPORT_ERROR', e)\n"
+        "else:\n"
+        "    print('IMPORTED')\n"
+    )
+    out = _run(code, {})
+    assert "IMPORT_ERROR" in out.stdout, out.stdout + out.stderr
+    assert "could not define the schema stable_layernorm(Tensor input" in out.stdout
+
+
+def test_build_id_names_the_target_abi_and_schemas():
+    bid = _lib.build_id(_lib.loaded()["libnanguard.so"])
+    assert re.fullmatch(r"stable-abi-2\.11/schemas-[0-9a-f]{16}", bid), bid
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build a stand-in library")
+def test_cuda_library_of_another_build_is_refused(tmp_path):
+    """A libnanguard_cuda.so beside the core library but from another build
+    (another schema fingerprint) must make the import fail, naming both
+    files and both builds. The stand-in exports what a CUDA library of another
+    build would and registers nothing; torch.version.cuda is set so that the
+    loader tries it on this CPU-only machine."""
+    core = pathlib.Path(_lib.loaded()["libnanguard.so"])
+    (tmp_path / "libnanguard.so").symlink_to(core)
+    src = tmp_path / "other.c"
+    src.write_text(
+        'const char *ng_build_id(void) { return "stable-abi-2.11/schemas-0123456789abcdef"; }\n'
+        "const char *ng_load_error(void) { return 0; }\n"
+    )
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / "libnanguard_cuda.so"), str(src)],
+                   check=True)
+    code = (
+        "import torch\n"
+        "torch.version.cuda = '12.4'\n"
+        "try:\n"
+        "    import nanguard\n"
+        "except ImportError as e:\n"
+        "    print('IMPORT_ERROR', e)\n"
+        "else:\n"
+        "    print('IMPORTED')\n"
+    )
+    out = _run(code, {"NANGUARD_LIB_DIR": str(tmp_path)})
+    msg = out.stdout
+    assert "IMPORT_ERROR" in msg, msg + out.stderr
+    core_id = _lib.build_id(str(core))
+    assert str(tmp_path / "libnanguard_cuda.so") in msg and "schemas-0123456789abcdef" in msg
+    assert "libnanguard.so" in msg and core_id in msg and "different builds" in msg
+
+
+def test_cuda_library_is_only_taken_from_beside_the_core_library(tmp_path):
+    """The CUDA library is looked for in the core library's folder only, so
+    a development build of the core library never pairs with an installed
+    CUDA library."""
+    core = pathlib.Path(_lib.loaded()["libnanguard.so"])
+    (tmp_path / "libnanguard.so").symlink_to(core)
+    code = (
+        "import torch\n"
+        "torch.version.cuda = '12.4'\n"
+        "import nanguard\n"
+        "from nanguard import _lib\n"
+        "print('ERR', _lib.errors().get('libnanguard_cuda.so'))\n"
+    )
+    out = _run(code, {"NANGUARD_LIB_DIR": str(tmp_path)})
+    assert f"looked in: {tmp_path})" in out.stdout, out.stdout + out.stderr
