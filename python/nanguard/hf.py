@@ -255,6 +255,21 @@ class _RMSScaleFloat:
         return y.to(hidden_states.dtype)
 
 
+class _RMSWeightDtype:
+    """RMSNorm, T5 style (T5, mT5, UMT5, LongT5): statistics in float32, the
+    normalised values kept in float32 unless the weight is 16-bit (then cast
+    to the weight's dtype), then ``weight * x``."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.dtype == hidden_states.dtype == torch.float32:
+            return rms_norm(hidden_states, _shape(self), w, _eps(self))
+        y = rms_norm(hidden_states.float(), _shape(self), None, _eps(self))
+        if w.dtype in (torch.float16, torch.bfloat16):
+            y = y.to(w.dtype)
+        return w * y
+
+
 class _RMSUnitOffset:
     """RMSNorm with a ``1 + weight`` scale (Gemma, Gemma-2, Gemma-3):
     normalisation and scaling both in float32, one cast back to the input
@@ -311,6 +326,7 @@ NORM_FORMS: Dict[str, Tuple[type, bool, bool]] = {
     "rms, cast then scale": (_RMSCastThenScale, True, True),
     "rms, scale in fp32": (_RMSScaleFloat, True, True),
     "rms, 1+weight in fp32": (_RMSUnitOffset, True, True),
+    "rms, scale in the weight's dtype": (_RMSWeightDtype, True, True),
     "layernorm, input dtype": (_LNInputDtype, False, False),
     "layernorm, fp32": (_LNFloat, False, False),
     "layernorm, 1+weight": (_LNUnitOffset, True, False),
@@ -410,16 +426,29 @@ def _probe_inputs(width: int, gen: torch.Generator) -> torch.Tensor:
     return torch.stack(rows).view(2, 3, width)
 
 
-def _check_same(a, b, rtol: float, atol: float) -> bool:
+def _check_same(a, b, rtol: float, atol: float, wide_from_16: bool = False) -> bool:
+    """Same dtype, shape and non-finite pattern, and every element within
+    ``atol + rtol * |a|``. ``wide_from_16``: the input was 16-bit; when the
+    output is fp32 / fp64 anyway, 99% of its elements must also agree to fp32
+    rounding, so a form that rounds to 16 bits where the original keeps
+    fp32 (T5's norm against Llama's form) cannot pass on the loose bound,
+    while an occasional rounding flip of a value both round does not fail."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return False
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
+    wide = a.dtype in (torch.float32, torch.float64)
     a, b = a.double(), b.double()
     if not torch.equal(torch.isfinite(a), torch.isfinite(b)):
         return False
     fin = torch.isfinite(a)
-    return bool(((a[fin] - b[fin]).abs() <= atol + rtol * a[fin].abs()).all())
+    d, ref = (a[fin] - b[fin]).abs(), a[fin].abs()
+    if not bool((d <= atol + rtol * ref).all()):
+        return False
+    if wide_from_16 and wide and d.numel():
+        off = (d > 1e-6 + 2e-5 * ref).double().mean().item()
+        return off <= 0.01
+    return True
 
 
 #: probe cases: (input dtype, parameter dtype, rtol, atol). fp32: the same
@@ -455,7 +484,7 @@ def _matches(m: nn.Module, new_cls: type) -> Optional[str]:
                 b = ours(xb)
             except Exception as e:
                 return f"fails where the original runs ({type(e).__name__}: {e})"
-            if not _check_same(a, b, rtol, atol):
+            if not _check_same(a, b, rtol, atol, wide_from_16=xdt != torch.float32):
                 return f"output differs for {xdt} input with {pdt} parameters"
             if grad_check:
                 go = torch.randn(a.shape, generator=torch.Generator().manual_seed(7))

@@ -58,6 +58,9 @@ class Spec:
     #: None: attention goes through safe_sdpa; else a word the reason must contain
     attention_untouched: Optional[str] = None
     note: str = ""
+    #: a transformers class to build instead of the causal-LM / masked-LM auto
+    #: class; its output's last_hidden_state stands in for logits
+    model_class: Optional[str] = None
 
 
 SPECS = [
@@ -115,6 +118,9 @@ SPECS = [
     Spec("modernbert", "ModernBERT", causal=False, config=dict(cls_token_id=3, sep_token_id=4)),
     Spec("roberta-prelayernorm", "RoBERTa-PreLayerNorm", causal=False),
     Spec("ernie", "ERNIE", causal=False),
+    Spec("t5", "T5 encoder", causal=False, model_class="T5EncoderModel",
+         config=dict(d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
+                     dropout_rate=0.0), attention_untouched="position_bias"),
 ]
 
 
@@ -122,9 +128,12 @@ def build_family(spec: Spec) -> nn.Module:
     kw = dict(_BASE)
     kw.update(spec.config)
     cfg = T.AutoConfig.for_model(spec.model_type, **kw)
-    auto = T.AutoModelForCausalLM if spec.causal else T.AutoModelForMaskedLM
     torch.manual_seed(0)
-    m = auto.from_config(cfg)
+    if spec.model_class:
+        m = getattr(T, spec.model_class)(cfg)
+    else:
+        auto = T.AutoModelForCausalLM if spec.causal else T.AutoModelForMaskedLM
+        m = auto.from_config(cfg)
     # norm weights away from their init (ones / zeros) so a wrong convention shows
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -157,8 +166,12 @@ def _close(a, b, tol, what):
 
 def _logits_loss(model, ids, am):
     torch.manual_seed(3)  # the same draws on both sides (PhiMoE's router samples in training)
-    logits = model(input_ids=ids, attention_mask=am).logits
+    out = model(input_ids=ids, attention_mask=am)
     valid = am.bool()
+    if not hasattr(out, "logits"):  # an encoder without a head: a loss on its hidden states
+        hidden = out.last_hidden_state
+        return hidden, hidden[valid].float().square().mean(), valid
+    logits = out.logits
     labels = ids.masked_fill(~valid, -100)
     loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                                        ignore_index=-100)
@@ -225,13 +238,13 @@ def test_family_fp32_logits_grads_generation_round_trip(spec):
     ours.eval()
     ids, am = batch("right_pad")
     with torch.no_grad():
-        assert torch.equal(ours(input_ids=ids, attention_mask=am).logits,
-                           stock(input_ids=ids, attention_mask=am).logits)
+        assert torch.equal(ours(input_ids=ids, attention_mask=am)[0], stock(input_ids=ids, attention_mask=am)[0])
 
 
 def test_at_least_thirty_families():
     patched_whole = [s for s in SPECS if s.attention_untouched is None]
     assert len(SPECS) >= 30 and len(patched_whole) >= 30
+    assert len({s.model_type for s in SPECS}) == len(SPECS)
 
 
 # ---- the docs table ---------------------------------------------------------------------------------
