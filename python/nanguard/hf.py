@@ -553,19 +553,21 @@ def _has_shape(m: nn.Module) -> bool:
         return False
 
 
-_ACT_CACHE: Dict[type, object] = {}
+_ACT_CACHE: Dict[tuple, object] = {}
 
 
 def _act_replacement(m: nn.Module) -> Optional[type]:
     """A fused replacement for a parameter-free GELU-like activation whose
     16-bit arithmetic overflows; None when it does not overflow (nothing to
     fix); raises _Unknown when it overflows but is not the tanh GELU."""
-    cls = type(m)
-    if cls in _ACT_CACHE:
-        hit = _ACT_CACHE[cls]
+    # an instance's own settings (nn.GELU's approximate=...) can change its math
+    key = (type(m), tuple(sorted((k, v) for k, v in m.__dict__.items()
+                                 if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None))))))
+    if key in _ACT_CACHE:
+        hit = _ACT_CACHE[key]
     else:
         hit = _act_probe(m)
-        _ACT_CACHE[cls] = hit
+        _ACT_CACHE[key] = hit
     if isinstance(hit, str):
         raise _Unknown(hit)
     return hit
@@ -884,7 +886,8 @@ def patch(model_or_class, *, attention: bool = True, norm: bool = True, max_scor
 
     Args:
         model_or_class: a Hugging Face ``PreTrainedModel``, any ``nn.Module``
-            (e.g. ``nn.TransformerEncoder``), either of them inside
+            (e.g. ``nn.TransformerEncoder``, or a module of yours holding
+            transformers models, whose attention is patched too), either of them inside
             ``torch.compile`` / DDP / FSDP / peft / accelerate wrappers, or a
             ``PreTrainedModel`` subclass (its instances are patched as they
             are built).
@@ -952,6 +955,10 @@ def patch(model_or_class, *, attention: bool = True, norm: bool = True, max_scor
                     m.use_nested_tensor = False
         if is_hf and attention:
             _patch_hf_attention(model, record, summary, max_score, softcap)
+        elif attention and base is not None:
+            # transformers models held by a module of the user's (a LightningModule, a custom head)
+            for qual, sub in _outermost_hf(model, base):
+                _patch_hf_attention(sub, record, summary, max_score, softcap, where=qual)
     except Exception:
         _undo(record)
         raise
@@ -969,10 +976,21 @@ def _hf_configs(model):
     return out
 
 
-def _patch_hf_attention(model, record, summary, max_score, softcap):
+def _outermost_hf(model: nn.Module, base: type) -> List[Tuple[str, nn.Module]]:
+    """(qualified name, module) of the transformers models inside ``model``
+    that no other transformers model inside it holds."""
+    found: List[Tuple[str, nn.Module]] = []
+    for qual, m in model.named_modules():
+        if m is not model and isinstance(m, base) and not any(qual.startswith(q + ".") for q, _ in found):
+            found.append((qual, m))
+    return found
+
+
+def _patch_hf_attention(model, record, summary, max_score, softcap, where: str = ""):
+    key = f"{where} attention" if where else "attention"
     why = _attention_blocker(model)
     if why is not None:
-        summary.skipped["attention"] = why
+        summary.skipped[key] = why
         return
     _register()
     configs = _hf_configs(model)
@@ -992,9 +1010,11 @@ def _patch_hf_attention(model, record, summary, max_score, softcap):
             if max_score is not None or softcap is not None:
                 object.__setattr__(m, _OPTS_ATTR, {"max_score": max_score, "softcap": softcap})
                 record.opts_on.append(m)
-    summary.attn_implementation = (before, ATTN_IMPLEMENTATION)
+    if summary.attn_implementation is None:
+        summary.attn_implementation = (before, ATTN_IMPLEMENTATION)
     if n:
-        summary.patched[f"attention ({before} -> {ATTN_IMPLEMENTATION}, safe_sdpa)"] = n
+        k = f"attention ({before} -> {ATTN_IMPLEMENTATION}, safe_sdpa)" + (f" in {where}" if where else "")
+        summary.patched[k] = summary.patched.get(k, 0) + n
 
 
 def _undo(record: _Record) -> None:

@@ -265,3 +265,31 @@ def test_unwrap_and_bad_input():
         nanguard.unpatch("not a model")
     with pytest.raises(TypeError, match="attention must be a bool"):
         nanguard.patch(m, attention="yes")
+
+
+def test_module_of_the_users_holding_a_transformers_model():
+    """A module of the user's (a LightningModule, a model with a custom head)
+    that holds transformers models: their attention is patched too."""
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = build()
+            self.head = nn.Linear(VOCAB, 2)
+
+        def forward(self, ids, am):
+            return self.head(self.lm(input_ids=ids, attention_mask=am).logits)
+
+    stock = Head()
+    ours = copy.deepcopy(stock)
+    snap = _snapshot(ours)
+    s = nanguard.patch(ours)
+    assert s.attn_implementation == ("sdpa", "nanguard") and ours.lm.config._attn_implementation == "nanguard"
+    assert s.patched["attention (sdpa -> nanguard, safe_sdpa) in lm"] == 2, str(s)
+    ids, am = batch()
+    valid = am.bool()
+    _close(ours(ids, am)[valid], stock(ids, am)[valid], TOL_LOGITS, "head logits")
+    nanguard.unpatch(ours)
+    now = dict(ours.named_modules())
+    assert list(now) == list(snap) and all(now[k] is v and type(now[k]) is c for k, (v, c) in snap.items())
+    assert ours.lm.config._attn_implementation == "sdpa"

@@ -314,7 +314,6 @@ def test_lightning_trainer_nan_batch_is_skipped(precision):
     from nanguard.integrations.lightning import NanguardCallback
 
     T, lm = _llama()
-    nanguard.patch(lm)
     steps = _ParamSteps(lm)
 
     class Module(L.LightningModule):
@@ -349,8 +348,11 @@ def test_lightning_trainer_nan_batch_is_skipped(precision):
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=5, gradient_clip_val=1.0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[cb, Probe()], **kw)
+    module = Module()
+    s = nanguard.patch(module)  # the LightningModule: the transformers model inside it is found
+    assert s.attn_implementation is not None and lm.config._attn_implementation == "nanguard", str(s)
     with _records_of("lightning.pytorch.callbacks.nanguard") as msgs:
-        trainer.fit(Module(), loader)
+        trainer.fit(module, loader)
     err = "\n".join(msgs)
     assert steps.changed == [i != NAN_AT for i in range(5)], steps.changed
     assert all(torch.isfinite(p).all() for p in lm.parameters())
