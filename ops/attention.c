@@ -19,7 +19,8 @@
  * float dtype), each dim equal to [B, Hq, L, S]'s or 1 (broadcast, read with
  * stride 0; no copy). out is contiguous [B, Hq, L, Ev]; lse [B, Hq, L] is fp32
  * (fp64 for fp64 inputs), -inf for fully masked rows. max_score / softcap
- * <= 0 turn the guards off. The Python layer (python/nanguard/attention.py)
+ * <= 0 turn the guards off; softcap must be finite (at +inf the soft-cap
+ * would be inf * 0). The Python layer (python/nanguard/attention.py)
  * maps F.scaled_dot_product_attention's shapes onto these.
  *
  * rng is dropout's Philox [seed, offset]: a contiguous CPU int64 tensor of 2
@@ -67,7 +68,9 @@ static void check_params(ng_frame *f, const sdpa_params *p) {
         ng_fail(f, "dropout_p must be in [0, 1), got %g", p->dropout_p);
     if (!isfinite(p->scale)) ng_fail(f, "scale must be finite, got %g", p->scale);
     if (isnan(p->max_score)) ng_fail(f, "max_score must not be NaN (<= 0 turns the clamp off)");
-    if (isnan(p->softcap)) ng_fail(f, "softcap must not be NaN (<= 0 turns the soft-cap off)");
+    /* softcap * tanh(s / softcap) is inf * 0 = NaN at +inf: refused, like NaN */
+    if (isnan(p->softcap) || p->softcap == (double)INFINITY)
+        ng_fail(f, "softcap must be finite, got %g (<= 0 turns the soft-cap off)", p->softcap);
 }
 
 /* A 4-d float tensor with a contiguous last dim on this library's device. */

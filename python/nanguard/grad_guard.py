@@ -146,6 +146,27 @@ def _grads_of(parameters: _TensorOrTensors) -> List[torch.Tensor]:
     return [p.grad for p in parameters if p.grad is not None]
 
 
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of t share memory (an expanded or as_strided
+    view): sorted by stride, each dim must step past everything the smaller
+    dims span. Plain Python on sizes and strides, so it traces."""
+    extent = 0
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    for st, n in dims:
+        if st == 0:
+            return True
+        if st <= extent:
+            break
+        extent += (n - 1) * st
+    else:
+        return False
+    # interleaved strides the walk above cannot decide: count the offsets
+    offsets = torch.zeros((), dtype=torch.int64)
+    for st, n in dims:
+        offsets = (offsets.unsqueeze(-1) + torch.arange(n) * st).reshape(-1)
+    return offsets.unique().numel() < offsets.numel()
+
+
 def _group(grads: Sequence[torch.Tensor]):
     """(device, dtype) -> list of (index, tensor), in first-seen order."""
     groups: Dict[Tuple[torch.device, torch.dtype], List[Tuple[int, torch.Tensor]]] = {}
@@ -153,13 +174,23 @@ def _group(grads: Sequence[torch.Tensor]):
         _checks.check_tensor(f"grads[{i}]", g)
         if g.is_sparse:
             raise TypeError(f"grads[{i}] is sparse; nanguard guards dense gradients")
-        # Before anything is written. A stride-0 dim of size > 1 is what makes
-        # PyTorch's own write-back (copy_) refuse a tensor as overlapping.
-        if any(n > 1 and st == 0 for n, st in zip(g.shape, g.stride())):
+        if _overlaps(g):  # refused before anything is written
             raise ValueError(f"grads[{i}] has elements that overlap in memory (an expanded view); "
                              "it cannot be written in place")
         groups.setdefault((g.device, g.dtype), []).append((i, g))
+    _check_meta("grads", [g for g in grads], grads)
     return groups
+
+
+def _check_meta(name, tensors, grads):
+    """A meta tensor only among meta tensors (shape inference): mixed with
+    real ones it has no values to guard."""
+    metas = [t.device.type == "meta" for t in tensors]
+    if any(metas) and not all(g.device.type == "meta" for g in grads):
+        k = metas.index(True)
+        label = f"{name}[{k}]" if len(tensors) > 1 or name == "grads" else name
+        raise ValueError(f"{label} is on meta but not every gradient is; a meta tensor has no "
+                         "values to guard")
 
 
 def _to(t: torch.Tensor, device: torch.device, dtype=None) -> torch.Tensor:
@@ -209,6 +240,7 @@ class _Plan:
             inv_scale = torch.tensor(float(inv_scale), dtype=torch.float32)
         else:
             _checks.check_tensor("inv_scale", inv_scale)
+            _check_meta("inv_scale", [inv_scale], grads)
             if inv_scale.numel() != 1:
                 raise ValueError(f"inv_scale must have one element, got {inv_scale.numel()}")
         self.main = grads[0].device if grads else inv_scale.device

@@ -90,6 +90,9 @@ def tensor_stats_(x: torch.Tensor, counts: torch.Tensor, values: torch.Tensor, s
 def tensor_stats(x: torch.Tensor) -> Dict[str, float]:
     """The census of one tensor as a dict (synchronises: for interactive use;
     :func:`nanguard.watch` records many tensors and reads them once)."""
+    _check_x("x", x)
+    if x.device.type == "meta":
+        raise ValueError("x is on meta: a meta tensor has no values to count")
     counts, values = new_stats_buffers(1, x.device)
     tensor_stats_(x, counts, values, 0)
     c = counts[0].tolist()
