@@ -224,11 +224,15 @@ def _eps(self) -> float:
     return getattr(self, name) if name else type(self)._ng_eps_default
 
 
-def _shape(self) -> Tuple[int, ...]:
+def _shape(self, x: torch.Tensor) -> Tuple[int, ...]:
+    """The normalised shape: the weight's, else ``normalized_shape``, else
+    (a parameter-free norm) the input's last dimension."""
     w = getattr(self, "weight", None)
     if w is not None:
         return tuple(w.shape)
-    ns = self.normalized_shape
+    ns = getattr(self, "normalized_shape", None)
+    if ns is None:
+        return (x.shape[-1],)
     return (int(ns),) if isinstance(ns, int) else tuple(ns)
 
 
@@ -240,7 +244,7 @@ class _RMSCastThenScale:
     PyTorch's promotion exactly as the original's does."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        shape = _shape(self)
+        shape = _shape(self, hidden_states)
         if self.weight.dtype == hidden_states.dtype:
             return rms_norm(hidden_states, shape, self.weight, _eps(self))
         return self.weight * rms_norm(hidden_states, shape, None, _eps(self))
@@ -251,7 +255,7 @@ class _RMSScaleFloat:
     ``(weight * x / rms(x)).to(x.dtype)``, everything in float32."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        y = rms_norm(hidden_states.float(), _shape(self), self.weight.float(), _eps(self))
+        y = rms_norm(hidden_states.float(), _shape(self, hidden_states), self.weight.float(), _eps(self))
         return y.to(hidden_states.dtype)
 
 
@@ -263,11 +267,19 @@ class _RMSWeightDtype:
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if w.dtype == hidden_states.dtype == torch.float32:
-            return rms_norm(hidden_states, _shape(self), w, _eps(self))
-        y = rms_norm(hidden_states.float(), _shape(self), None, _eps(self))
+            return rms_norm(hidden_states, _shape(self, hidden_states), w, _eps(self))
+        y = rms_norm(hidden_states.float(), _shape(self, hidden_states), None, _eps(self))
         if w.dtype in (torch.float16, torch.bfloat16):
             y = y.to(w.dtype)
         return w * y
+
+
+class _RMSNoWeight:
+    """A parameter-free RMSNorm computed in float32 and cast once to the
+    input dtype (Llama-4's and DeepSeek-V4's unweighted / L2 norms)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x.float(), _shape(self, x), None, _eps(self)).to(x.dtype)
 
 
 class _RMSUnitOffset:
@@ -276,7 +288,7 @@ class _RMSUnitOffset:
     dtype."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = rms_norm(x.float(), _shape(self), 1.0 + self.weight.float(), _eps(self))
+        y = rms_norm(x.float(), _shape(self, x), 1.0 + self.weight.float(), _eps(self))
         return y.type_as(x)
 
 
@@ -287,8 +299,21 @@ class _LNInputDtype:
     eps_floor = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return layer_norm(input, _shape(self), getattr(self, "weight", None), getattr(self, "bias", None),
+        return layer_norm(input, _shape(self, input), getattr(self, "weight", None), getattr(self, "bias", None),
                           _eps(self))
+
+
+class _LNCastThenScale:
+    """LayerNorm with fp32 statistics, cast to the input dtype, then
+    ``weight * x + bias`` (DeBERTa's): as the Llama-style RMS form, fused
+    when weight and input share a dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, w, b = _shape(self, x), self.weight, getattr(self, "bias", None)
+        if w.dtype == x.dtype and (b is None or b.dtype == x.dtype):
+            return layer_norm(x, shape, w, b, _eps(self))
+        y = w * layer_norm(x, shape, None, None, _eps(self))
+        return y if b is None else y + b
 
 
 class _LNFloat:
@@ -299,7 +324,7 @@ class _LNFloat:
         w, b = getattr(self, "weight", None), getattr(self, "bias", None)
         w = None if w is None else w.float()
         b = None if b is None else b.float()
-        return layer_norm(x.float(), _shape(self), w, b, _eps(self)).to(x.dtype)
+        return layer_norm(x.float(), _shape(self, x), w, b, _eps(self)).to(x.dtype)
 
 
 class _LNUnitOffset:
@@ -316,7 +341,7 @@ class _LNUnitOffset:
             x, w = x.to(dt), w.to(dt)
             b = None if b is None else b.to(dt)
         with torch.autocast(dev, enabled=False):
-            y = layer_norm(x.float(), _shape(self), w.float(), None if b is None else b.float(), _eps(self))
+            y = layer_norm(x.float(), _shape(self, x), w.float(), None if b is None else b.float(), _eps(self))
         return y.to(x.dtype)
 
 
@@ -327,8 +352,10 @@ NORM_FORMS: Dict[str, Tuple[type, bool, bool]] = {
     "rms, scale in fp32": (_RMSScaleFloat, True, True),
     "rms, 1+weight in fp32": (_RMSUnitOffset, True, True),
     "rms, scale in the weight's dtype": (_RMSWeightDtype, True, True),
+    "rms, no weight, fp32": (_RMSNoWeight, False, True),
     "layernorm, input dtype": (_LNInputDtype, False, False),
     "layernorm, fp32": (_LNFloat, False, False),
+    "layernorm, cast then scale": (_LNCastThenScale, True, False),
     "layernorm, 1+weight": (_LNUnitOffset, True, False),
 }
 
@@ -382,14 +409,12 @@ def _norm_layout(m: nn.Module) -> Tuple[Optional[str], Optional[float], bool, bo
             raise _Unknown(f"a {t.dim()}-D {name}")
     if w is not None and b is not None and w.shape != b.shape:
         raise _Unknown("weight and bias of different shapes")
-    if w is None and b is None and not isinstance(getattr(m, "normalized_shape", None), (int, tuple, list, torch.Size)):
-        raise _Unknown("no weight and no normalized_shape to tell its width")
     for name in _EPS_ATTRS:
         v = getattr(m, name, None)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             return name, None, w is not None, b is not None
-    if w is None:  # a parameter-free norm with its epsilon written in forward (OLMo's)
-        return None, 1e-5, False, b is not None
+    if w is None:  # a parameter-free norm with its epsilon written in forward (OLMo's): tried as 1e-5 and 1e-6
+        return None, None, False, b is not None
     raise _Unknown("no epsilon attribute (" + ", ".join(_EPS_ATTRS) + ")")
 
 
@@ -443,6 +468,10 @@ def _check_same(a, b, rtol: float, atol: float, wide_from_16: bool = False) -> b
         return False
     fin = torch.isfinite(a)
     d, ref = (a[fin] - b[fin]).abs(), a[fin].abs()
+    if wide_from_16 and ref.numel():
+        # a value rounded to 16 bits and then added to (DeBERTa's w * x + b)
+        # keeps an absolute error of the terms' size, not the sum's
+        atol = atol + rtol * float(ref.max())
     if not bool((d <= atol + rtol * ref).all()):
         return False
     if wide_from_16 and wide and d.numel():
@@ -497,6 +526,10 @@ def _matches(m: nn.Module, new_cls: type) -> Optional[str]:
     return None
 
 
+#: the width of the probe of a parameter-free norm that does not say its width
+_PROBE_WIDTH = 64
+
+
 def _shape_of(m: nn.Module) -> Tuple[int, ...]:
     w = getattr(m, "weight", None)
     if isinstance(w, torch.Tensor):
@@ -504,7 +537,9 @@ def _shape_of(m: nn.Module) -> Tuple[int, ...]:
     b = getattr(m, "bias", None)
     if isinstance(b, torch.Tensor):
         return tuple(b.shape)
-    ns = m.normalized_shape
+    ns = getattr(m, "normalized_shape", None)
+    if ns is None:
+        return (_PROBE_WIDTH,)  # it normalises whatever width it is given
     return (int(ns),) if isinstance(ns, int) else tuple(ns)
 
 
@@ -521,8 +556,8 @@ def _norm_replacement(m: nn.Module) -> Tuple[type, str]:
         return StableRMSNorm, "nn.RMSNorm"
     if not _has_shape(m) or len(_shape_of(m)) != 1:
         raise _Unknown("not a norm over the last dimension with a known width")
-    eps_attr, eps_default, has_w, has_b = _norm_layout(m)
-    eps_val = getattr(m, eps_attr) if eps_attr else eps_default
+    eps_attr, _, has_w, has_b = _norm_layout(m)
+    eps_val = getattr(m, eps_attr) if eps_attr else None
     key = (type(m), eps_attr, eps_val, has_w, has_b)
     hit = _NORM_CACHE.get(key)
     if hit is None:
@@ -530,12 +565,15 @@ def _norm_replacement(m: nn.Module) -> Tuple[type, str]:
         for form, (mixin, needs_w, is_rms) in NORM_FORMS.items():
             if (needs_w and not has_w) or (is_rms and has_b):
                 continue
-            cls = _subclass(type(m), mixin, eps_attr, eps_default)
-            why = _matches(m, cls)
-            if why is None:
-                hit = (cls, form)
+            for eps_default in ((None,) if eps_attr else (1e-5, 1e-6)):
+                cls = _subclass(type(m), mixin, eps_attr, eps_default)
+                why = _matches(m, cls)
+                if why is None:
+                    hit = (cls, form)
+                    break
+                tried.append(f"{form}" + (f" (eps {eps_default:g})" if eps_default else "") + f": {why}")
+            if hit is not None:
                 break
-            tried.append(f"{form}: {why}")
         if hit is None:
             hit = "matches no known norm form on the probe (" + "; ".join(tried) + ")" if tried \
                 else "a layout no known norm form has"

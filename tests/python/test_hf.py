@@ -662,3 +662,46 @@ def test_accelerate_device_hooks_are_kept():
     _close(m(input_ids=ids, attention_mask=am).logits, ref, TOL_LOGITS, "hooked norm")
     nanguard.unpatch(m)
     assert norm._old_forward is old and type(norm).__name__ == "LlamaRMSNorm"
+
+
+@pytest.mark.parametrize("where, cls_name, args", [
+    ("transformers.models.t5.modeling_t5", "T5LayerNorm", (32,)),
+    ("transformers.models.deberta.modeling_deberta", "DebertaLayerNorm", (32,)),
+    ("transformers.models.llama4.modeling_llama4", "Llama4TextL2Norm", ()),
+    ("transformers.models.cohere.modeling_cohere", "CohereLayerNorm", (32,)),
+], ids=["t5", "deberta", "llama4_l2", "cohere"])
+def test_norm_forms_beyond_the_family_table(where, cls_name, args):
+    """Norm classes of other layouts, found by the probe: the patched module
+    against a copy of the original in fp32 (values and gradients) and in
+    bf16 with fp32 and bf16 weights (dtype, and two bf16 ulps of the row's
+    largest value)."""
+    import importlib
+
+    mod = importlib.import_module(where)
+    cls = getattr(mod, cls_name)
+    torch.manual_seed(0)
+    orig = cls(*args)
+    with torch.no_grad():
+        for p in orig.parameters():
+            p.add_(0.3 * torch.randn(p.shape))
+    holder = nn.Sequential(copy.deepcopy(orig))
+    s = nanguard.patch(holder)
+    assert s.patched == {f"{cls_name} -> Stable{cls_name}": 1} and not s.skipped, str(s)
+    ours = holder[0]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 5, 32, generator=g) * 2 + 0.5
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    a, b = orig(xa), ours(xb)
+    torch.testing.assert_close(b, a, atol=1e-6, rtol=2e-5)
+    go = torch.randn(a.shape, generator=g)
+    ga = torch.autograd.grad(a, [xa] + list(orig.parameters()), go)
+    gb = torch.autograd.grad(b, [xb] + list(ours.parameters()), go)
+    for u, v in zip(ga, gb):
+        torch.testing.assert_close(v, u, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        for wdt in (torch.float32, torch.bfloat16):
+            o, n = copy.deepcopy(orig).to(wdt), copy.deepcopy(ours).to(wdt)
+            xx = x.to(torch.bfloat16)
+            a, b = o(xx), n(xx)
+            assert a.dtype == b.dtype, (wdt, a.dtype, b.dtype)
+            torch.testing.assert_close(b.float(), a.float(), atol=2 ** -7 * float(a.abs().max()), rtol=2 ** -7)
