@@ -305,13 +305,17 @@ def test_transformers_callback_fp16_through_accelerates_scaler(tmp_path, fresh_a
 # ---- Lightning -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "32-true"])
-def test_lightning_trainer_nan_batch_is_skipped(precision):
+@pytest.mark.parametrize("package, precision", [("lightning.pytorch", "bf16-mixed"), ("lightning.pytorch", "16-mixed"),
+                                                ("lightning.pytorch", "32-true"), ("pytorch_lightning", "bf16-mixed")])
+def test_lightning_trainer_nan_batch_is_skipped(package, precision):
     """bf16 as Lightning runs it on the CPU; 16-mixed through Lightning's own
     MixedPrecision plugin and GradScaler (on the CPU, which Lightning's
     precision flag would turn into bf16: the plugin is passed directly)."""
-    L = pytest.importorskip("lightning.pytorch", reason="pip install lightning (scripts/setup.sh installs it)")
-    from nanguard.integrations.lightning import NanguardCallback
+    L = pytest.importorskip(package, reason="pip install lightning (scripts/setup.sh installs it)")
+    from nanguard.integrations import lightning as ng_lightning
+
+    NanguardCallback = ng_lightning.NanguardCallback if package == "lightning.pytorch" \
+        else ng_lightning.PLNanguardCallback
 
     T, lm = _llama()
     steps = _ParamSteps(lm)
@@ -341,7 +345,7 @@ def test_lightning_trainer_nan_batch_is_skipped(precision):
     kw = dict(precision=precision)
     scaler = None
     if precision == "16-mixed":
-        from lightning.pytorch.plugins.precision import MixedPrecision
+        MixedPrecision = L.plugins.precision.MixedPrecision
 
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
         kw = dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
@@ -351,7 +355,7 @@ def test_lightning_trainer_nan_batch_is_skipped(precision):
     module = Module()
     s = nanguard.patch(module)  # the LightningModule: the transformers model inside it is found
     assert s.attn_implementation is not None and lm.config._attn_implementation == "nanguard", str(s)
-    with _records_of("lightning.pytorch.callbacks.nanguard") as msgs:
+    with _records_of(f"{package}.callbacks.nanguard") as msgs:
         trainer.fit(module, loader)
     err = "\n".join(msgs)
     assert steps.changed == [i != NAN_AT for i in range(5)], steps.changed

@@ -18,7 +18,8 @@ has unscaled the gradients):
   optimizer to apply;
 - :func:`nanguard.watch` (policy ``"record"``) names the first non-finite
   module: a skipped step is logged as a warning on the
-  ``lightning.pytorch.callbacks.nanguard`` logger, and ``nanguard/skipped_steps``
+  ``lightning.pytorch.callbacks.nanguard`` logger (``pytorch_lightning.callbacks.nanguard``
+  for ``pytorch_lightning``), and ``nanguard/skipped_steps``
   and ``nanguard/grad_norm`` are logged as metrics (``self.log``) at every
   training batch.
 
@@ -34,18 +35,22 @@ import logging
 from typing import Optional
 
 try:
-    from lightning.pytorch import Callback
-except ImportError:  # the older package name
-    from pytorch_lightning import Callback
+    from lightning.pytorch import Callback as _Callback
+except ImportError:  # only the older package name is installed
+    from pytorch_lightning import Callback as _Callback
 
 from ._guard import StepGuard
 
-__all__ = ["NanguardCallback"]
-
-_logger = logging.getLogger("lightning.pytorch.callbacks.nanguard")
+__all__ = ["NanguardCallback", "PLNanguardCallback"]
 
 
-class NanguardCallback(Callback):
+def _logger_name(callback_base: type) -> str:
+    """The framework's own logger tree: ``lightning.pytorch`` or ``pytorch_lightning``."""
+    pkg = "pytorch_lightning" if callback_base.__module__.startswith("pytorch_lightning") else "lightning.pytorch"
+    return pkg + ".callbacks.nanguard"
+
+
+class _Guarded:
     """Watch + fused gradient guard for a Lightning ``Trainer``.
 
     Args:
@@ -85,7 +90,7 @@ class NanguardCallback(Callback):
         ok = self.guard.guard(params, optimizer=optimizer, scaler=scaler, step=trainer.global_step)
         if not ok:
             rec = self.guard.skipped[-1]
-            _logger.warning(str(rec) + (f"\n{rec.report}" if rec.report else ""))
+            logging.getLogger(self._log_name).warning(str(rec) + (f"\n{rec.report}" if rec.report else ""))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.guard is None:
@@ -98,7 +103,7 @@ class NanguardCallback(Callback):
         self._restore()
         s = self.guard.summary() if self.guard is not None else None
         if s and s["skipped"]:
-            _logger.warning(f"nanguard: {s['skipped']} of {s['steps']} optimizer steps skipped "
+            logging.getLogger(self._log_name).warning(f"nanguard: {s['skipped']} of {s['steps']} optimizer steps skipped "
                             f"({s['skipped_nan']} NaN, {s['skipped_inf']} Inf, "
                             f"{s['skipped_norm_overflow']} norm overflow)")
 
@@ -111,3 +116,24 @@ class NanguardCallback(Callback):
             self._trainer = None
         if self.guard is not None:
             self.guard.detach()
+
+
+class NanguardCallback(_Guarded, _Callback):
+    __doc__ = _Guarded.__doc__
+    _log_name = _logger_name(_Callback)
+
+
+def __getattr__(name):
+    # pytorch_lightning's Trainer accepts only its own Callback subclasses: when
+    # both packages are installed, PLNanguardCallback is the one for it
+    if name == "PLNanguardCallback":
+        from pytorch_lightning import Callback as _PLCallback
+
+        if _PLCallback is _Callback:
+            cls = NanguardCallback
+        else:
+            cls = type("PLNanguardCallback", (_Guarded, _PLCallback),
+                       {"__doc__": _Guarded.__doc__, "__module__": __name__, "_log_name": _logger_name(_PLCallback)})
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
