@@ -370,3 +370,34 @@ def test_lightning_trainer_nan_batch_is_skipped(package, precision):
         assert scaler.get_scale() == 512.0  # the scaler's own skip backed the scale off once
     # clipping done once, by nanguard, at the Trainer's gradient_clip_val, which is restored
     assert cb.guard.max_grad_norm == 1.0 and trainer.gradient_clip_val == 1.0
+
+
+def test_lightning_manual_optimization():
+    L = pytest.importorskip("lightning.pytorch", reason="pip install lightning (scripts/setup.sh installs it)")
+    from nanguard.integrations.lightning import NanguardCallback
+
+    T, lm = _llama()
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lm = lm
+            self.automatic_optimization = False
+
+        def training_step(self, batch, i):
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(self.lm(**batch).loss)
+            opt.step()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    loader = torch.utils.data.DataLoader(_Rows(BATCH * 5), batch_size=BATCH, collate_fn=_NaNAtCollator(32))
+    cb = NanguardCallback(max_grad_norm=1.0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=5, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[cb])
+    trainer.fit(Module(), loader)
+    assert [s.step for s in cb.guard.skipped] == [NAN_AT] and cb.guard.steps == 5
+    assert all(torch.isfinite(p).all() for p in lm.parameters())
