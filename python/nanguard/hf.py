@@ -168,6 +168,8 @@ def unwrap(model: nn.Module) -> Tuple[nn.Module, List[str]]:
     peft's ``PeftModel`` (``get_base_model()``) and its tuner (``model``).
     accelerate's ``prepare`` returns one of these or the model itself; an
     FSDP2 (``fully_shard``) module is the model itself."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     chain: List[str] = []
     for _ in range(32):
         cls = type(model)

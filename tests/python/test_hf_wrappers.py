@@ -261,6 +261,8 @@ def test_accelerate_prepared_model_trains_in_bf16():
 def test_unwrap_and_bad_input():
     m = build()
     assert hf.unwrap(m) == (m, [])
+    with pytest.raises(TypeError, match="model must be"):
+        hf.unwrap("not a model")
     with pytest.raises(TypeError, match="unpatch expects"):
         nanguard.unpatch("not a model")
     with pytest.raises(TypeError, match="attention must be a bool"):

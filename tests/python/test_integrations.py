@@ -12,6 +12,7 @@ are clipped once, by nanguard.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import math
 import subprocess
@@ -148,6 +149,18 @@ def test_step_guard_bad_arguments():
     _grads(model, torch.randn(2, 8))
     with pytest.raises(ValueError, match="optimizer is required"):
         StepGuard().guard(model.parameters(), None, torch.amp.GradScaler("cpu"))
+    with pytest.raises(TypeError, match="watch_kwargs"):
+        StepGuard(watch_kwargs=["policy"])
+    if importlib.util.find_spec("transformers") is not None:
+        from nanguard.integrations.transformers import NanguardCallback
+
+        with pytest.raises(ValueError, match="max_grad_norm"):
+            NanguardCallback(max_grad_norm=-1.0)
+    if importlib.util.find_spec("lightning") is not None:
+        from nanguard.integrations.lightning import NanguardCallback as LCallback
+
+        with pytest.raises(TypeError, match="watch must be a bool"):
+            LCallback(watch="yes")
 
 
 # ---- transformers.Trainer -------------------------------------------------------------------------
