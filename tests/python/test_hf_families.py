@@ -191,8 +191,28 @@ def _check_summary(spec: Spec, s) -> None:
     assert set(s.skipped) <= {"attention"}, str(s)
 
 
+@pytest.fixture
+def attention_calls(monkeypatch):
+    """Counts the calls of nanguard's attention function through
+    transformers' registry: a patched family must really run it."""
+    from transformers import AttentionInterface
+
+    from nanguard import hf
+
+    hf._register()
+    calls = []
+    registered = AttentionInterface._global_mapping[hf.ATTN_IMPLEMENTATION]
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return registered(*args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, hf.ATTN_IMPLEMENTATION, counting)
+    return calls
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=[s.model_type for s in SPECS])
-def test_family_fp32_logits_grads_generation_round_trip(spec):
+def test_family_fp32_logits_grads_generation_round_trip(spec, attention_calls):
     stock = build_family(spec).train()
     ours = copy.deepcopy(stock)
     mods = dict(ours.named_modules())
@@ -208,6 +228,7 @@ def test_family_fp32_logits_grads_generation_round_trip(spec):
         # has no key at all, where eager attention averages every key and
         # SDPA and nanguard give 0; nothing reads those rows
         _close(l1[valid], l0[valid], TOL_LOGITS, f"{spec.model_type}/{kind} logits")
+        assert bool(attention_calls) == (spec.attention_untouched is None), len(attention_calls)
         params0, params1 = list(stock.parameters()), list(ours.parameters())
         g0 = torch.autograd.grad(loss0, params0, allow_unused=True)
         g1 = torch.autograd.grad(loss1, params1, allow_unused=True)
