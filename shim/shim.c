@@ -324,6 +324,7 @@ void ng_check_device_dtype(ng_frame *f, const ng_tensor *t, const char *name) {
 }
 
 bool ng_is_contiguous(const ng_tensor *t) {
+    if (t->numel == 0) return true; /* PyTorch's rule: no element, any strides */
     int64_t expected = 1;
     for (int64_t d = t->ndim - 1; d >= 0; d--) {
         if (t->sizes[d] != 1 && t->strides[d] != expected) return false;

@@ -262,6 +262,19 @@ def test_a_failing_thread_pool_never_applies_work_twice():
     assert fn() == 1
 
 
+def test_empty_gradients_of_any_shape_are_guarded():
+    """A zero-size gradient is contiguous whatever its strides (PyTorch's
+    rule); found by test_fuzz.py: a [0, 0] gradient was refused as
+    non-contiguous, so clip_grad_norm_ raised on it."""
+    p = torch.nn.Parameter(torch.zeros(0, 0))
+    p.grad = torch.zeros(0, 0)
+    q = torch.nn.Parameter(torch.zeros(3))
+    q.grad = torch.full((3,), 4.0)
+    total = nanguard.clip_grad_norm_([p, q], 1.0)
+    assert math.isclose(total.item(), math.sqrt(48.0), rel_tol=1e-6)
+    ops.fused_unscale_clip_([torch.zeros(0, 0), torch.zeros(2, 0, 3)], torch.ones(1), torch.zeros(1), 1.0, 2.0)
+
+
 def test_clip_grad_norm_rejects_overlapping_grads_before_writing():
     """W6: a gradient whose elements overlap (an expanded view) cannot be
     written back; it is refused before any other gradient is clipped."""
