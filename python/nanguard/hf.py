@@ -152,6 +152,13 @@ class _Record:
     attrs: List[Tuple[object, str, object]]  # (obj, attr, old value) to restore
     summary: Optional[PatchSummary]
 
+    def __setstate__(self, state):
+        # a patched model loaded in a new process (torch.load): its configs
+        # name nanguard's attention, which must be registered there too
+        self.__dict__.update(state)
+        if self.configs:
+            _register()
+
 
 def _new_record() -> _Record:
     return _Record([], [], [], [], [], None)
@@ -383,8 +390,21 @@ def _subclass(orig: type, mixin: type, eps_attr: Optional[str] = None, eps_defau
     key = (orig, mixin, eps_attr, eps_default)
     if key not in _GENERATED:
         _GENERATED[key] = type("Stable" + orig.__name__, (mixin, orig),
-                               {"__module__": __name__, "_ng_eps_attr": eps_attr, "_ng_eps_default": eps_default})
+                               {"__module__": __name__, "_ng_eps_attr": eps_attr, "_ng_eps_default": eps_default,
+                                "_ng_key": key, "__reduce_ex__": _reduce_generated})
     return _GENERATED[key]
+
+
+def _reduce_generated(self, protocol):
+    """Pickle a module of a generated class by what generates it (the
+    original class, the form, the epsilon), so ``torch.save(model)`` and
+    ``copy.deepcopy`` work in a process that has not patched yet."""
+    return (_new_generated, type(self)._ng_key, self.__getstate__())
+
+
+def _new_generated(orig: type, mixin: type, eps_attr: Optional[str], eps_default: Optional[float]) -> nn.Module:
+    cls = _subclass(orig, mixin, eps_attr, eps_default)
+    return cls.__new__(cls)
 
 
 class _Unknown(Exception):

@@ -705,3 +705,36 @@ def test_norm_forms_beyond_the_family_table(where, cls_name, args):
             a, b = o(xx), n(xx)
             assert a.dtype == b.dtype, (wdt, a.dtype, b.dtype)
             torch.testing.assert_close(b.float(), a.float(), atol=2 ** -7 * float(a.abs().max()), rtol=2 ** -7)
+
+
+def test_patched_model_pickles_into_a_fresh_process(tmp_path):
+    """torch.save(model) of a patched model: the generated classes pickle
+    by what generates them and nanguard's attention is registered on load,
+    so a process that never called patch loads it, gets the same logits and
+    can unpatch it."""
+    m = build("gemma").eval()
+    nanguard.patch(m)
+    ids, am = batch("right_pad")
+    with torch.no_grad():
+        ref = m(input_ids=ids, attention_mask=am).logits
+    torch.save({"model": m, "ids": ids, "am": am, "ref": ref}, tmp_path / "m.pt")
+    clone = copy.deepcopy(m)
+    assert type(clone.model.norm).__name__ == "StableGemmaRMSNorm"
+    code = (
+        "import sys, torch, nanguard\n"
+        f"d = torch.load({str(tmp_path / 'm.pt')!r}, weights_only=False)\n"
+        "m = d['model']\n"
+        "with torch.no_grad():\n"
+        "    out = m(input_ids=d['ids'], attention_mask=d['am']).logits\n"
+        "assert torch.equal(out, d['ref']), (out - d['ref']).abs().max()\n"
+        "assert type(m.model.norm).__name__ == 'StableGemmaRMSNorm'\n"
+        "nanguard.unpatch(m)\n"
+        "assert type(m.model.norm).__name__ == 'GemmaRMSNorm' and m.config._attn_implementation != 'nanguard'\n"
+        "print('ok')\n")
+    env = dict(os.environ)
+    root = pathlib.Path(nanguard.__file__).resolve().parent.parent
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    if env.get("NANGUARD_LIB_DIR"):
+        env["NANGUARD_LIB_DIR"] = str(pathlib.Path(env["NANGUARD_LIB_DIR"]).resolve())
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
