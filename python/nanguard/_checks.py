@@ -1,8 +1,11 @@
-"""Argument checks shared by the Python wrappers.
+"""Argument checks shared by the Python wrappers, and the pieces every op's
+registration shares (fake-kernel device checks, the in-place kernel, the
+autocast policy).
 
-They raise TypeError / ValueError naming the argument before any kernel runs;
-the C layer checks again so that a direct ``torch.ops.nanguard`` call can
-never crash the process.
+The wrappers raise TypeError / ValueError naming the argument before any
+kernel runs; the C layer checks again so that a direct ``torch.ops.nanguard``
+call can never crash the process, and the fake kernels check devices, since
+a meta argument sends a call to them instead of to the C layer.
 """
 
 from __future__ import annotations
