@@ -9,14 +9,18 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <stdatomic.h>
 #include <stddef.h>
 
 #include "shim/shim.h"
 
 typedef AOTITorchError (*get_stream_fn)(int32_t device_index, void **ret_stream);
 
+/* Threads may race on the first lookup; each finds the same function, and
+ * the atomic makes that race well defined. */
 static get_stream_fn lookup_get_stream(void) {
-    static get_stream_fn fn = NULL;
+    static _Atomic(get_stream_fn) cached = NULL;
+    get_stream_fn fn = atomic_load_explicit(&cached, memory_order_relaxed);
     if (fn) return fn;
     void *lib = dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_NOLOAD);
     if (lib) {
@@ -24,6 +28,7 @@ static get_stream_fn lookup_get_stream(void) {
         dlclose(lib); /* drops only the reference RTLD_NOLOAD took */
     }
     if (!fn) fn = (get_stream_fn)dlsym(RTLD_DEFAULT, "aoti_torch_get_current_cuda_stream");
+    atomic_store_explicit(&cached, fn, memory_order_relaxed);
     return fn;
 }
 
