@@ -12,15 +12,18 @@
  * E <= 256), dot products are warp reductions, K/V (or Q/dout) tiles are
  * staged in shared memory as fp32.
  *
- *   fwd:  grid (ceil(L/32), Hq, B), 8 warps x 4 query rows. Per tile of 32
+ * Grids are one-dimensional: block x = blk + nblk * (h + heads * b) (see
+ * block_coords), so batch x heads may exceed the 65535 of gridDim.y / z.
+ *
+ *   fwd:  nblk = ceil(L/32) per (b, h), 8 warps x 4 query rows. Per tile of 32
  *         keys, lane j owns key j's score: guarded, masked, folded into
  *         (m, l) with one warp max and one warp sum, then p_j is broadcast
  *         lane by lane into the [Ev] accumulator.
  *   bwd:  two kernels, no atomics and no workspace (FlashAttention-2's split):
- *         dkdv: grid (ceil(S/16), Hkv, B), 8 warps x 2 keys; loops over the
+ *         dkdv: nblk = ceil(S/16) per (b, kv head), 8 warps x 2 keys; loops over the
  *               query heads of the group and all query tiles (16 rows staged
  *               with their lse and D = dout . out).
- *         dq:   grid (ceil(L/16), Hq, B), 8 warps x 2 query rows; loops over
+ *         dq:   nblk = ceil(L/16) per (b, h), 8 warps x 2 query rows; loops over
  *               key tiles.
  * fp64 has no CUDA path (it exists for gradcheck on the CPU): NG_ERR_DTYPE.
  */
@@ -28,6 +31,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <string.h>
+
+#include <atomic>
 
 #include "kernels/attention.h"
 #include "kernels/cuda_launch.h"
@@ -44,6 +49,16 @@ constexpr int kBwdPer = 2;                    /* keys (dkdv) or rows (dq) per wa
 constexpr int kBwdBlock = kWarps * kBwdPer;   /* 16 keys or rows per block */
 constexpr int kBwdBQ = 16;                    /* query rows per shared tile in dkdv */
 constexpr unsigned kFull = 0xffffffffu;
+
+/* This block's place in a one-dimensional grid of nblk blocks per (batch,
+ * head): block x = blk + nblk * (h + heads * b). */
+struct block_coord {
+    int64_t blk, h, b;
+};
+__device__ __forceinline__ block_coord block_coords(int64_t nblk, int64_t heads) {
+    const int64_t x = blockIdx.x, bh = x / nblk;
+    return {x % nblk, bh % heads, bh / heads};
+}
 
 __device__ __forceinline__ float warp_sum(float x) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kFull, x, o);
@@ -115,8 +130,9 @@ static __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(ng_atten
     NG_DYNAMIC_SMEM(float, smem);
     float *ks = smem, *vs = smem + kBK * a.E;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (a.Hq / a.Hkv);
-    const int64_t blk0 = (int64_t)blockIdx.x * kFwdBQ, row0 = blk0 + warp * kFwdRows;
+    const block_coord bc = block_coords(NG_CEIL_DIV(a.L, (int64_t)kFwdBQ), a.Hq);
+    const int64_t b = bc.b, h = bc.h, hk = h / (a.Hq / a.Hkv);
+    const int64_t blk0 = bc.blk * kFwdBQ, row0 = blk0 + warp * kFwdRows;
     const float scale = (float)a.scale;
     const void *qb = slice<T>(a.q, b * a.q_stride[0] + h * a.q_stride[1]);
     const void *kb = slice<T>(a.k, b * a.k_stride[0] + hk * a.k_stride[1]);
@@ -182,22 +198,29 @@ static __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(ng_atten
 
 /* ---- backward ----------------------------------------------------------- */
 
-/* P, dS (already times scale and the guard's derivative) and the dropout
- * factor for one (query i, key j) from its raw dot products. */
+/* For one (query i, key j), from its raw dot products: p, pd = p times the
+ * dropout factor, and dS (already times scale and the guard's derivative). */
 struct bwd_terms {
-    float pd, ds;
+    float p, pd, ds;
 };
 
-/* keep: the dropout factor of (i, j), 0 or 1 / (1 - dropout_p); 1 without dropout. */
+/* keep: the dropout factor of (i, j), 0 or 1 / (1 - dropout_p); 1 without
+ * dropout. A pair whose probability is zero (a fully masked row or a row
+ * past L, checked before the mask is read; a masked pair; a probability
+ * that underflows) contributes exactly nothing, whatever NaN dout, out or v
+ * hold: the rule the CPU kernel follows too (attention_cpu.inc). */
 __device__ __forceinline__ bwd_terms bwd_score_keep(const ng_attention_args &a, float qk, float dp, float lse,
                                                     float D, int64_t b, int64_t h, int64_t i, int64_t j,
                                                     float keep) {
+    bwd_terms o = {0.0f, 0.0f, 0.0f};
+    if (lse == -INFINITY) return o;
     const float scale = (float)a.scale;
     const float raw = qk * scale;
     const float s = guarded_score(a, raw, b, h, i, j);
-    bwd_terms o = {0.0f, 0.0f};
-    if (s == -INFINITY || lse == -INFINITY) return o; /* masked or fully masked row */
-    const float p = expf(s - lse);
+    if (s == -INFINITY) return o;
+    const float p = expf(s - lse); /* NaN for every unmasked pair of a NaN row */
+    if (p == 0.0f) return o;
+    o.p = p;
     o.pd = p * keep;
     o.ds = p * (dp * keep - D) * scale * ng_attn_transform_grad_f32(raw, (float)a.max_score, (float)a.softcap);
     return o;
@@ -213,8 +236,9 @@ static __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(ng_
     NG_DYNAMIC_SMEM(float, smem);
     float *qs = smem, *gs = qs + kBwdBQ * a.E, *lses = gs + kBwdBQ * a.Ev, *Ds = lses + kBwdBQ;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t b = blockIdx.z, hk = blockIdx.y, grp = a.Hq / a.Hkv;
-    const int64_t jblk = (int64_t)blockIdx.x * kBwdBlock, j0 = jblk + warp * kBwdPer;
+    const block_coord bc = block_coords(NG_CEIL_DIV(a.S, (int64_t)kBwdBlock), a.Hkv);
+    const int64_t b = bc.b, hk = bc.h, grp = a.Hq / a.Hkv;
+    const int64_t jblk = bc.blk * kBwdBlock, j0 = jblk + warp * kBwdPer;
     const void *kb = slice<T>(a.k, b * a.k_stride[0] + hk * a.k_stride[1]);
     const void *vb = slice<T>(a.v, b * a.v_stride[0] + hk * a.v_stride[1]);
 
@@ -293,8 +317,9 @@ static __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(ng_at
     NG_DYNAMIC_SMEM(float, smem);
     float *ks = smem, *vs = smem + kBK * a.E;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (a.Hq / a.Hkv);
-    const int64_t blk0 = (int64_t)blockIdx.x * kBwdBlock, row0 = blk0 + warp * kBwdPer;
+    const block_coord bc = block_coords(NG_CEIL_DIV(a.L, (int64_t)kBwdBlock), a.Hq);
+    const int64_t b = bc.b, h = bc.h, hk = h / (a.Hq / a.Hkv);
+    const int64_t blk0 = bc.blk * kBwdBlock, row0 = blk0 + warp * kBwdPer;
     const void *qb = slice<T>(a.q, b * a.q_stride[0] + h * a.q_stride[1]);
     const void *gb = slice<T>(a.dout, b * a.dout_stride[0] + h * a.dout_stride[1]);
     const void *ob = slice<T>(a.out, b * a.out_stride[0] + h * a.out_stride[1]);
@@ -362,13 +387,13 @@ static __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(ng_at
  * the SIMT kernels' (guarded_score, bwd_score); p and dS are rounded to the
  * input dtype and fed back as A fragments, as FlashAttention-2 does.
  *
- *   fwd:  grid (ceil(L/64), Hq, B). Warp rows are queries; per key tile:
+ *   fwd:  ceil(L/64) blocks per (b, h). Warp rows are queries; per key tile:
  *         S = Q K^T, online softmax (row max over the 4 lanes of a group),
  *         O = O * alpha + P V.
- *   dkdv: grid (ceil(S/64), Hkv, B). Warp rows are keys; per query tile of
+ *   dkdv: ceil(S/64) blocks per (b, kv head). Warp rows are keys; per query tile of
  *         every head of the group: S^T = K Q^T and dP^T = V dO^T, then
  *         dV += P^T dO and dK += dS^T Q.
- *   dq:   grid (ceil(L/64), Hq, B). Warp rows are queries; per key tile:
+ *   dq:   ceil(L/64) blocks per (b, h). Warp rows are queries; per key tile:
  *         S = Q K^T, dP = dO V^T, dQ += dS K.
  *
  * fp16 has a 65504 ceiling that dS (unlike p in [0, 1/(1-p)]) can exceed
@@ -580,8 +605,9 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_fwd_mma_kernel(n
     NG_DYNAMIC_SMEM(uint4, mma_smem);
     uint16_t *qs = (uint16_t *)mma_smem, *ks = qs + kTile, *vs = ks + kTile;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (a.Hq / a.Hkv);
-    const int64_t q0 = (int64_t)blockIdx.x * kMmaRows;
+    const block_coord bc = block_coords(NG_CEIL_DIV(a.L, (int64_t)kMmaRows), a.Hq);
+    const int64_t b = bc.b, h = bc.h, hk = h / (a.Hq / a.Hkv);
+    const int64_t q0 = bc.blk * kMmaRows;
     const float scale = (float)a.scale;
     const bool drop = a.dropout_p > 0.0;
     const float inv_keep = drop ? (float)(1.0 / (1.0 - a.dropout_p)) : 1.0f;
@@ -625,7 +651,10 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_fwd_mma_kernel(n
                 const int r = c >> 1;
                 const float p = ng_attn_exp_shift_f32(s[nt][c], m[r]);
                 l[r] += p;
-                s[nt][c] = drop ? p * keep_factor(keep, nt, c, inv_keep) : p;
+                /* only the keep bit here: p * 1/(1-p_drop) can exceed fp16's
+                 * range once rounded for the tensor cores; the factor is
+                 * applied to the fp32 output below */
+                s[nt][c] = drop ? p * keep_factor(keep, nt, c, 1.0f) : p;
             }
 #pragma unroll
         for (int dt = 0; dt < D / 8; dt++)
@@ -639,7 +668,7 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_fwd_mma_kernel(n
     for (int r = 0; r < 2; r++) { /* the 4 lanes of a group hold disjoint parts of the row sum */
         l[r] += __shfl_xor_sync(kFull, l[r], 1);
         l[r] += __shfl_xor_sync(kFull, l[r], 2);
-        inv[r] = ng_attn_inv_sum_f32(l[r]);
+        inv[r] = ng_attn_inv_sum_f32(l[r]) * inv_keep;
         const int64_t i = q0 + warp * 16 + frag_row(lane, 2 * r);
         if ((lane & 3) == 0 && i < a.L) ((float *)a.lse)[(b * a.Hq + h) * a.L + i] = ng_attn_lse_f32(m[r], l[r]);
     }
@@ -648,7 +677,9 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_fwd_mma_kernel(n
 }
 
 /* One warp's backward scores against a staged 64-row tile, in C fragments:
- * pd = p * keep and ds = dS (bwd_score_keep) of the 16 x 64 block whose raw
+ * pd = p times the dropout keep bit (0 or 1: the factor 1/(1-p_drop) is
+ * applied to the fp32 dv accumulator by the caller, so no rounding to fp16
+ * can overflow) and ds = dS (bwd_score_keep) of the 16 x 64 block whose raw
  * dot products are x . y^T (q . k) and x2 . y2^T (dout . v). KeyRows: the
  * warp's rows are keys and the tile's rows queries (dk/dv kernel), else the
  * reverse (dq kernel). row0 / col0: first global row / column index; rl0:
@@ -675,9 +706,10 @@ __device__ __forceinline__ void mma_bwd_scores(float pd[kMmaNT][4], float ds[kMm
             const int ql = KeyRows ? cl : rl0 + rl; /* the query's place in its block */
             const int64_t i = KeyRows ? col0 + cl : row0 + rl, j = KeyRows ? row0 + rl : col0 + cl;
             const float kf = drop ? keep_factor(keep, nt, c, inv_keep) : 1.0f;
-            bwd_terms w = {0.0f, 0.0f};
-            if (j < kend) w = bwd_score_keep(a, st[nt][c], dpt[nt][c], ls[ql], dl[ql], b, h, i, j, kf);
-            pd[nt][c] = w.pd;
+            bwd_terms w = {0.0f, 0.0f, 0.0f};
+            /* rows past L (the last tile's) never reach the mask */
+            if (j < kend && i < a.L) w = bwd_score_keep(a, st[nt][c], dpt[nt][c], ls[ql], dl[ql], b, h, i, j, kf);
+            pd[nt][c] = kf != 0.0f ? w.p : 0.0f;
             ds[nt][c] = w.ds;
         }
 }
@@ -689,8 +721,9 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dkdv_mma_ker
     uint16_t *ks = (uint16_t *)mma_smem, *vs = ks + kTile, *qs = vs + kTile, *gs = qs + kTile;
     float *dl = (float *)(gs + kTile), *ls = dl + kMmaRows;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t b = blockIdx.z, hk = blockIdx.y, grp = a.Hq / a.Hkv;
-    const int64_t j0 = (int64_t)blockIdx.x * kMmaRows;
+    const block_coord bc = block_coords(NG_CEIL_DIV(a.S, (int64_t)kMmaRows), a.Hkv);
+    const int64_t b = bc.b, hk = bc.h, grp = a.Hq / a.Hkv;
+    const int64_t j0 = bc.blk * kMmaRows;
     const uint16_t *kb = (const uint16_t *)a.k + b * a.k_stride[0] + hk * a.k_stride[1];
     const uint16_t *vb = (const uint16_t *)a.v + b * a.v_stride[0] + hk * a.v_stride[1];
     mma_stage<D>(ks, kb, a.k_stride[2], j0, a.S - j0, vec);
@@ -720,11 +753,12 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dkdv_mma_ker
         }
     }
 
-    const float one[2] = {1.0f, 1.0f}, kmul[2] = {ldexpf(1.0f, ex[0]), ldexpf(1.0f, ex[1])};
+    const float inv_keep = a.dropout_p > 0.0 ? (float)(1.0 / (1.0 - a.dropout_p)) : 1.0f;
+    const float vmul[2] = {inv_keep, inv_keep}, kmul[2] = {ldexpf(1.0f, ex[0]), ldexpf(1.0f, ex[1])};
     mma_store_rows<T, D>(a.dk, b * a.dk_stride[0] + hk * a.dk_stride[1], a.dk_stride[2], j0 + warp * 16, a.S,
                          dk, kmul, lane);
     mma_store_rows<T, D>(a.dv, b * a.dv_stride[0] + hk * a.dv_stride[1], a.dv_stride[2], j0 + warp * 16, a.S,
-                         dv, one, lane);
+                         dv, vmul, lane);
 }
 
 template <ng_dtype T, int D>
@@ -734,8 +768,9 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dq_mma_kerne
     uint16_t *qs = (uint16_t *)mma_smem, *gs = qs + kTile, *ks = gs + kTile, *vs = ks + kTile;
     float *dl = (float *)(vs + kTile), *ls = dl + kMmaRows;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / (a.Hq / a.Hkv);
-    const int64_t q0 = (int64_t)blockIdx.x * kMmaRows;
+    const block_coord bc = block_coords(NG_CEIL_DIV(a.L, (int64_t)kMmaRows), a.Hq);
+    const int64_t b = bc.b, h = bc.h, hk = h / (a.Hq / a.Hkv);
+    const int64_t q0 = bc.blk * kMmaRows;
     const uint16_t *qb = (const uint16_t *)a.q + b * a.q_stride[0] + h * a.q_stride[1];
     const uint16_t *gb = (const uint16_t *)a.dout + b * a.dout_stride[0] + h * a.dout_stride[1];
     const uint16_t *kb = (const uint16_t *)a.k + b * a.k_stride[0] + hk * a.k_stride[1];
@@ -764,68 +799,101 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dq_mma_kerne
 
 /* ---- launch helpers ------------------------------------------------------ */
 
-ng_status cuda_check() { return cudaGetLastError() == cudaSuccess ? NG_OK : NG_ERR_CUDA; }
+ng_status cuda_check() { return ng_cuda_record(cudaSuccess); }
 
-/* Dynamic shared memory above 48 KiB (K and V tiles of head dims > 192) must
- * be opted into per kernel; sm_80 and sm_90 allow far more than we use. */
-template <typename Kernel>
-ng_status allow_smem(Kernel kernel, size_t bytes) {
-    if (bytes <= 48 * 1024) return NG_OK;
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes) == cudaSuccess
-               ? NG_OK
-               : NG_ERR_CUDA;
+/* The device the launch goes to, and what is cached per device: its compute
+ * capability, and per kernel the dynamic shared memory it has been allowed
+ * (cudaFuncSetAttribute is per device). Device ordinals past kMaxDevices are
+ * queried every time. */
+constexpr int kMaxDevices = 64;
+
+int current_device() {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        (void)cudaGetLastError(); /* leave no error behind for an unrelated check */
+        return -1;
+    }
+    return dev;
 }
 
-/* Grid limits: y and z are at most 65535. */
-ng_status grid_ok(const ng_attention_args *a, int64_t heads) {
-    return (a->B <= 65535 && heads <= 65535) ? NG_OK : NG_ERR_UNSUPPORTED;
+/* Dynamic shared memory above 48 KiB (K and V tiles of head dims > 192, the
+ * tensor-core backward) must be opted into per kernel and device; `allowed`
+ * is the kernel's own per-device record of what it was granted. */
+template <typename Kernel>
+ng_status allow_smem(Kernel kernel, size_t bytes, std::atomic<int> (&allowed)[kMaxDevices]) {
+    if (bytes <= 48 * 1024) return NG_OK;
+    const int dev = current_device();
+    if (dev >= 0 && dev < kMaxDevices && (size_t)allowed[dev].load(std::memory_order_relaxed) >= bytes) return NG_OK;
+    NG_TRY(ng_cuda_record(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes)));
+    if (dev >= 0 && dev < kMaxDevices) {
+        int seen = allowed[dev].load(std::memory_order_relaxed);
+        while (seen < (int)bytes && !allowed[dev].compare_exchange_weak(seen, (int)bytes)) {
+        }
+    }
+    return NG_OK;
+}
+
+/* The one-dimensional grid of nblk blocks per (b, head) (block_coords). */
+ng_status fold_grid(int64_t nblk, int64_t heads, int64_t batch, dim3 *grid) {
+    const int64_t n = nblk * heads * batch;
+    if (nblk <= 0 || heads <= 0 || batch <= 0) return NG_ERR_INVALID_ARG;
+    if (n / batch / heads != nblk || n > 2147483647LL) return NG_ERR_UNSUPPORTED; /* gridDim.x */
+    *grid = dim3((unsigned)n);
+    return NG_OK;
 }
 
 template <ng_dtype T, int NT>
 ng_status launch_fwd(const ng_attention_args *a, cudaStream_t st) {
-    dim3 grid((unsigned)NG_CEIL_DIV(a->L, (int64_t)kFwdBQ), (unsigned)a->Hq, (unsigned)a->B);
+    static std::atomic<int> allowed[kMaxDevices];
+    dim3 grid;
+    NG_TRY(fold_grid(NG_CEIL_DIV(a->L, (int64_t)kFwdBQ), a->Hq, a->B, &grid));
     size_t sm = sizeof(float) * (size_t)(kBK * (a->E + a->Ev));
-    NG_TRY(allow_smem(attention_fwd_kernel<T, NT>, sm));
+    NG_TRY(allow_smem(attention_fwd_kernel<T, NT>, sm, allowed));
     NG_LAUNCH((attention_fwd_kernel<T, NT>), grid, kThreads, sm, st, *a);
     return cuda_check();
 }
 
 template <ng_dtype T, int NT>
 ng_status launch_bwd(const ng_attention_args *a, cudaStream_t st) {
+    static std::atomic<int> allowed_dkdv[kMaxDevices], allowed_dq[kMaxDevices];
     if (a->S > 0) {
-        dim3 grid((unsigned)NG_CEIL_DIV(a->S, (int64_t)kBwdBlock), (unsigned)a->Hkv, (unsigned)a->B);
+        dim3 grid;
+        NG_TRY(fold_grid(NG_CEIL_DIV(a->S, (int64_t)kBwdBlock), a->Hkv, a->B, &grid));
         size_t sm = sizeof(float) * (size_t)(kBwdBQ * (a->E + a->Ev) + 2 * kBwdBQ);
-        NG_TRY(allow_smem(attention_bwd_dkdv_kernel<T, NT>, sm));
+        NG_TRY(allow_smem(attention_bwd_dkdv_kernel<T, NT>, sm, allowed_dkdv));
         NG_LAUNCH((attention_bwd_dkdv_kernel<T, NT>), grid, kThreads, sm, st, *a);
         NG_TRY(cuda_check());
     }
     if (a->L == 0) return NG_OK;
-    dim3 grid((unsigned)NG_CEIL_DIV(a->L, (int64_t)kBwdBlock), (unsigned)a->Hq, (unsigned)a->B);
+    dim3 grid;
+    NG_TRY(fold_grid(NG_CEIL_DIV(a->L, (int64_t)kBwdBlock), a->Hq, a->B, &grid));
     size_t sm = sizeof(float) * (size_t)(kBK * (a->E + a->Ev));
-    NG_TRY(allow_smem(attention_bwd_dq_kernel<T, NT>, sm));
+    NG_TRY(allow_smem(attention_bwd_dq_kernel<T, NT>, sm, allowed_dq));
     NG_LAUNCH((attention_bwd_dq_kernel<T, NT>), grid, kThreads, sm, st, *a);
     return cuda_check();
 }
 
 template <ng_dtype T, int D>
 ng_status launch_mma(const ng_attention_args *a, cudaStream_t st, int backward, int vec) {
+    static std::atomic<int> allowed_fwd[kMaxDevices], allowed_dkdv[kMaxDevices], allowed_dq[kMaxDevices];
     const size_t tile = sizeof(uint16_t) * (size_t)(kMmaRows * (D + 8));
+    dim3 grid;
     if (!backward) {
-        dim3 grid((unsigned)NG_CEIL_DIV(a->L, (int64_t)kMmaRows), (unsigned)a->Hq, (unsigned)a->B);
-        NG_TRY(allow_smem(attention_fwd_mma_kernel<T, D>, 3 * tile));
+        NG_TRY(fold_grid(NG_CEIL_DIV(a->L, (int64_t)kMmaRows), a->Hq, a->B, &grid));
+        NG_TRY(allow_smem(attention_fwd_mma_kernel<T, D>, 3 * tile, allowed_fwd));
         NG_LAUNCH((attention_fwd_mma_kernel<T, D>), grid, kMmaThreads, 3 * tile, st, *a, vec);
         return cuda_check();
     }
     const size_t sm = 4 * tile + 2 * kMmaRows * sizeof(float);
     if (a->S > 0) {
-        dim3 grid((unsigned)NG_CEIL_DIV(a->S, (int64_t)kMmaRows), (unsigned)a->Hkv, (unsigned)a->B);
-        NG_TRY(allow_smem(attention_bwd_dkdv_mma_kernel<T, D>, sm));
+        NG_TRY(fold_grid(NG_CEIL_DIV(a->S, (int64_t)kMmaRows), a->Hkv, a->B, &grid));
+        NG_TRY(allow_smem(attention_bwd_dkdv_mma_kernel<T, D>, sm, allowed_dkdv));
         NG_LAUNCH((attention_bwd_dkdv_mma_kernel<T, D>), grid, kMmaThreads, sm, st, *a, vec);
         NG_TRY(cuda_check());
     }
     if (a->L == 0) return NG_OK;
-    dim3 grid((unsigned)NG_CEIL_DIV(a->L, (int64_t)kMmaRows), (unsigned)a->Hq, (unsigned)a->B);
-    NG_TRY(allow_smem(attention_bwd_dq_mma_kernel<T, D>, sm));
+    NG_TRY(fold_grid(NG_CEIL_DIV(a->L, (int64_t)kMmaRows), a->Hq, a->B, &grid));
+    NG_TRY(allow_smem(attention_bwd_dq_mma_kernel<T, D>, sm, allowed_dq));
     NG_LAUNCH((attention_bwd_dq_mma_kernel<T, D>), grid, kMmaThreads, sm, st, *a, vec);
     return cuda_check();
 }
@@ -835,15 +903,30 @@ int rows_aligned16(const void *p, const int64_t stride[3]) {
     return (uintptr_t)p % 16 == 0 && stride[0] % 8 == 0 && stride[1] % 8 == 0 && stride[2] % 8 == 0;
 }
 
+/* Compute capability major of the current device, cached per device; 0 when
+ * it cannot be read (the error is cleared, and the SIMT kernels run). */
+int device_major() {
+    static std::atomic<int> cache[kMaxDevices]; /* 0: not read yet */
+    const int dev = current_device();
+    if (dev < 0) return 0;
+    if (dev < kMaxDevices) {
+        const int c = cache[dev].load(std::memory_order_relaxed);
+        if (c) return c;
+    }
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    if (dev < kMaxDevices) cache[dev].store(major, std::memory_order_relaxed);
+    return major;
+}
+
 /* The tensor-core kernels take fp16 / bf16 with E == Ev in {64, 128} on a
  * device of compute capability 8.0 or newer; everything else runs SIMT. */
 int mma_eligible(const ng_attention_args *a) {
     if ((a->dtype != NG_F16 && a->dtype != NG_BF16) || a->E != a->Ev || (a->E != 64 && a->E != 128)) return 0;
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-        return 0;
-    return major >= 8;
+    return device_major() >= 8;
 }
 
 /* Dispatch on NT = ceil(max(E, Ev) / 32) rounded up to 1, 2, 4, 8. */
@@ -866,7 +949,6 @@ ng_status dispatch_nt(const ng_attention_args *a, cudaStream_t st, int backward)
 
 ng_status dispatch(const ng_attention_args *a, void *stream, int backward) {
     NG_TRY(ng_attention_check(a, backward));
-    NG_TRY(grid_ok(a, NG_MAX(a->Hq, a->Hkv)));
     if (a->B == 0 || (a->L == 0 && !backward) || (a->L == 0 && a->S == 0)) return NG_OK;
     ng_attention_args n = *a;
     if (n.mask_kind == NG_MASK_NONE) n.mask = nullptr;
