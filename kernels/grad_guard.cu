@@ -275,10 +275,9 @@ static __global__ void __launch_bounds__(GG_THREADS)
 
 /* ---- launchers ---------------------------------------------------------------- */
 
-static ng_status gg_check(cudaError_t e) {
-    /* clear nothing: a sticky error stays for the caller's next check */
-    return e == cudaSuccess ? NG_OK : NG_ERR_CUDA;
-}
+/* A launch's status, with the runtime's error recorded for the op's message
+ * (ng_cuda_record clears it, so it is not reported again by a later call). */
+static ng_status gg_check(cudaError_t e) { return ng_cuda_record(e); }
 
 static ng_status gg_check_list(const void *const *grads, const int64_t *numels, int64_t n) {
     if (n < 0 || n > (int64_t)INT_MAX || (n > 0 && (!grads || !numels))) return NG_ERR_INVALID_ARG;

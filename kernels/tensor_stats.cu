@@ -124,9 +124,7 @@ static __global__ void __launch_bounds__(TS_THREADS)
     atomicMin((ts_u64 *)&a.values[NG_TS_MIN_ABS], ts_double_bits(mn));
 }
 
-static ng_status launch_status(void) {
-    return cudaGetLastError() == cudaSuccess ? NG_OK : NG_ERR_CUDA;
-}
+static ng_status launch_status(void) { return ng_cuda_record(cudaSuccess); }
 
 extern "C" ng_status ng_tensor_stats_cuda(const ng_tensor_stats_args *a0, void *stream) {
     if (!a0 || !a0->counts || !a0->values) return NG_ERR_INVALID_ARG;

@@ -606,6 +606,16 @@ void install_handlers() {
 /* ---- launches ------------------------------------------------------------------ */
 
 std::map<const void *, int> g_max_dyn_smem; /* cudaFuncSetAttribute */
+std::map<std::string, cudaError_t> g_inject;  /* ng_emu_inject */
+
+/* An injected failure for `call`, once, or cudaSuccess. */
+cudaError_t injected(const char *call) {
+    auto it = g_inject.find(call);
+    if (it == g_inject.end()) return cudaSuccess;
+    const cudaError_t e = it->second;
+    g_inject.erase(it);
+    return fail(e);
+}
 long long g_launches;
 
 std::string display_name(const char *kernel, const char *where) {
@@ -772,6 +782,7 @@ void *dynamic_smem() {
 
 cudaError_t func_set_attribute(const void *fn, int attr, int value) {
     if (g_sticky) return g_sticky;
+    if (const cudaError_t e = injected("cudaFuncSetAttribute")) return e;
     if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return fail(cudaErrorInvalidValue);
     if (value < 0 || value > device().optin_smem) {
         say("cudaFuncSetAttribute(MaxDynamicSharedMemorySize, %d) refused: sm_%d allows at most %d bytes", value,
@@ -893,6 +904,7 @@ int ng_emu_set_sm(int sm) {
     return 0;
 }
 int ng_emu_sm(void) { return device().sm; }
+void ng_emu_inject(const char *call, cudaError_t error) { g_inject[call] = error; }
 long long ng_emu_launches(void) { return g_launches; }
 int ng_emu_schedules(void) { return 2; }
 
@@ -906,6 +918,7 @@ cudaError_t cudaSetDevice(int dev) {
 }
 cudaError_t cudaGetDevice(int *dev) {
     NG_EMU_STICKY();
+    if (const cudaError_t e = injected("cudaGetDevice")) return e;
     *dev = 0;
     return cudaSuccess;
 }
@@ -928,6 +941,7 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int dev) {
 }
 cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr attr, int dev) {
     NG_EMU_STICKY();
+    if (const cudaError_t e = injected("cudaDeviceGetAttribute")) return e;
     if (dev != 0) return fail(cudaErrorInvalidDevice);
     switch (attr) {
     case cudaDevAttrMaxThreadsPerBlock: *v = 1024; break;

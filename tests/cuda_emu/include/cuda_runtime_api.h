@@ -113,6 +113,11 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream);
  * emulator does not know. */
 int ng_emu_set_sm(int sm);
 int ng_emu_sm(void);
+/* The next call to the runtime function named `call` ("cudaFuncSetAttribute",
+ * "cudaDeviceGetAttribute" or "cudaGetDevice") fails with `error`, leaving it
+ * as the last error as the real runtime does: for testing how callers handle
+ * a failed call. */
+void ng_emu_inject(const char *call, cudaError_t error);
 /* Launches emulated so far, and the schedules each ran under. */
 long long ng_emu_launches(void);
 int ng_emu_schedules(void);
