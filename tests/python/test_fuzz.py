@@ -26,7 +26,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import nanguard
@@ -132,6 +132,14 @@ def ref_layernorm(x, w, b, eps, rms):
     return y
 
 
+# Examples earlier runs found (each once a failure of this test's own model,
+# kept so that every run checks them).
+@example(lead=[3], cols=2, dtype=torch.float32, rms=False, affine="none", layout="contiguous", eps=0.0,
+         scale=1e-3, constant_row=False, x_spots=[], param_spots=[], seed=0)  # dx scales with rstd
+@example(lead=[], cols=300, dtype=torch.float16, rms=False, affine="none", layout="contiguous", eps=1e-12,
+         scale=1e-3, constant_row=True, x_spots=[], param_spots=[], seed=0)  # fp16 dx overflows to inf
+@example(lead=[], cols=300, dtype=torch.float64, rms=False, affine="none", layout="contiguous", eps=0.0,
+         scale=1e-3, constant_row=True, x_spots=[], param_spots=[], seed=1)  # constant row: var == 0
 @FUZZ
 @given(
     lead=st.lists(st.integers(0, 4), max_size=3),
@@ -186,11 +194,19 @@ def test_fuzz_layernorm(lead, cols, dtype, rms, affine, layout, eps, scale, cons
     ref64 = ref_layernorm(x64, w64, b64, eps, rms)
     rgrads = torch.autograd.grad(ref64, [x64, *p64], gy.double())
     rows = max(1, x.numel() // cols)
+    # dx is rstd times a difference of O(|g|) terms, so its rounding error is
+    # too: with a row std of 1e-3 and eps = 0, rstd ~ 1e3 multiplies the
+    # fp32 cancellation error (PyTorch's own fp32 backward errs 5x more there)
+    xd = x.double().reshape(-1, cols)
+    dev = xd if rms else xd - xd.mean(-1, keepdim=True)
+    den = (dev * dev).mean(-1) + eps
+    den = den[torch.isfinite(den) & (den > 0)]
+    rstd_max = den.rsqrt().max().item() if den.numel() else 1.0
     for name, g, r in zip(["x", "w", "b"][: 1] + (["w"] if has_w else []) + (["b"] if has_b else []),
                           grads, rgrads):
         assert g.dtype == dtype and g.shape == r.shape
         _pattern_between(g, r, r, "d" + name, dtype)
-        _close_where_finite(g, r, "layernorm_grad", dtype, 1.0 if name == "x" else max(1.0, rows / 8))
+        _close_where_finite(g, r, "layernorm_grad", dtype, max(1.0, rstd_max) if name == "x" else max(1.0, rows / 8))
 
 
 # ---- safe_sdpa -----------------------------------------------------------------------
@@ -238,6 +254,15 @@ def ref_attention(q, k, v, mask, causal, scale, max_score, softcap, masked_value
     return torch.where(allowed.unsqueeze(-1), p.unsqueeze(-1) * v.unsqueeze(-3), 0.0).sum(-2)
 
 
+@example(B=1, hkv=1, group=2, L=3, S=6, E=64, Ev=1, dtype=torch.float32, mask="additive", mask_shape="full",
+         full_rows=False, causal=True, guard=None, transpose=False, scale_in=1.0, where=[],
+         seed=2)  # the mask-rounding allowance and causal masking
+@example(B=1, hkv=1, group=1, L=1, S=2, E=64, Ev=1, dtype=torch.float64, mask=None, mask_shape="full",
+         full_rows=False, causal=True, guard=None, transpose=False, scale_in=1.0,
+         where=[("v", 1, math.nan)], seed=0)  # a NaN value beyond the diagonal
+@example(B=1, hkv=1, group=1, L=1, S=2, E=8, Ev=1, dtype=torch.float64, mask=None, mask_shape="full",
+         full_rows=False, causal=False, guard=None, transpose=False, scale_in=1.0,
+         where=[("q", 0, math.inf)], seed=0)  # an Inf query: -inf scores
 @FUZZ
 @given(
     B=st.integers(1, 2), hkv=st.integers(1, 2), group=st.integers(1, 2),
@@ -330,6 +355,8 @@ def _bits(t):
     return t.reshape(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
+@example(shapes=[[0, 0]], dtype=torch.float64, inv_scale=1.0, max_norm=math.inf, norm_type=2.0, magnitude=1e-3,
+         where=[], two_pass=True, seed=0)  # a zero-size 2-d gradient
 @FUZZ
 @given(
     shapes=st.lists(st.lists(st.integers(0, 6), max_size=3), max_size=5),
