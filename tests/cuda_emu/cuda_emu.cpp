@@ -40,7 +40,10 @@
 #include <string>
 #include <vector>
 
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(NG_EMU_ASAN)
+/* set by the build: the program runs under AddressSanitizer, this file is
+ * not instrumented */
+#elif defined(__SANITIZE_ADDRESS__)
 #define NG_EMU_ASAN 1
 #elif defined(__has_feature)
 #if __has_feature(address_sanitizer)
