@@ -60,11 +60,15 @@ class GradScaler(torch.amp.GradScaler):
         device, init_scale, growth_factor, backoff_factor, growth_interval,
         enabled: as :class:`torch.amp.GradScaler`.
         min_scale: floor for the loss scale. After ``update()`` the scale is
-            never below it; a warning says when the floor is hit (this reads
-            the scale on the host once per ``update()``, after ``step()`` has
-            already synchronised). ``None`` (default) keeps PyTorch's
-            behaviour.
+            never below it; a warning says when the floor was hit, from the
+            next ``step()`` (whose one host read of found_inf, the read
+            PyTorch's own ``step()`` makes, carries that flag too). ``None``
+            (default) keeps PyTorch's behaviour.
         history: how many :class:`SkippedStep` records to keep.
+
+    ``update()`` reads nothing back to the host: the skip records and counts
+    are kept on the scale's device and copied to the host only when
+    :attr:`skipped_steps` or :meth:`skip_summary` is read.
     """
 
     def __init__(
@@ -97,12 +101,13 @@ class GradScaler(torch.amp.GradScaler):
         self._history_len = int(history)
         self._pending: List[_gg.GuardStats] = []  # this iteration's guard stats
         self._pending_scale: Optional[torch.Tensor] = None
-        self._skipped: List[SkippedStep] = []
         self._updates = 0
-        self._nan_steps = 0
-        self._inf_steps = 0
-        self._overflow_steps = 0
-        self._floor_hits = 0
+        # on the scale's device, made at the first update that has records:
+        self._counts: Optional[torch.Tensor] = None  # int64 [4]: nan, inf, norm overflow steps, floor hits
+        self._ring: Optional[torch.Tensor] = None  # float64 [history, 5]: the last skipped steps
+        self._ring_n: Optional[torch.Tensor] = None  # int64 []: skipped steps recorded so far
+        self._floor_flag: Optional[torch.Tensor] = None  # bool []: the floor was hit since the last step()
+        self._floor_update = 0
 
     # ---- the fused unscale + clip ----------------------------------------------
 
@@ -177,53 +182,95 @@ class GradScaler(torch.amp.GradScaler):
         self._record(pending, scale_used)
         self._updates += 1
         if self._min_scale is not None and self._scale is not None:
-            # one host read; step() has already synchronised the stream
-            if float(self._scale.item()) < self._min_scale:
-                self._floor_hits += 1
-                warnings.warn(
-                    f"nanguard.amp.GradScaler: loss scale fell below min_scale={self._min_scale} "
-                    f"at update {self._updates}; held at the floor. Gradients keep overflowing "
-                    "at this scale: look for the layer producing them (nanguard.watch).",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                self._scale.fill_(self._min_scale)
+            below = self._scale.reshape(()) < self._min_scale
+            self._device_state(self._scale.device)
+            self._counts[3] += below.long()
+            self._scale.clamp_(min=self._min_scale)
+            self._floor_flag = below if self._floor_flag is None else self._floor_flag | below
+            self._floor_update = self._updates
+
+    def _device_state(self, device: torch.device) -> None:
+        if self._counts is None:
+            self._counts = torch.zeros(4, dtype=torch.int64, device=device)
+            self._ring = torch.zeros(max(self._history_len, 0), 5, dtype=torch.float64, device=device)
+            self._ring_n = torch.zeros((), dtype=torch.int64, device=device)
 
     def _record(self, pending: List[_gg.GuardStats], scale_used) -> None:
+        """Fold this iteration's guard stats into the device-side records,
+        with device operations only (no host read)."""
         if not pending:
             return
-        hs = [p.tensor.tolist() for p in pending]
-        norms = [p.total_norm.item() for p in pending]
-        nan = sum(int(h[1]) for h in hs)
-        inf = sum(int(h[2]) for h in hs)
-        finite = all(math.isfinite(n) for n in norms)
-        if nan == 0 and inf == 0 and finite:
-            return
-        first = next((int(h[3]) for h in hs if h[3] >= 0), -1)
-        scale = float(scale_used.item()) if scale_used is not None else float("nan")
-        self._nan_steps += 1 if nan else 0
-        self._inf_steps += 1 if (inf and not nan) else 0
-        self._overflow_steps += 1 if not (nan or inf) else 0
-        self._skipped.append(SkippedStep(self._updates, nan, inf, first, scale))
-        del self._skipped[: max(0, len(self._skipped) - self._history_len)]
+        dev = self._scale.device
+        self._device_state(dev)
+        st = torch.stack([p.tensor.to(dev, torch.float64) for p in pending])  # [n, 4]
+        norms = torch.stack([p.total_norm.to(dev, torch.float64).reshape(()) for p in pending])
+        nan, inf = st[:, 1].sum(), st[:, 2].sum()
+        bad = st[:, 3] >= 0
+        first_at = st[:, 3].index_select(0, bad.long().argmax().view(1)).reshape(())
+        first = torch.where(bad.any(), first_at, torch.full_like(nan, -1.0))
+        has_nan, has_inf = nan > 0, inf > 0
+        overflow = ~torch.isfinite(norms).all() & ~has_nan & ~has_inf
+        skipped = has_nan | has_inf | overflow
+        self._counts[:3] += torch.stack([has_nan, has_inf & ~has_nan, overflow]).long()
+        if self._history_len > 0:
+            scale = (scale_used if scale_used is not None else torch.full((), math.nan, device=dev))
+            row = torch.stack([torch.full((), float(self._updates), dtype=torch.float64, device=dev),
+                               nan, inf, first, scale.to(dev, torch.float64).reshape(())]).view(1, 5)
+            pos = (self._ring_n % self._history_len).view(1)
+            self._ring.index_copy_(0, pos, torch.where(skipped, row, self._ring.index_select(0, pos)))
+        self._ring_n += skipped.long()
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        # PyTorch's step() reads found_inf of every device here; this reads
+        # them, and the floor flag of the last update(), in one transfer.
+        found = list(optimizer_state["found_inf_per_device"].values())
+        flags = [v.reshape(()).to(found[0].device, torch.float32) for v in found]
+        if self._floor_flag is not None:
+            flags.append(self._floor_flag.to(found[0].device, torch.float32))
+        host = torch.stack(flags).tolist()
+        if self._floor_flag is not None:
+            self._floor_flag = None
+            if host.pop():
+                warnings.warn(
+                    f"nanguard.amp.GradScaler: loss scale fell below min_scale={self._min_scale} "
+                    f"by update {self._floor_update}; held at the floor. Gradients keep overflowing "
+                    "at this scale: look for the layer producing them (nanguard.watch).",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        if not sum(host):
+            return optimizer.step(*args, **kwargs)
+        return None
 
     # ---- what happened -----------------------------------------------------------
 
     @property
     def skipped_steps(self) -> List[SkippedStep]:
         """Steps skipped because of non-finite gradients (guarded by
-        ``unscale_and_clip_``), oldest first, at most ``history`` of them."""
-        return list(self._skipped)
+        ``unscale_and_clip_``), oldest first, at most ``history`` of them.
+        Reading this copies the records to the host."""
+        if self._ring_n is None or self._history_len <= 0:
+            return []
+        n = int(self._ring_n.item())
+        rows = self._ring.tolist()
+        if n > self._history_len:
+            start = n % self._history_len
+            rows = rows[start:] + rows[:start]
+        else:
+            rows = rows[:n]
+        return [SkippedStep(int(r[0]), int(r[1]), int(r[2]), int(r[3]), float(r[4])) for r in rows]
 
     def skip_summary(self) -> Dict[str, int]:
-        """Counts since construction: updates, skipped steps by cause, floor hits."""
+        """Counts since construction: updates, skipped steps by cause, floor
+        hits. Reading this copies the counts to the host."""
+        c = self._counts.tolist() if self._counts is not None else [0, 0, 0, 0]
         return {
             "updates": self._updates,
-            "skipped": self._nan_steps + self._inf_steps + self._overflow_steps,
-            "nan": self._nan_steps,
-            "inf": self._inf_steps,
-            "norm_overflow": self._overflow_steps,
-            "min_scale_hits": self._floor_hits,
+            "skipped": c[0] + c[1] + c[2],
+            "nan": c[0],
+            "inf": c[1],
+            "norm_overflow": c[2],
+            "min_scale_hits": c[3],
         }
 
     @property

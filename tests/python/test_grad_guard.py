@@ -461,14 +461,15 @@ def test_min_scale_floor_warns():
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = GradScaler("cpu", init_scale=4.0, min_scale=2.0)
-    for _ in range(3):
-        scaler.scale(model(torch.randn(1, 2)).sum() * math.inf).backward()
-        scaler.unscale_and_clip_(opt, 1.0)
-        scaler.step(opt)
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            # the warning comes from the step() after the update() that hit the floor
+            scaler.scale(model(torch.randn(1, 2)).sum() * math.inf).backward()
+            scaler.unscale_and_clip_(opt, 1.0)
+            scaler.step(opt)
             scaler.update()
-        opt.zero_grad()
+            opt.zero_grad()
     assert scaler.get_scale() == 2.0
     assert any("min_scale" in str(x.message) for x in w)
     assert scaler.skip_summary()["min_scale_hits"] >= 1
@@ -584,3 +585,48 @@ def test_cuda_mixed_devices_and_no_host_sync():
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--dist-worker":
     _dist_worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the tensor methods that copy a value to the host."""
+
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
+             torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.reads.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_scaler_update_reads_nothing_back(bad):
+    """update() makes no host read, and step() only the one PyTorch's own
+    step() makes (found_inf); the records are read when asked for."""
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=8.0, min_scale=1.0)
+    stock = torch.amp.GradScaler("cpu", init_scale=8.0)
+    counts = {}
+    for name, sc in (("nanguard", scaler), ("stock", stock)):
+        loss = model(torch.randn(2, 4)).sum() * (math.inf if bad else 1.0)
+        sc.scale(loss).backward()
+        if sc is scaler:
+            sc.unscale_and_clip_(opt, 1.0)
+        else:
+            sc.unscale_(opt)
+        with _HostReads() as step_reads:
+            sc.step(opt)
+        with _HostReads() as update_reads:
+            sc.update()
+        counts[name] = (len(step_reads.reads), len(update_reads.reads))
+        opt.zero_grad()
+    assert counts["nanguard"][1] == 0, counts
+    assert counts["nanguard"][0] <= counts["stock"][0] == 1, counts
+    summary = scaler.skip_summary()
+    assert summary["skipped"] == summary["nan"] + summary["inf"] == int(bad), summary
+    assert [s.scale for s in scaler.skipped_steps] == ([8.0] if bad else [])
