@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The CUDA checks in one run, for a machine with an NVIDIA GPU (sm_80 or
+# The CUDA checks in one run, for a machine with an NVIDIA GPU (sm_75 or
 # newer) and a CUDA build of PyTorch: build with CUDA, run the CUDA ctest
-# binary (every launcher against the CPU kernel), the CUDA cases of pytest
+# binary (every launcher against the CPU kernel: the cases the CPU emulator
+# runs in CI, all of them, on the device), the CUDA cases of pytest
 # (the CUDA ops against the CPU ops, through PyTorch), then the attention
 # benchmark against PyTorch's flash backend.
 #
