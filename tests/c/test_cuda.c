@@ -1457,6 +1457,35 @@ static void test_cuda_errors(void) {
         CU(cudaStreamSynchronize(g_stream));
         case_end();
     }
+    if (case_begin("errors     %-34s %s", "attributes_cached_per_device", "float32")) {
+        /* the second launch queries nothing: capability and granted shared
+         * memory are cached per device */
+        ng_attention_args a = err_attn_args(buf, lse, 256);
+        ng_status s = ng_attention_fwd_cuda(&a, g_stream);
+        const long long set0 = ng_emu_calls("cudaFuncSetAttribute");
+        const long long get0 = ng_emu_calls("cudaDeviceGetAttribute");
+        s = s == NG_OK ? ng_attention_fwd_cuda(&a, g_stream) : s;
+        a.dtype = NG_F16, a.E = a.Ev = 64;
+        for (int k = 0; k < 2 && s == NG_OK; k++) s = ng_attention_fwd_cuda(&a, g_stream);
+        CHECK(s == NG_OK, "launch: %s", ng_status_str(s));
+        CHECK(ng_emu_calls("cudaFuncSetAttribute") == set0, "cudaFuncSetAttribute called again (%lld times)",
+              ng_emu_calls("cudaFuncSetAttribute") - set0);
+        CHECK(ng_emu_calls("cudaDeviceGetAttribute") <= get0 + 1, "cudaDeviceGetAttribute called %lld times",
+              ng_emu_calls("cudaDeviceGetAttribute") - get0);
+        CU(cudaStreamSynchronize(g_stream));
+        case_end();
+    }
+    if (case_begin("errors     %-34s %s", "driver_older_than_runtime", "")) {
+        /* what libnanguard_cuda says at load when the driver is too old */
+        char msg[512] = "";
+        ng_emu_set_driver_version(12040);
+        const int bad = ng_cuda_driver_check(msg, sizeof msg);
+        ng_emu_set_driver_version(CUDART_VERSION);
+        CHECK(bad && strstr(msg, "runtime 13.0") && strstr(msg, "CUDA 12.4"),
+              "an older driver: check %d, message \"%s\"", bad, msg);
+        CHECK(ng_cuda_driver_check(msg, sizeof msg) == 0, "a matching driver is refused: %s", msg);
+        case_end();
+    }
     dfree(buf), dfree(lse), dfree(ln);
 }
 #endif

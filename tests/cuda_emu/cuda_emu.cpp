@@ -611,8 +611,12 @@ void install_handlers() {
 std::map<const void *, int> g_max_dyn_smem; /* cudaFuncSetAttribute */
 std::map<std::string, cudaError_t> g_inject;  /* ng_emu_inject */
 
-/* An injected failure for `call`, once, or cudaSuccess. */
+std::map<std::string, long long> g_calls;       /* ng_emu_calls */
+int g_driver_version = CUDART_VERSION;
+
+/* An injected failure for `call`, once, or cudaSuccess; counts the call. */
 cudaError_t injected(const char *call) {
+    g_calls[call]++;
     auto it = g_inject.find(call);
     if (it == g_inject.end()) return cudaSuccess;
     const cudaError_t e = it->second;
@@ -908,6 +912,11 @@ int ng_emu_set_sm(int sm) {
 }
 int ng_emu_sm(void) { return device().sm; }
 void ng_emu_inject(const char *call, cudaError_t error) { g_inject[call] = error; }
+void ng_emu_set_driver_version(int version) { g_driver_version = version; }
+long long ng_emu_calls(const char *call) {
+    auto it = g_calls.find(call);
+    return it == g_calls.end() ? 0 : it->second;
+}
 long long ng_emu_launches(void) { return g_launches; }
 int ng_emu_schedules(void) { return 2; }
 
@@ -964,7 +973,7 @@ cudaError_t cudaRuntimeGetVersion(int *v) {
     return cudaSuccess;
 }
 cudaError_t cudaDriverGetVersion(int *v) {
-    *v = CUDART_VERSION;
+    *v = g_driver_version;
     return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize(void) {

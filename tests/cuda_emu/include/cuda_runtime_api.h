@@ -118,6 +118,11 @@ int ng_emu_sm(void);
  * as the last error as the real runtime does: for testing how callers handle
  * a failed call. */
 void ng_emu_inject(const char *call, cudaError_t error);
+/* The driver version cudaDriverGetVersion reports (default: CUDART_VERSION). */
+void ng_emu_set_driver_version(int version);
+/* Calls made so far to the runtime function named `call` (any of the
+ * device-query and attribute functions above). */
+long long ng_emu_calls(const char *call);
 /* Launches emulated so far, and the schedules each ran under. */
 long long ng_emu_launches(void);
 int ng_emu_schedules(void);
