@@ -184,68 +184,30 @@ constexpr int warpSize = 32;
 
 /* ---- atomics: one host thread runs every emulated thread, and none is
  * interrupted inside these, so a plain read-modify-write is atomic ------- */
-template <typename T> inline T atomicAdd(T *p, T v) {
-    T o = *p;
-    *p = o + v;
+namespace ng_emu {
+/* *p = f(*p); returns the old value */
+template <typename T, typename F> inline T rmw(T *p, F f) {
+    const T o = *p;
+    *p = f(o);
     return o;
 }
-template <typename T> inline T atomicSub(T *p, T v) {
-    T o = *p;
-    *p = o - v;
-    return o;
-}
-template <typename T> inline T atomicMax(T *p, T v) {
-    T o = *p;
-    *p = v > o ? v : o;
-    return o;
-}
-template <typename T> inline T atomicMin(T *p, T v) {
-    T o = *p;
-    *p = v < o ? v : o;
-    return o;
-}
-template <typename T> inline T atomicExch(T *p, T v) {
-    T o = *p;
-    *p = v;
-    return o;
-}
+} // namespace ng_emu
+template <typename T> inline T atomicAdd(T *p, T v) { return ng_emu::rmw(p, [v](T o) { return o + v; }); }
+template <typename T> inline T atomicSub(T *p, T v) { return ng_emu::rmw(p, [v](T o) { return o - v; }); }
+template <typename T> inline T atomicMax(T *p, T v) { return ng_emu::rmw(p, [v](T o) { return v > o ? v : o; }); }
+template <typename T> inline T atomicMin(T *p, T v) { return ng_emu::rmw(p, [v](T o) { return v < o ? v : o; }); }
+template <typename T> inline T atomicExch(T *p, T v) { return ng_emu::rmw(p, [v](T) { return v; }); }
+template <typename T> inline T atomicOr(T *p, T v) { return ng_emu::rmw(p, [v](T o) { return o | v; }); }
+template <typename T> inline T atomicAnd(T *p, T v) { return ng_emu::rmw(p, [v](T o) { return o & v; }); }
 template <typename T> inline T atomicCAS(T *p, T cmp, T v) {
-    T o = *p;
-    if (o == cmp) *p = v;
-    return o;
-}
-template <typename T> inline T atomicOr(T *p, T v) {
-    T o = *p;
-    *p = o | v;
-    return o;
-}
-template <typename T> inline T atomicAnd(T *p, T v) {
-    T o = *p;
-    *p = o & v;
-    return o;
+    return ng_emu::rmw(p, [cmp, v](T o) { return o == cmp ? v : o; });
 }
 
 /* ---- device functions ---------------------------------------------------- */
-inline long long __double_as_longlong(double d) {
-    long long x;
-    memcpy(&x, &d, sizeof x);
-    return x;
-}
-inline double __longlong_as_double(long long x) {
-    double d;
-    memcpy(&d, &x, sizeof d);
-    return d;
-}
-inline int __float_as_int(float f) {
-    int x;
-    memcpy(&x, &f, sizeof x);
-    return x;
-}
-inline float __int_as_float(int x) {
-    float f;
-    memcpy(&f, &x, sizeof f);
-    return f;
-}
+inline long long __double_as_longlong(double d) { return ng_emu::bit_cast<long long>(d); }
+inline double __longlong_as_double(long long x) { return ng_emu::bit_cast<double>(x); }
+inline int __float_as_int(float f) { return ng_emu::bit_cast<int>(f); }
+inline float __int_as_float(int x) { return ng_emu::bit_cast<float>(x); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }

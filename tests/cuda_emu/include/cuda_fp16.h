@@ -18,16 +18,15 @@ struct __half2 {
 };
 
 namespace ng_emu {
-inline uint32_t f32_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
+/* The bits of `from` as a To of the same size. */
+template <typename To, typename From> inline To bit_cast(From from) {
+    static_assert(sizeof(To) == sizeof(From), "bit_cast between types of different sizes");
+    To to;
+    memcpy(&to, &from, sizeof to);
+    return to;
 }
-inline float bits_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+inline uint32_t f32_bits(float f) { return bit_cast<uint32_t>(f); }
+inline float bits_f32(uint32_t u) { return bit_cast<float>(u); }
 /* Round-to-nearest-even of a positive integer m shifted right by s bits. */
 inline uint32_t rne_shift(uint32_t m, int s) {
     if (s <= 0) return m << -s;
