@@ -52,14 +52,15 @@ static ng_gg_norm gg_norm_arg(ng_frame *f, double norm_type) {
     ng_fail(f, "norm_type must be 2.0 or inf, got %g", norm_type);
 }
 
-/* A float32 one-element tensor on the device of inv_scale. */
+/* A float32 one-element tensor on the device of inv_scale; torch_dtype is
+ * the dtype code ng_view_raw returned for it. */
 static void gg_check_scalar(ng_frame *f, const ng_tensor *ref, const ng_tensor *t,
-                            const char *name) {
+                            int32_t torch_dtype, const char *name) {
+    if (torch_dtype != aoti_torch_dtype_float32() || t->numel != 1)
+        ng_fail(f, "%s must be a float32 tensor with one element (got %s, %lld elements)", name,
+                ng_torch_dtype_name(torch_dtype), (long long)t->numel);
     ng_check_device_dtype(f, t, name);
     if (ref) ng_check_same_device(f, ref, "inv_scale", t, name);
-    if (t->dtype != NG_F32 || t->numel != 1)
-        ng_fail(f, "%s must be a float32 tensor with one element (got %s, %lld elements)", name,
-                ng_dtype_name(t->dtype), (long long)t->numel);
 }
 
 /* The Tensor[] argument (stack[0]) into l, validated against inv_scale
@@ -72,8 +73,8 @@ static void gg_read_list(ng_frame *f, gg_list *l, bool mut) {
     l->numels = (int64_t *)ng_frame_calloc(f, len, sizeof *l->numels);
     l->n = len;
 
-    ng_view(f, ng_arg(f, 1), "inv_scale", &l->scale);
-    gg_check_scalar(f, NULL, &l->scale, "inv_scale");
+    const int32_t sdt = ng_view_raw(f, ng_arg(f, 1), "inv_scale", &l->scale);
+    gg_check_scalar(f, NULL, &l->scale, sdt, "inv_scale");
     l->dtype = NG_F32;
     for (size_t k = 0; k < len; k++) {
         ng_tensor *t = &l->t[k];
@@ -181,11 +182,11 @@ static void gg_apply_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
     gg_read_list(&f, &l, true);
     ng_tensor st, fi;
     ng_view(&f, ng_arg(&f, 2), "stats", &st);
-    ng_view_mut(&f, ng_arg(&f, 3), "found_inf", &fi);
+    const int32_t fdt = ng_view_raw_mut(&f, ng_arg(&f, 3), "found_inf", &fi);
     double max_norm = ng_arg_double(stack, 4);
     ng_gg_norm norm = gg_norm_arg(&f, ng_arg_double(stack, 5));
     gg_check_stats(&f, &l, &st);
-    gg_check_scalar(&f, &l.scale, &fi, "found_inf");
+    gg_check_scalar(&f, &l.scale, &fi, fdt, "found_inf");
     gg_check_max_norm(&f, max_norm);
     AtenTensorHandle tn = gg_apply(&f, &l, &st, &fi, max_norm, norm);
     ng_ret_tensor(&f, stack, 0, tn);
@@ -200,10 +201,10 @@ static void gg_fused_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
     gg_list l = {0};
     gg_read_list(&f, &l, true);
     ng_tensor fi;
-    ng_view_mut(&f, ng_arg(&f, 2), "found_inf", &fi);
+    const int32_t fdt = ng_view_raw_mut(&f, ng_arg(&f, 2), "found_inf", &fi);
     double max_norm = ng_arg_double(stack, 3);
     ng_gg_norm norm = gg_norm_arg(&f, ng_arg_double(stack, 4));
-    gg_check_scalar(&f, &l.scale, &fi, "found_inf");
+    gg_check_scalar(&f, &l.scale, &fi, fdt, "found_inf");
     gg_check_max_norm(&f, max_norm);
     AtenTensorHandle st = gg_reduce(&f, &l, norm);
     ng_tensor sv;

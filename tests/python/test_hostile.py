@@ -743,3 +743,13 @@ def test_every_failing_case_in_a_loop_leaks_nothing():
     assert calls == rounds * len(failing) > 1000
     assert [t._use_count() for t in tensors] == uses
     assert grown < RSS_MARGIN_MIB, f"RSS grew by {grown:.1f} MiB over {calls} failing calls"
+
+
+def test_scalar_tensors_name_the_one_dtype_they_take():
+    """inv_scale and found_inf take float32 only; an integer one is told so
+    (review S3: the message used to list the four float dtypes)."""
+    g = [torch.randn(3)]
+    with pytest.raises(RuntimeError, match="found_inf must be a float32 tensor with one element.*int64"):
+        ops.fused_unscale_clip_(g, torch.ones(1), torch.zeros(1, dtype=torch.int64), 1.0, 2.0)
+    with pytest.raises(RuntimeError, match="inv_scale must be a float32 tensor with one element.*bool"):
+        ops.grad_guard_reduce(g, torch.ones(1, dtype=torch.bool), 2.0)
