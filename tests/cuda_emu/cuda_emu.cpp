@@ -625,12 +625,24 @@ cudaError_t injected(const char *call) {
 }
 long long g_launches;
 
+/* "kernel<T, N> [with ng_dtype T = NG_F16; int N = 64]": the launch's text
+ * and the template arguments of the launcher it is in (from gcc's
+ * __PRETTY_FUNCTION__, without the typedef notes "X = Y" it adds). */
 std::string display_name(const char *kernel, const char *where) {
     std::string k = kernel;
     if (k.size() >= 2 && k.front() == '(' && k.back() == ')') k = k.substr(1, k.size() - 2);
     const char *w = strstr(where, "[with ");
-    if (w) k += std::string(" ") + w;
-    return k;
+    if (!w) return k;
+    std::string args(w + 6), kept;
+    if (!args.empty() && args.back() == ']') args.pop_back();
+    for (size_t at = 0; at <= args.size();) {
+        size_t end = args.find("; ", at);
+        if (end == std::string::npos) end = args.size();
+        const std::string part = args.substr(at, end - at), lhs = part.substr(0, part.find(" = "));
+        if (lhs.find(' ') != std::string::npos) kept += (kept.empty() ? "" : "; ") + part; /* "type name = value" */
+        at = end + 2;
+    }
+    return kept.empty() ? k : k + " [with " + kept + "]";
 }
 
 void poison_shared() {
