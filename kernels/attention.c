@@ -20,6 +20,16 @@
  *   and writes dq.
  * With dropout p, P is multiplied by keep / (1 - p) from the Philox stream of
  *   attention_math.h, in the forward and again in the backward.
+ * Decode (forward, L <= NG_DEC_MAX_L against S >= NG_DEC_MIN_S keys): a
+ *   64-row query block would be mostly padding and every query head would
+ *   re-read (and transpose) its kv head. Instead a task takes a kv head with
+ *   all the query heads of its group and all their rows, reads each K / V row
+ *   once (in place when it is fp32 / fp64), scores by row dots and adds P V
+ *   row by row. When there are few (batch, kv head) pairs the keys are split
+ *   across tasks (split-KV, "flash-decoding"): each split keeps its own
+ *   running max, sum and unnormalised output, and a last pass merges them in
+ *   split order. Split sizes depend on the shape only, never on the thread
+ *   count, so neither does the result.
  *
  * R is fp32 for fp32/fp16/bf16 inputs and fp64 for fp64 (gradcheck). Each R
  * is compiled for baseline x86-64 and for AVX2+FMA (attention_cpu.inc, chosen
@@ -44,12 +54,29 @@
 #define BK 64
 #define NG_FWD_SUB 4 /* most query blocks one forward task keeps */
 
+/* Decode path (short query blocks, attention_cpu.inc's dec_*): keys per
+ * tile, most query rows one task keeps, and the split-KV sizing. */
+#define BKD 64
+#define NG_DEC_ROWS 64
+#define NG_DEC_TASKS 64      /* split long key ranges until there are this many tasks */
+#define NG_DEC_MIN_SPLIT 256 /* but never into splits shorter than this (keys) */
+/* ng_attention_fwd takes the decode path for L <= NG_DEC_MAX_L and
+ * S >= NG_DEC_MIN_S. */
+#define NG_DEC_MAX_L 16
+#define NG_DEC_MIN_S 32
+
 typedef struct ng_attn_ctx {
     const ng_attention_args *a;
     void *D;      /* backward: [B*Hq*L] rowsum(dout * out) */
     void *dq_acc; /* backward: [nchunk][B*Hq][Lp][Ep] partial dq */
     int64_t Lp, nchunk;
     int64_t nsub; /* forward: query blocks per task */
+    /* decode: query heads per task, key splits and keys per split (a
+     * multiple of BKD); with nsplit > 1 each split leaves its (m, l) in
+     * part_ml [nsplit][B*Hq*L][2] and its unnormalised output in part_acc
+     * [nsplit][B*Hq*L][Evp], combined in split order by dec_combine_range */
+    int64_t dgrp, nsplit, split_len;
+    void *part_ml, *part_acc;
     atomic_int failed;
 } ng_attn_ctx;
 
@@ -203,6 +230,165 @@ NG_TARGET_AVX2 static void ng_gemm_f64_avx2(int64_t M, int64_t N, int64_t K, con
 }
 #endif
 
+/* ---- row dots for the decode path: S[r][j] = Q_r . K_j for r < M, j < nk.
+ * Q rows at Q + r * ldq, K rows at K + j * ldk (read straight from the
+ * key cache when its dtype is R's), n columns each. Short query blocks have
+ * too few rows for the micro-kernel above, and K is read in its own row
+ * layout, so nothing is transposed. */
+
+#define NG_DOTS_PLAIN(NAME, T)                                                                     \
+    static void NAME(int64_t M, int64_t nk, int64_t n, const T *Q, int64_t ldq, const T *K,         \
+                     int64_t ldk, T *S, int64_t lds) {                                              \
+        for (int64_t j = 0; j < nk; j++)                                                           \
+            for (int64_t r = 0; r < M; r++) {                                                      \
+                const T *q = Q + r * ldq, *k = K + j * ldk;                                        \
+                T d = 0;                                                                           \
+                _Pragma("omp simd reduction(+ : d)") for (int64_t e = 0; e < n; e++) d += q[e] * k[e]; \
+                S[r * lds + j] = d;                                                                \
+            }                                                                                      \
+    }
+
+NG_DOTS_PLAIN(ng_dots_f32_base, float)
+NG_DOTS_PLAIN(ng_dots_f64, double)
+
+#if NG_X86
+/* The four sums of a0..a3's lanes, in that order. */
+NG_TARGET_AVX2 static inline __m128 ng_hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+NG_TARGET_AVX2 static inline float ng_hsum8(__m256 a) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+/* 2 query rows x 4 keys per step (8 accumulators, 6 loads per 8 FMAs);
+ * n % 8 == 0 (rows zero-padded by the caller when they are not). */
+NG_TARGET_AVX2 static void ng_dots_f32_avx2(int64_t M, int64_t nk, int64_t n, const float *Q, int64_t ldq,
+                                            const float *K, int64_t ldk, float *S, int64_t lds) {
+    int64_t j = 0;
+    for (; j + 4 <= nk; j += 4) {
+        const float *k0 = K + j * ldk, *k1 = k0 + ldk, *k2 = k1 + ldk, *k3 = k2 + ldk;
+        int64_t r = 0;
+        for (; r + 2 <= M; r += 2) {
+            const float *q0 = Q + r * ldq, *q1 = q0 + ldq;
+            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+            __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+            for (int64_t e = 0; e < n; e += 8) {
+                const __m256 x0 = _mm256_loadu_ps(q0 + e), x1 = _mm256_loadu_ps(q1 + e);
+                __m256 y = _mm256_loadu_ps(k0 + e);
+                a00 = _mm256_fmadd_ps(x0, y, a00); a10 = _mm256_fmadd_ps(x1, y, a10);
+                y = _mm256_loadu_ps(k1 + e);
+                a01 = _mm256_fmadd_ps(x0, y, a01); a11 = _mm256_fmadd_ps(x1, y, a11);
+                y = _mm256_loadu_ps(k2 + e);
+                a02 = _mm256_fmadd_ps(x0, y, a02); a12 = _mm256_fmadd_ps(x1, y, a12);
+                y = _mm256_loadu_ps(k3 + e);
+                a03 = _mm256_fmadd_ps(x0, y, a03); a13 = _mm256_fmadd_ps(x1, y, a13);
+            }
+            _mm_storeu_ps(S + r * lds + j, ng_hsum4(a00, a01, a02, a03));
+            _mm_storeu_ps(S + (r + 1) * lds + j, ng_hsum4(a10, a11, a12, a13));
+        }
+        for (; r < M; r++) {
+            const float *q0 = Q + r * ldq;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t e = 0; e < n; e += 8) {
+                const __m256 x0 = _mm256_loadu_ps(q0 + e);
+                a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k0 + e), a0);
+                a1 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k1 + e), a1);
+                a2 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k2 + e), a2);
+                a3 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k3 + e), a3);
+            }
+            _mm_storeu_ps(S + r * lds + j, ng_hsum4(a0, a1, a2, a3));
+        }
+    }
+    for (; j < nk; j++) {
+        const float *k0 = K + j * ldk;
+        for (int64_t r = 0; r < M; r++) {
+            const float *q0 = Q + r * ldq;
+            __m256 a0 = _mm256_setzero_ps();
+            for (int64_t e = 0; e < n; e += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + e), _mm256_loadu_ps(k0 + e), a0);
+            S[r * lds + j] = ng_hsum8(a0);
+        }
+    }
+}
+#endif
+
+/* ---- P V for the decode path: C[r][d] += sum_j P[r][j] V[j][d] for r < M,
+ * j < nk, d < n. V is read row after row (straight from the value cache
+ * when its dtype is R's): the micro-kernel's 16-column strips would walk
+ * every V row of the tile once per strip. */
+
+#define NG_PV_PLAIN(NAME, T)                                                                       \
+    static void NAME(int64_t M, int64_t nk, int64_t n, const T *P, int64_t lds, const T *V,         \
+                     int64_t ldv, T *C, int64_t ldc) {                                              \
+        for (int64_t j = 0; j < nk; j++)                                                           \
+            for (int64_t r = 0; r < M; r++) {                                                      \
+                const T p = P[r * lds + j], *v = V + j * ldv;                                      \
+                T *c = C + r * ldc;                                                                \
+                _Pragma("omp simd") for (int64_t d = 0; d < n; d++) c[d] += p * v[d];              \
+            }                                                                                      \
+    }
+
+NG_PV_PLAIN(ng_pv_f32_base, float)
+NG_PV_PLAIN(ng_pv_f64, double)
+
+#if NG_X86
+/* 2 rows x 4 keys per step: 4 V loads and 2 accumulator loads / stores per
+ * 8 FMAs; n % 8 == 0. */
+NG_TARGET_AVX2 static void ng_pv_f32_avx2(int64_t M, int64_t nk, int64_t n, const float *P, int64_t lds,
+                                          const float *V, int64_t ldv, float *C, int64_t ldc) {
+    int64_t j = 0;
+    for (; j + 4 <= nk; j += 4) {
+        const float *v0 = V + j * ldv, *v1 = v0 + ldv, *v2 = v1 + ldv, *v3 = v2 + ldv;
+        int64_t r = 0;
+        for (; r + 2 <= M; r += 2) {
+            const float *p = P + r * lds + j;
+            const __m256 p00 = _mm256_broadcast_ss(p), p01 = _mm256_broadcast_ss(p + 1);
+            const __m256 p02 = _mm256_broadcast_ss(p + 2), p03 = _mm256_broadcast_ss(p + 3);
+            const __m256 p10 = _mm256_broadcast_ss(p + lds), p11 = _mm256_broadcast_ss(p + lds + 1);
+            const __m256 p12 = _mm256_broadcast_ss(p + lds + 2), p13 = _mm256_broadcast_ss(p + lds + 3);
+            float *c0 = C + r * ldc, *c1 = c0 + ldc;
+            for (int64_t d = 0; d < n; d += 8) {
+                const __m256 y0 = _mm256_loadu_ps(v0 + d), y1 = _mm256_loadu_ps(v1 + d);
+                const __m256 y2 = _mm256_loadu_ps(v2 + d), y3 = _mm256_loadu_ps(v3 + d);
+                __m256 a = _mm256_fmadd_ps(p00, y0, _mm256_loadu_ps(c0 + d));
+                __m256 b = _mm256_fmadd_ps(p10, y0, _mm256_loadu_ps(c1 + d));
+                a = _mm256_fmadd_ps(p01, y1, a);
+                b = _mm256_fmadd_ps(p11, y1, b);
+                a = _mm256_fmadd_ps(p02, y2, a);
+                b = _mm256_fmadd_ps(p12, y2, b);
+                _mm256_storeu_ps(c0 + d, _mm256_fmadd_ps(p03, y3, a));
+                _mm256_storeu_ps(c1 + d, _mm256_fmadd_ps(p13, y3, b));
+            }
+        }
+        for (; r < M; r++) {
+            const float *p = P + r * lds + j;
+            const __m256 p0 = _mm256_broadcast_ss(p), p1 = _mm256_broadcast_ss(p + 1);
+            const __m256 p2 = _mm256_broadcast_ss(p + 2), p3 = _mm256_broadcast_ss(p + 3);
+            float *c0 = C + r * ldc;
+            for (int64_t d = 0; d < n; d += 8) {
+                __m256 a = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + d), _mm256_loadu_ps(c0 + d));
+                a = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + d), a);
+                a = _mm256_fmadd_ps(p2, _mm256_loadu_ps(v2 + d), a);
+                _mm256_storeu_ps(c0 + d, _mm256_fmadd_ps(p3, _mm256_loadu_ps(v3 + d), a));
+            }
+        }
+    }
+    for (; j < nk; j++) {
+        const float *v0 = V + j * ldv;
+        for (int64_t r = 0; r < M; r++) {
+            const __m256 p0 = _mm256_broadcast_ss(P + r * lds + j);
+            float *c0 = C + r * ldc;
+            for (int64_t d = 0; d < n; d += 8)
+                _mm256_storeu_ps(c0 + d, _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + d), _mm256_loadu_ps(c0 + d)));
+        }
+    }
+}
+#endif
+
 /* p[j] = exp(x[j] - m) in place, returns the sum (m finite or NaN). Kept
  * out of line: inlined into the tile loop, GCC 12 leaves it scalar. */
 #define NG_EXP_ROW_F32(NAME, ATTRS)                                            \
@@ -284,22 +470,34 @@ static double ng_exp_row_f64(double *x, int64_t n, double m) {
 #define SFX(n) n##_f32_base
 #define ATTR
 #define GEMM ng_gemm_f32_base
+#define DOTS ng_dots_f32_base
+#define PV ng_pv_f32_base
+#define DOTS_ALIGN 1
 #define EXP_ROW ng_exp_row_f32_base
 #include "kernels/attention_cpu.inc"
 #undef SFX
 #undef ATTR
 #undef GEMM
+#undef DOTS
+#undef PV
+#undef DOTS_ALIGN
 #undef EXP_ROW
 
 #if NG_X86
 #define SFX(n) n##_f32_avx2
 #define ATTR NG_TARGET_AVX2
 #define GEMM ng_gemm_f32_avx2
+#define DOTS ng_dots_f32_avx2
+#define PV ng_pv_f32_avx2
+#define DOTS_ALIGN 8
 #define EXP_ROW ng_exp_row_f32_avx2
 #include "kernels/attention_cpu.inc"
 #undef SFX
 #undef ATTR
 #undef GEMM
+#undef DOTS
+#undef PV
+#undef DOTS_ALIGN
 #undef EXP_ROW
 #endif
 
@@ -326,29 +524,41 @@ static double ng_exp_row_f64(double *x, int64_t n, double m) {
 #define SFX(n) n##_f64_base
 #define ATTR
 #define GEMM ng_gemm_f64_base
+#define DOTS ng_dots_f64
+#define PV ng_pv_f64
+#define DOTS_ALIGN 1
 #define EXP_ROW ng_exp_row_f64
 #include "kernels/attention_cpu.inc"
 #undef SFX
 #undef ATTR
 #undef GEMM
+#undef DOTS
+#undef PV
+#undef DOTS_ALIGN
 #undef EXP_ROW
 
 #if NG_X86
 #define SFX(n) n##_f64_avx2
 #define ATTR NG_TARGET_AVX2
 #define GEMM ng_gemm_f64_avx2
+#define DOTS ng_dots_f64
+#define PV ng_pv_f64
+#define DOTS_ALIGN 1
 #define EXP_ROW ng_exp_row_f64
 #include "kernels/attention_cpu.inc"
 #undef SFX
 #undef ATTR
 #undef GEMM
+#undef DOTS
+#undef PV
+#undef DOTS_ALIGN
 #undef EXP_ROW
 #endif
 
 /* ---- dispatch ------------------------------------------------------------ */
 
 typedef struct ng_attn_variant {
-    ng_range_fn fwd, bwd_prep, bwd, dq_store;
+    ng_range_fn fwd, bwd_prep, bwd, dq_store, dec, dec_combine;
 } ng_attn_variant;
 
 static ng_attn_variant ng_attn_pick(ng_dtype t) {
@@ -356,19 +566,19 @@ static ng_attn_variant ng_attn_pick(ng_dtype t) {
     ng_attn_variant v;
     if (t == NG_F64) {
         v = (ng_attn_variant){fwd_range_f64_base, bwd_prep_range_f64_base, bwd_range_f64_base,
-                              dq_store_range_f64_base};
+                              dq_store_range_f64_base, dec_range_f64_base, dec_combine_range_f64_base};
 #if NG_X86
         if (wide)
             v = (ng_attn_variant){fwd_range_f64_avx2, bwd_prep_range_f64_avx2, bwd_range_f64_avx2,
-                                  dq_store_range_f64_avx2};
+                                  dq_store_range_f64_avx2, dec_range_f64_avx2, dec_combine_range_f64_avx2};
 #endif
     } else {
         v = (ng_attn_variant){fwd_range_f32_base, bwd_prep_range_f32_base, bwd_range_f32_base,
-                              dq_store_range_f32_base};
+                              dq_store_range_f32_base, dec_range_f32_base, dec_combine_range_f32_base};
 #if NG_X86
         if (wide)
             v = (ng_attn_variant){fwd_range_f32_avx2, bwd_prep_range_f32_avx2, bwd_range_f32_avx2,
-                                  dq_store_range_f32_avx2};
+                                  dq_store_range_f32_avx2, dec_range_f32_avx2, dec_combine_range_f32_avx2};
 #endif
     }
     (void)wide;
@@ -424,10 +634,53 @@ static ng_attention_args ng_attn_normalize(const ng_attention_args *a) {
     return n;
 }
 
+/* The decode path on normalized args: tasks over (batch, kv head, group of
+ * its query heads, split of the keys), then the combine pass when the keys
+ * were split. Split sizes are a function of the shape alone. */
+static ng_status ng_attn_decode(const ng_attention_args *a, ng_parallel_fn par) {
+    ng_attn_variant v = ng_attn_pick(a->dtype);
+    ng_attn_ctx c = {.a = a};
+    atomic_init(&c.failed, 0);
+    const int64_t grp = a->Hq / a->Hkv;
+    c.dgrp = NG_MAX(1, NG_MIN(grp, NG_DEC_ROWS / a->L));
+    const int64_t groups = a->B * a->Hkv * NG_CEIL_DIV(grp, c.dgrp);
+    const int64_t klen = a->is_causal ? NG_MIN(a->S, a->L) : a->S;
+    /* split while there are fewer than NG_DEC_TASKS tasks and every split
+     * keeps at least NG_DEC_MIN_SPLIT keys */
+    int64_t nsplit = 1;
+    while (groups * nsplit < NG_DEC_TASKS && klen / (nsplit * 2) >= NG_DEC_MIN_SPLIT) nsplit *= 2;
+    c.split_len = NG_MAX(BKD, NG_CEIL_DIV(NG_CEIL_DIV(klen, nsplit), BKD) * BKD);
+    c.nsplit = NG_MAX(1, NG_CEIL_DIV(klen, c.split_len));
+    if (c.nsplit > 1) {
+        const size_t rs = a->dtype == NG_F64 ? sizeof(double) : sizeof(float);
+        const int64_t rows = a->B * a->Hq * a->L, Evp = NG_CEIL_DIV(a->Ev, 16) * 16;
+        c.part_ml = ng_attn_alloc(rs * (size_t)(c.nsplit * rows * 2));
+        c.part_acc = ng_attn_alloc(rs * (size_t)(c.nsplit * rows * Evp));
+        if (!c.part_ml || !c.part_acc) {
+            free(c.part_ml);
+            free(c.part_acc);
+            return NG_ERR_ALLOC;
+        }
+    }
+    ng_parallel_run(par, groups * c.nsplit, 1, v.dec, &c);
+    if (c.nsplit > 1 && !atomic_load(&c.failed)) ng_parallel_run(par, a->B * a->Hq * a->L, 16, v.dec_combine, &c);
+    free(c.part_ml);
+    free(c.part_acc);
+    return atomic_load(&c.failed) ? NG_ERR_ALLOC : NG_OK;
+}
+
+ng_status ng_attention_fwd_decode(const ng_attention_args *args, ng_parallel_fn par) {
+    NG_TRY(ng_attention_check(args, 0));
+    if (args->B == 0 || args->L == 0) return NG_OK;
+    ng_attention_args a = ng_attn_normalize(args);
+    return ng_attn_decode(&a, par);
+}
+
 ng_status ng_attention_fwd(const ng_attention_args *args, ng_parallel_fn par) {
     NG_TRY(ng_attention_check(args, 0));
     if (args->B == 0 || args->L == 0) return NG_OK;
     ng_attention_args a = ng_attn_normalize(args);
+    if (a.L <= NG_DEC_MAX_L && a.S >= NG_DEC_MIN_S) return ng_attn_decode(&a, par);
     ng_attn_variant v = ng_attn_pick(a.dtype);
     ng_attn_ctx c = {.a = &a};
     atomic_init(&c.failed, 0);

@@ -61,9 +61,19 @@ typedef struct ng_attention_args {
 /* Shape, stride and pointer checks shared by every entry point. */
 ng_status ng_attention_check(const ng_attention_args *a, int backward);
 
-/* CPU kernels; par == NULL runs serially. */
+/* CPU kernels; par == NULL runs serially. ng_attention_fwd takes the
+ * decode path below for short query blocks (L <= 16) against S >= 32 keys,
+ * the tiled flash path otherwise. */
 ng_status ng_attention_fwd(const ng_attention_args *a, ng_parallel_fn par);
 ng_status ng_attention_bwd(const ng_attention_args *a, ng_parallel_fn par);
+
+/* The CPU forward's decode path for any shape (tests; ng_attention_fwd
+ * picks it on its own): the query heads of a kv head and all their rows
+ * share one read of each K / V row, long key ranges are split across tasks
+ * and the splits' softmax statistics combined in a fixed order, so the
+ * result does not depend on the runner. Same outputs, lse, masking,
+ * guards, dropout elements and NaN rule as ng_attention_fwd. */
+ng_status ng_attention_fwd_decode(const ng_attention_args *a, ng_parallel_fn par);
 
 /* CUDA launchers (kernels/attention.cu): fp32 / fp16 / bf16 (fp64 gives
  * NG_ERR_DTYPE), lse fp32, stream is a cudaStream_t. Neither allocates: the

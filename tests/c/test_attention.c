@@ -153,6 +153,7 @@ typedef struct tcase {
     int64_t B, Hq, Hkv, L, S, E, Ev;
     int mask, mshape, full_rows, causal, bshd;
     double max_score, softcap, dropout, mag;
+    int64_t tail; /* with a mask: the last `tail` keys are masked in every row */
 } tcase;
 
 typedef struct tensor {
@@ -292,7 +293,41 @@ static void chunky_par(int64_t n, int64_t grain, ng_range_fn fn, void *ctx) {
     for (int64_t end = n; end > 0; end -= step) fn(end - step < 0 ? 0 : end - step, end, ctx);
 }
 
-static void run_case(const tcase *c, ng_dtype t, ng_parallel_fn par) {
+/* Another split: one index per call, odd indices first, then even ones. */
+static void striped_par(int64_t n, int64_t grain, ng_range_fn fn, void *ctx) {
+    (void)grain;
+    for (int64_t i = 1; i < n; i += 2) fn(i, i + 1, ctx);
+    for (int64_t i = 0; i < n; i += 2) fn(i, i + 1, ctx);
+}
+
+typedef ng_status (*fwd_fn)(const ng_attention_args *a, ng_parallel_fn par);
+
+/* The decode path's result must not depend on the runner: the same case
+ * serially and under two runners that split the tasks differently gives
+ * bit-identical out and lse; and ng_attention_fwd, which picks the decode
+ * path for short query blocks, gives exactly the same. */
+static void check_decode_runners(const tcase *c, ng_dtype t, const ng_attention_args *a0, const tensor *o,
+                                 const void *lse, size_t lse_bytes) {
+    ng_attention_args a = *a0;
+    size_t obytes = (size_t)o->n * ng_dtype_size(t);
+    void *o2 = malloc(obytes + 1), *l2 = malloc(lse_bytes + 1);
+    const ng_parallel_fn runners[3] = {NULL, chunky_par, striped_par};
+    for (int ri = 0; ri < 4; ri++) {
+        memset(o2, 0x7f, obytes + 1);
+        memset(l2, 0x7f, lse_bytes + 1);
+        a.out = o2;
+        a.lse = l2;
+        ng_status st = ri < 3 ? ng_attention_fwd_decode(&a, runners[ri]) : ng_attention_fwd(&a, chunky_par);
+        if (ri == 3 && !(c->L <= 16 && c->S >= 32)) break; /* the tiled path: not expected to match bits */
+        CHECK(st == NG_OK && memcmp(o2, o->p, obytes) == 0 && memcmp(l2, lse, lse_bytes) == 0,
+              "%s %s: decode forward with runner %d is not bit-identical to the serial run", c->name,
+              ng_dtype_name(t), ri);
+    }
+    free(o2);
+    free(l2);
+}
+
+static void run_case(const tcase *c, ng_dtype t, ng_parallel_fn par, fwd_fn fwd) {
     const int64_t B = c->B, Hq = c->Hq, Hkv = c->Hkv, L = c->L, S = c->S, E = c->E, Ev = c->Ev;
     g_rng.s = 0x9E3779B97F4A7C15ull ^ (uint64_t)(L * 131 + S * 7 + E + Ev * 3 + (int64_t)t * 1000003);
     tensor q = make(t, B, Hq, L, E, c->bshd), k = make(t, B, Hkv, S, E, c->bshd), v = make(t, B, Hkv, S, Ev, c->bshd);
@@ -330,6 +365,7 @@ static void run_case(const tcase *c, ng_dtype t, ng_parallel_fn par) {
             if (c->full_rows && mL > 1 && i % 5 == 2) m = 1; /* fully masked rows */
             if (c->full_rows && mL == 1 && (x / S) % 2 == 1) m = 1; /* a fully padded batch row */
             if (j == 0 && !(c->full_rows)) m = 0;                /* keep rows non-empty otherwise */
+            if (j >= S - c->tail) m = 1;                          /* a padded tail (whole key splits) */
             mflag[x] = (uint8_t)m;
             if (c->mask == MASK_BOOL) {
                 ((uint8_t *)mstore)[x] = (uint8_t)!m;
@@ -391,8 +427,19 @@ static void run_case(const tcase *c, ng_dtype t, ng_parallel_fn par) {
     r.dv = calloc((size_t)(B * Hkv * S * Ev + 1), sizeof(double));
     reference(c, t, &q, &k, &v, &dout, masked, addv, scale, a.seed, a.offset, &r);
 
-    ng_status st = ng_attention_fwd(&a, par);
+    ng_status st = fwd(&a, par);
     CHECK(st == NG_OK, "%s %s fwd status %s", c->name, ng_dtype_name(t), ng_status_str(st));
+    if (fwd == ng_attention_fwd_decode) {
+        check_decode_runners(c, t, &a, &o, lse, rs * (size_t)(B * Hq * L));
+        /* fully masked rows: exactly 0 */
+        int nonzero = 0;
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < Hq; h++)
+                for (int64_t i = 0; i < L; i++)
+                    if (r.lse[(b * Hq + h) * L + i] == -INFINITY)
+                        for (int64_t d = 0; d < Ev; d++) nonzero += get(&o, t, b, h, i, d) != 0.0;
+        CHECK(nonzero == 0, "%s %s: %d outputs of fully masked rows are not 0", c->name, ng_dtype_name(t), nonzero);
+    }
     st = ng_attention_bwd(&a, par);
     CHECK(st == NG_OK, "%s %s bwd status %s", c->name, ng_dtype_name(t), ng_status_str(st));
 
@@ -419,38 +466,123 @@ static void run_case(const tcase *c, ng_dtype t, ng_parallel_fn par) {
 }
 
 static const tcase g_cases[] = {
-    /* name            B  Hq Hkv  L    S    E    Ev  mask          mshape   full causal bshd  clamp soft drop mag */
-    {"plain",          2, 2, 2,   33,  47,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1},
-    {"L1",             1, 3, 3,   1,   5,   8,   8,  MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1},
-    {"L7_S129_E40",    1, 2, 2,   7,   129, 40,  40, MASK_NONE,    MB_FULL, 0, 0, 1, 0, 0, 0, 1},
-    {"L129_E80",       1, 1, 1,   129, 70,  80,  80, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1},
-    {"E256",           1, 1, 1,   65,  66,  256, 256, MASK_NONE,   MB_FULL, 0, 0, 0, 0, 0, 0, 1},
-    {"Ev_ne_E",        1, 2, 1,   20,  30,  24,  40, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1},
-    {"gqa",            2, 4, 2,   70,  65,  32,  32, MASK_NONE,    MB_FULL, 0, 0, 1, 0, 0, 0, 1},
-    {"causal",         1, 2, 2,   129, 129, 16,  16, MASK_NONE,    MB_FULL, 0, 1, 0, 0, 0, 0, 1},
-    {"causal_L_lt_S",  1, 2, 1,   7,   100, 16,  16, MASK_NONE,    MB_FULL, 0, 1, 0, 0, 0, 0, 1},
-    {"causal_L_gt_S",  1, 1, 1,   100, 7,   16,  16, MASK_NONE,    MB_FULL, 0, 1, 0, 0, 0, 0, 1},
-    {"bool",           2, 2, 2,   40,  70,  16,  16, MASK_BOOL,    MB_FULL, 0, 0, 0, 0, 0, 0, 1},
-    {"bool_full_rows", 1, 2, 2,   23,  80,  8,   8,  MASK_BOOL,    MB_FULL, 1, 0, 0, 0, 0, 0, 1},
-    {"add_neginf",     2, 2, 1,   23,  31,  16,  16, MASK_NEG_INF, MB_FULL, 1, 0, 0, 0, 0, 0, 1},
-    {"add_lowest",     1, 2, 2,   23,  31,  16,  16, MASK_LOWEST,  MB_LS,   1, 0, 1, 0, 0, 0, 1},
-    {"pad_mask",       2, 2, 2,   9,   77,  16,  16, MASK_LOWEST,  MB_PAD,  1, 0, 0, 0, 0, 0, 1},
-    {"bool_causal",    1, 2, 2,   30,  30,  16,  16, MASK_BOOL,    MB_LS,   0, 1, 0, 0, 0, 0, 1},
-    {"clamp",          1, 2, 2,   20,  33,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 2.5, 0, 0, 4},
-    {"softcap",        1, 2, 2,   20,  33,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 3.0, 0, 4},
-    {"clamp_softcap",  1, 2, 1,   20,  33,  16,  16, MASK_NEG_INF, MB_FULL, 1, 1, 0, 3.0, 2.0, 0, 4},
-    {"dropout",        1, 2, 2,   37,  70,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0.3, 1},
-    {"dropout_mask",   1, 2, 1,   20,  20,  8,   8,  MASK_BOOL,    MB_FULL, 1, 1, 0, 0, 0, 0.5, 1},
-    {"empty_S",        1, 2, 2,   5,   0,   8,   8,  MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1},
+    /* name            B  Hq Hkv  L    S    E    Ev  mask          mshape   full causal bshd  clamp soft drop mag tail */
+    {"plain",          2, 2, 2,   33,  47,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
+    {"L1",             1, 3, 3,   1,   5,   8,   8,  MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
+    {"L7_S129_E40",    1, 2, 2,   7,   129, 40,  40, MASK_NONE,    MB_FULL, 0, 0, 1, 0, 0, 0, 1, 0},
+    {"L129_E80",       1, 1, 1,   129, 70,  80,  80, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
+    {"E256",           1, 1, 1,   65,  66,  256, 256, MASK_NONE,   MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
+    {"Ev_ne_E",        1, 2, 1,   20,  30,  24,  40, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
+    {"gqa",            2, 4, 2,   70,  65,  32,  32, MASK_NONE,    MB_FULL, 0, 0, 1, 0, 0, 0, 1, 0},
+    {"causal",         1, 2, 2,   129, 129, 16,  16, MASK_NONE,    MB_FULL, 0, 1, 0, 0, 0, 0, 1, 0},
+    {"causal_L_lt_S",  1, 2, 1,   7,   100, 16,  16, MASK_NONE,    MB_FULL, 0, 1, 0, 0, 0, 0, 1, 0},
+    {"causal_L_gt_S",  1, 1, 1,   100, 7,   16,  16, MASK_NONE,    MB_FULL, 0, 1, 0, 0, 0, 0, 1, 0},
+    {"bool",           2, 2, 2,   40,  70,  16,  16, MASK_BOOL,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
+    {"bool_full_rows", 1, 2, 2,   23,  80,  8,   8,  MASK_BOOL,    MB_FULL, 1, 0, 0, 0, 0, 0, 1, 0},
+    {"add_neginf",     2, 2, 1,   23,  31,  16,  16, MASK_NEG_INF, MB_FULL, 1, 0, 0, 0, 0, 0, 1, 0},
+    {"add_lowest",     1, 2, 2,   23,  31,  16,  16, MASK_LOWEST,  MB_LS,   1, 0, 1, 0, 0, 0, 1, 0},
+    {"pad_mask",       2, 2, 2,   9,   77,  16,  16, MASK_LOWEST,  MB_PAD,  1, 0, 0, 0, 0, 0, 1, 0},
+    {"bool_causal",    1, 2, 2,   30,  30,  16,  16, MASK_BOOL,    MB_LS,   0, 1, 0, 0, 0, 0, 1, 0},
+    {"clamp",          1, 2, 2,   20,  33,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 2.5, 0, 0, 4, 0},
+    {"softcap",        1, 2, 2,   20,  33,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 3.0, 0, 4, 0},
+    {"clamp_softcap",  1, 2, 1,   20,  33,  16,  16, MASK_NEG_INF, MB_FULL, 1, 1, 0, 3.0, 2.0, 0, 4, 0},
+    {"dropout",        1, 2, 2,   37,  70,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0.3, 1, 0},
+    {"dropout_mask",   1, 2, 1,   20,  20,  8,   8,  MASK_BOOL,    MB_FULL, 1, 1, 0, 0, 0, 0.5, 1, 0},
+    {"empty_S",        1, 2, 2,   5,   0,   8,   8,  MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
     /* >= 64 forward tasks: several query blocks share each K/V tile (nsub 2 and 4) */
-    {"many_heads",     4, 8, 4,   300, 70,  8,   8,  MASK_BOOL,    MB_PAD,  1, 0, 0, 0, 0, 0, 1},
-    {"many_causal",    4, 8, 8,   260, 260, 8,   8,  MASK_NONE,    MB_FULL, 0, 1, 1, 0, 0, 0, 1},
-    {"nsub2_drop",     2, 8, 8,   400, 40,  8,   8,  MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0.2, 1},
+    {"many_heads",     4, 8, 4,   300, 70,  8,   8,  MASK_BOOL,    MB_PAD,  1, 0, 0, 0, 0, 0, 1, 0},
+    {"many_causal",    4, 8, 8,   260, 260, 8,   8,  MASK_NONE,    MB_FULL, 0, 1, 1, 0, 0, 0, 1, 0},
+    {"nsub2_drop",     2, 8, 8,   400, 40,  8,   8,  MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0.2, 1, 0},
 };
+
+/* The decode path (ng_attention_fwd_decode, which ng_attention_fwd takes for
+ * L <= 16 and S >= 32): short query blocks, GQA / MQA groups sharing each
+ * K / V read, key ranges split across tasks (nsplit > 1 from about 512 keys
+ * when there are few (batch, kv head) pairs), splits that see only masked
+ * keys, E not a multiple of 8 (K converted, not read in place). Each case
+ * also checks runner independence and that the backward, fed this forward's
+ * out and lse, matches the reference. */
+static const tcase g_dec_cases[] = {
+    /* name                  B  Hq Hkv  L   S     E    Ev   mask          mshape   full causal bshd clamp soft drop mag tail */
+    {"dec_S1",               1, 4, 2,   1,  1,    16,  16,  MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
+    {"dec_S2_L3",            2, 2, 1,   3,  2,    8,   8,   MASK_BOOL,    MB_FULL, 1, 0, 0, 0, 0, 0, 1, 0},
+    {"dec_L1_gqa_pad",       2, 8, 2,   1,  2048, 128, 128, MASK_BOOL,    MB_PAD,  1, 0, 0, 0, 0, 0, 1, 0},
+    {"dec_L1_mha_tail",      2, 3, 3,   1,  777,  64,  64,  MASK_NEG_INF, MB_PAD,  1, 0, 0, 0, 0, 0, 1, 400},
+    {"dec_L3_mqa_E36_Ev20",  1, 6, 1,   3,  3001, 36,  20,  MASK_LOWEST,  MB_FULL, 1, 0, 0, 0, 0, 0, 1, 0},
+    {"dec_L16_gqa_ls",       1, 8, 2,   16, 1500, 64,  64,  MASK_BOOL,    MB_LS,   1, 0, 0, 0, 0, 0, 1, 0},
+    {"dec_L16_grp8",         1, 16, 2,  16, 300,  32,  32,  MASK_NONE,    MB_FULL, 0, 0, 1, 0, 0, 0, 1, 0},
+    {"dec_L5_causal",        1, 4, 2,   5,  900,  32,  32,  MASK_NONE,    MB_FULL, 0, 1, 0, 0, 0, 0, 1, 0},
+    {"dec_L2_guards_drop",   1, 4, 2,   2,  1100, 32,  48,  MASK_NEG_INF, MB_FULL, 1, 0, 1, 3.0, 2.0, 0.3, 4, 0},
+    {"dec_L7_bshd_E128",     2, 4, 4,   7,  129,  128, 128, MASK_NONE,    MB_FULL, 0, 0, 1, 0, 0, 0, 1, 0},
+    {"dec_L4_split_tail",    1, 2, 1,   4,  3000, 64,  64,  MASK_LOWEST,  MB_PAD,  0, 0, 0, 0, 0, 0, 1, 1000},
+    {"dec_L9_drop_causal",   1, 4, 1,   9,  40,   16,  16,  MASK_BOOL,    MB_FULL, 1, 1, 0, 0, 0, 0.5, 1, 0},
+    {"dec_L1_E256",          1, 2, 1,   1,  600,  256, 256, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
+    {"dec_L12_E8_Ev24",      3, 4, 4,   12, 70,   8,   24,  MASK_NEG_INF, MB_LS,   1, 0, 0, 0, 0, 0, 1, 0},
+};
+
+/* NaN on the decode path, with GQA heads sharing K / V and the keys split
+ * four ways: a NaN in one query row reaches that row only; a NaN key that a
+ * row attends makes the row NaN, whichever split it falls in; a NaN key
+ * that every row masks changes nothing; a NaN value at an attended key
+ * reaches every row. */
+static void test_decode_nan(void) {
+    enum { Hq = 4, L = 2, S = 1200, E = 16 };
+    static float q[Hq * L * E], k[S * E], v[S * E], o[Hq * L * E], lse[Hq * L];
+    static uint8_t mask[S];
+    g_rng.s = 11;
+    for (int x = 0; x < Hq * L * E; x++) q[x] = (float)urand();
+    for (int x = 0; x < S * E; x++) k[x] = (float)urand();
+    for (int x = 0; x < S * E; x++) v[x] = (float)urand();
+    for (int j = 0; j < S; j++) mask[j] = j != 1000;
+    ng_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.dtype = NG_F32; a.B = 1; a.Hq = Hq; a.Hkv = 1; a.L = L; a.S = S; a.E = E; a.Ev = E;
+    int64_t sq[3] = {Hq * L * E, L * E, E}, sk[3] = {S * E, S * E, E};
+    a.q = q; memcpy(a.q_stride, sq, sizeof sq);
+    a.k = k; memcpy(a.k_stride, sk, sizeof sk);
+    a.v = v; memcpy(a.v_stride, sk, sizeof sk);
+    a.out = o; memcpy(a.out_stride, sq, sizeof sq);
+    a.lse = lse;
+    a.scale = 0.25;
+    /* count rows whose output is all NaN / all finite */
+#define ROWS_NAN(nan_rows, fin_rows)                                                   \
+    do {                                                                               \
+        nan_rows = fin_rows = 0;                                                       \
+        for (int r_ = 0; r_ < Hq * L; r_++) {                                          \
+            int n_ = 0, f_ = 0;                                                        \
+            for (int d_ = 0; d_ < E; d_++) n_ += isnan(o[r_ * E + d_]), f_ += isfinite(o[r_ * E + d_]); \
+            nan_rows += n_ == E;                                                       \
+            fin_rows += f_ == E;                                                       \
+        }                                                                              \
+    } while (0)
+    int nr, fr;
+    q[(1 * L + 0) * E + 5] = NAN; /* head 1, row 0 */
+    CHECK(ng_attention_fwd_decode(&a, chunky_par) == NG_OK, "decode nan fwd");
+    ROWS_NAN(nr, fr);
+    CHECK(nr == 1 && fr == Hq * L - 1 && isnan(o[(1 * L + 0) * E]) && isnan(lse[1 * L]),
+          "decode: NaN in one q row reaches that row only (%d NaN rows, %d finite)", nr, fr);
+    q[(1 * L + 0) * E + 5] = 0.5f;
+    k[1000 * E + 3] = NAN; /* key 1000, in the last split */
+    CHECK(ng_attention_fwd_decode(&a, chunky_par) == NG_OK, "decode nan fwd");
+    ROWS_NAN(nr, fr);
+    CHECK(nr == Hq * L, "decode: a NaN key every row attends reaches every row (%d of %d)", nr, Hq * L);
+    a.mask = mask; a.mask_kind = NG_MASK_BOOL; a.mask_stride[3] = 1; /* [1, 1, 1, S]: key 1000 masked */
+    CHECK(ng_attention_fwd_decode(&a, chunky_par) == NG_OK, "decode nan fwd");
+    ROWS_NAN(nr, fr);
+    CHECK(fr == Hq * L, "decode: a NaN key every row masks changes nothing (%d of %d finite)", fr, Hq * L);
+    k[1000 * E + 3] = 0.5f;
+    v[5 * E + 2] = NAN;
+    CHECK(ng_attention_fwd_decode(&a, chunky_par) == NG_OK, "decode nan fwd");
+    int col = 0;
+    for (int r = 0; r < Hq * L; r++) col += isnan(o[r * E + 2]);
+    CHECK(col == Hq * L, "decode: a NaN value at an attended key reaches every row (%d of %d)", col, Hq * L);
+    v[5 * E + 2] = 0.5f;
+#undef ROWS_NAN
+}
 
 /* fp16 inputs whose q.k exceeds 65504: the output stays finite and matches. */
 static void test_fp16_overflow(void) {
-    tcase c = {"fp16_overflow", 1, 1, 1, 8, 16, 64, 64, MASK_NONE, MB_FULL, 0, 0, 0, 0, 0, 0, 200};
+    tcase c = {"fp16_overflow", 1, 1, 1, 8, 16, 64, 64, MASK_NONE, MB_FULL, 0, 0, 0, 0, 0, 0, 200, 0};
     ng_dtype t = NG_F16;
     g_rng.s = 77;
     tensor q = make(t, 1, 1, 8, 64, 0), k = make(t, 1, 1, 16, 64, 0), v = make(t, 1, 1, 16, 64, 0);
@@ -762,7 +894,12 @@ int main(void) {
         paths++;
         int before = ng_test_failures;
         for (size_t ci = 0; ci < sizeof g_cases / sizeof g_cases[0]; ci++)
-            for (int di = 0; di < 4; di++) run_case(&g_cases[ci], dtypes[di], (ci % 2) ? chunky_par : NULL);
+            for (int di = 0; di < 4; di++)
+                run_case(&g_cases[ci], dtypes[di], (ci % 2) ? chunky_par : NULL, ng_attention_fwd);
+        for (size_t ci = 0; ci < sizeof g_dec_cases / sizeof g_dec_cases[0]; ci++)
+            for (int di = 0; di < 4; di++)
+                run_case(&g_dec_cases[ci], dtypes[di], (ci % 2) ? chunky_par : NULL, ng_attention_fwd_decode);
+        test_decode_nan();
         test_fp16_overflow();
         test_nan_propagates();
         printf("path %s: %s\n", ng_cpu_isa_name((ng_cpu_isa)isa), ng_test_failures == before ? "ok" : "FAILED");

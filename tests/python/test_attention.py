@@ -263,6 +263,82 @@ def test_gqa_matches_pytorch():
                                F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
 
 
+# ---- decode shapes: a few query rows against a long key sequence -------------------
+# The CPU forward takes its decode path for L <= 16 and S >= 32 (one read of
+# each kv head for all the query heads of its group, long key ranges split
+# across tasks and combined in a fixed order); the backward is the usual one,
+# fed that forward's out and lse.
+
+DECODE_CASES = {
+    "L1_gqa_bool_pad": (2, 8, 2, 1, 600, 64, 64, {"mask_kind": "bool", "mask_shape": "pad"}),
+    "L1_mha_S2048_E128": (1, 4, 4, 1, 2048, 128, 128, {}),
+    "L1_mqa_neginf": (1, 4, 1, 1, 1500, 32, 32, {"mask_kind": "neginf"}),
+    "L4_mqa_lowest_full_rows": (1, 6, 1, 4, 1100, 40, 24, {"mask_kind": "lowest", "full_rows": True}),
+    "L3_bool_full_rows_ls": (2, 4, 2, 3, 333, 16, 16, {"mask_kind": "bool", "mask_shape": "ls", "full_rows": True}),
+    "L16_gqa_additive": (1, 8, 2, 16, 513, 64, 64, {"mask_kind": "additive"}),
+    "L3_causal": (1, 4, 2, 3, 700, 32, 32, {"causal": True}),
+    "L2_guards_mask": (1, 4, 2, 2, 900, 32, 32, {"max_score": 3.0, "softcap": 2.0, "scale_in": 2.0,
+                                                 "mask_kind": "neginf", "mask_shape": "ls"}),
+    "L7_S33_odd": (1, 3, 1, 7, 33, 20, 12, {"mask_kind": "bool"}),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_shapes_match_fp64_reference(case, dtype):
+    B, Hq, Hkv, L, S, E, Ev, kw = DECODE_CASES[case]
+    check_case(dtype, B, Hq, Hkv, L, S, E, Ev, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_fully_masked_rows_are_zero_with_lse_minus_inf(dtype):
+    q, k, v = rand((2, 8, 1, 64), dtype, 1), rand((2, 2, 900, 64), dtype, 2), rand((2, 2, 900, 64), dtype, 3)
+    mask = torch.ones(2, 1, 1, 900, dtype=torch.bool)
+    mask[1] = False  # every key of batch row 1 is padding
+    mask[0, ..., 400:] = False  # and most of row 0: whole key splits see only padding
+    out, lse = ops.safe_sdpa.masked(q, k, v, mask, 0.0, False, 0.125, 0.0, 0.0, rng())
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.isneginf(lse[1]).all() and torch.isfinite(lse[0]).all()
+    ref = ref_sdpa(q, k, v, mask=mask, scale=0.125)
+    assert_close(out, ref, "out", dtype)
+
+
+def test_decode_does_not_depend_on_the_thread_count():
+    q = rand((1, 8, 2, 64), torch.float32, 1)
+    k, v = rand((1, 2, 3000, 64), torch.float32, 2), rand((1, 2, 3000, 64), torch.float32, 3)
+    mask = rand((1, 1, 2, 3000), torch.float32, 4) > -1.0
+    ref, ref_lse = ops.safe_sdpa.masked(q, k, v, mask, 0.0, False, 0.125, 0.0, 0.0, rng())
+    n = torch.get_num_threads()
+    try:
+        for t in {1, 2, 3}:
+            torch.set_num_threads(t)
+            out, lse = ops.safe_sdpa.masked(q, k, v, mask, 0.0, False, 0.125, 0.0, 0.0, rng())
+            assert torch.equal(out, ref) and torch.equal(lse, ref_lse), t
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 3, 200), (2, 3, 1, 77)])
+def test_decode_dropout_matches_the_backwards_mask(shape):
+    """The decode forward drops the elements the backward regenerates (same
+    Philox element indices): gradients equal the fp64 reference built from
+    the mask the forward drew."""
+    B, H, L, S = shape
+    p, seed, off = 0.4, 7, 5
+    _, _, d = dropped_probs(B, H, L, S, p, seed, off)
+    keep = d != 0
+    assert 0.5 < keep.double().mean().item() < 0.7
+    q, k, v = (rand(s, torch.float64, i).requires_grad_() for i, s in
+               enumerate([(B, H, L, 8), (B, H, S, 8), (B, H, S, 5)]))
+    args = (p, False, 1 / math.sqrt(8), 0.0, 0.0, rng(seed, off))
+    out, _ = ops.safe_sdpa(q, k, v, *args)
+    ref = ref_sdpa(q, k, v, keep=keep, dropout_p=p)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b)
+
+
 def test_non_contiguous_inputs():
     base = rand((2, 10, 3, 16), torch.float32, 1)  # [B, L, H, E]
     q = base.transpose(1, 2)
