@@ -389,6 +389,115 @@ NG_TARGET_AVX2 static void ng_pv_f32_avx2(int64_t M, int64_t nk, int64_t n, cons
 }
 #endif
 
+#if NG_X86
+/* AVX-512 forms of the two decode kernels (16 lanes; n % 16 == 0): the
+ * decode step of grouped-query attention does 2 x heads x E multiply-adds per
+ * key it reads, enough to make it bound by arithmetic, not memory, on AVX2. */
+NG_TARGET_AVX512 static inline __m256 ng_fold16(__m512 a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+NG_TARGET_AVX512 static void ng_dots_f32_avx512(int64_t M, int64_t nk, int64_t n, const float *Q, int64_t ldq,
+                                                const float *K, int64_t ldk, float *S, int64_t lds) {
+    int64_t j = 0;
+    for (; j + 4 <= nk; j += 4) {
+        const float *k0 = K + j * ldk, *k1 = k0 + ldk, *k2 = k1 + ldk, *k3 = k2 + ldk;
+        int64_t r = 0;
+        for (; r + 2 <= M; r += 2) {
+            const float *q0 = Q + r * ldq, *q1 = q0 + ldq;
+            __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+            __m512 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+            for (int64_t e = 0; e < n; e += 16) {
+                const __m512 x0 = _mm512_loadu_ps(q0 + e), x1 = _mm512_loadu_ps(q1 + e);
+                __m512 y = _mm512_loadu_ps(k0 + e);
+                a00 = _mm512_fmadd_ps(x0, y, a00); a10 = _mm512_fmadd_ps(x1, y, a10);
+                y = _mm512_loadu_ps(k1 + e);
+                a01 = _mm512_fmadd_ps(x0, y, a01); a11 = _mm512_fmadd_ps(x1, y, a11);
+                y = _mm512_loadu_ps(k2 + e);
+                a02 = _mm512_fmadd_ps(x0, y, a02); a12 = _mm512_fmadd_ps(x1, y, a12);
+                y = _mm512_loadu_ps(k3 + e);
+                a03 = _mm512_fmadd_ps(x0, y, a03); a13 = _mm512_fmadd_ps(x1, y, a13);
+            }
+            _mm_storeu_ps(S + r * lds + j, ng_hsum4(ng_fold16(a00), ng_fold16(a01), ng_fold16(a02), ng_fold16(a03)));
+            _mm_storeu_ps(S + (r + 1) * lds + j,
+                          ng_hsum4(ng_fold16(a10), ng_fold16(a11), ng_fold16(a12), ng_fold16(a13)));
+        }
+        for (; r < M; r++) {
+            const float *q0 = Q + r * ldq;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t e = 0; e < n; e += 16) {
+                const __m512 x0 = _mm512_loadu_ps(q0 + e);
+                a0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k0 + e), a0);
+                a1 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k1 + e), a1);
+                a2 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k2 + e), a2);
+                a3 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k3 + e), a3);
+            }
+            _mm_storeu_ps(S + r * lds + j, ng_hsum4(ng_fold16(a0), ng_fold16(a1), ng_fold16(a2), ng_fold16(a3)));
+        }
+    }
+    for (; j < nk; j++) {
+        const float *k0 = K + j * ldk;
+        for (int64_t r = 0; r < M; r++) {
+            const float *q0 = Q + r * ldq;
+            __m512 a0 = _mm512_setzero_ps();
+            for (int64_t e = 0; e < n; e += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + e), _mm512_loadu_ps(k0 + e), a0);
+            S[r * lds + j] = ng_hsum8(ng_fold16(a0));
+        }
+    }
+}
+
+NG_TARGET_AVX512 static void ng_pv_f32_avx512(int64_t M, int64_t nk, int64_t n, const float *P, int64_t lds,
+                                              const float *V, int64_t ldv, float *C, int64_t ldc) {
+    int64_t j = 0;
+    for (; j + 4 <= nk; j += 4) {
+        const float *v0 = V + j * ldv, *v1 = v0 + ldv, *v2 = v1 + ldv, *v3 = v2 + ldv;
+        int64_t r = 0;
+        for (; r + 2 <= M; r += 2) {
+            const float *p = P + r * lds + j;
+            const __m512 p00 = _mm512_set1_ps(p[0]), p01 = _mm512_set1_ps(p[1]);
+            const __m512 p02 = _mm512_set1_ps(p[2]), p03 = _mm512_set1_ps(p[3]);
+            const __m512 p10 = _mm512_set1_ps(p[lds]), p11 = _mm512_set1_ps(p[lds + 1]);
+            const __m512 p12 = _mm512_set1_ps(p[lds + 2]), p13 = _mm512_set1_ps(p[lds + 3]);
+            float *c0 = C + r * ldc, *c1 = c0 + ldc;
+            for (int64_t d = 0; d < n; d += 16) {
+                const __m512 y0 = _mm512_loadu_ps(v0 + d), y1 = _mm512_loadu_ps(v1 + d);
+                const __m512 y2 = _mm512_loadu_ps(v2 + d), y3 = _mm512_loadu_ps(v3 + d);
+                __m512 a = _mm512_fmadd_ps(p00, y0, _mm512_loadu_ps(c0 + d));
+                __m512 b = _mm512_fmadd_ps(p10, y0, _mm512_loadu_ps(c1 + d));
+                a = _mm512_fmadd_ps(p01, y1, a);
+                b = _mm512_fmadd_ps(p11, y1, b);
+                a = _mm512_fmadd_ps(p02, y2, a);
+                b = _mm512_fmadd_ps(p12, y2, b);
+                _mm512_storeu_ps(c0 + d, _mm512_fmadd_ps(p03, y3, a));
+                _mm512_storeu_ps(c1 + d, _mm512_fmadd_ps(p13, y3, b));
+            }
+        }
+        for (; r < M; r++) {
+            const float *p = P + r * lds + j;
+            const __m512 p0 = _mm512_set1_ps(p[0]), p1 = _mm512_set1_ps(p[1]);
+            const __m512 p2 = _mm512_set1_ps(p[2]), p3 = _mm512_set1_ps(p[3]);
+            float *c0 = C + r * ldc;
+            for (int64_t d = 0; d < n; d += 16) {
+                __m512 a = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + d), _mm512_loadu_ps(c0 + d));
+                a = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + d), a);
+                a = _mm512_fmadd_ps(p2, _mm512_loadu_ps(v2 + d), a);
+                _mm512_storeu_ps(c0 + d, _mm512_fmadd_ps(p3, _mm512_loadu_ps(v3 + d), a));
+            }
+        }
+    }
+    for (; j < nk; j++) {
+        const float *v0 = V + j * ldv;
+        for (int64_t r = 0; r < M; r++) {
+            const __m512 p0 = _mm512_set1_ps(P[r * lds + j]);
+            float *c0 = C + r * ldc;
+            for (int64_t d = 0; d < n; d += 16)
+                _mm512_storeu_ps(c0 + d, _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + d), _mm512_loadu_ps(c0 + d)));
+        }
+    }
+}
+#endif
+
 /* p[j] = exp(x[j] - m) in place, returns the sum (m finite or NaN). Kept
  * out of line: inlined into the tile loop, GCC 12 leaves it scalar. */
 #define NG_EXP_ROW_F32(NAME, ATTRS)                                            \
@@ -499,6 +608,25 @@ static double ng_exp_row_f64(double *x, int64_t n, double m) {
 #undef PV
 #undef DOTS_ALIGN
 #undef EXP_ROW
+
+/* the decode path only, with 16-lane dots and P V */
+#define DEC_ONLY
+#define SFX(n) n##_f32_avx512
+#define ATTR NG_TARGET_AVX512
+#define GEMM ng_gemm_f32_avx2
+#define DOTS ng_dots_f32_avx512
+#define PV ng_pv_f32_avx512
+#define DOTS_ALIGN 16
+#define EXP_ROW ng_exp_row_f32_avx2
+#include "kernels/attention_cpu.inc"
+#undef SFX
+#undef ATTR
+#undef GEMM
+#undef DOTS
+#undef PV
+#undef DOTS_ALIGN
+#undef EXP_ROW
+#undef DEC_ONLY
 #endif
 
 #undef M_STORE
@@ -579,6 +707,10 @@ static ng_attn_variant ng_attn_pick(ng_dtype t) {
         if (wide)
             v = (ng_attn_variant){fwd_range_f32_avx2, bwd_prep_range_f32_avx2, bwd_range_f32_avx2,
                                   dq_store_range_f32_avx2, dec_range_f32_avx2, dec_combine_range_f32_avx2};
+        if (ng_cpu_isa_active() >= NG_ISA_AVX512) {
+            v.dec = dec_range_f32_avx512;
+            v.dec_combine = dec_combine_range_f32_avx512;
+        }
 #endif
     }
     (void)wide;
