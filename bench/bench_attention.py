@@ -13,13 +13,25 @@ beyond the inputs).
 
     python bench/bench_attention.py [--device cuda] [--repeats 5] [--no-memory]
     python bench/bench_attention.py --flash      # CUDA: TFLOP/s against flash
+    python bench/bench_attention.py --decode     # decode steps, KV-read bandwidth
+    python bench/bench_attention.py --forward    # forward only, inference mode
 
 --flash (a CUDA device only) is the GPU headline: bf16, B=4, H=16, D=128,
 L = S = 4096, no mask and causal, forward and forward+backward, safe_sdpa
 (the tensor-core kernels) against F.scaled_dot_product_attention restricted
 to PyTorch's flash backend; it reports TFLOP/s of both and their ratio.
-"""
+--decode: one decode step, q [8, 32, 1, 128] against a KV cache of 2048 with
+a boolean padding mask (the last quarter of the keys padded in half the
+batch), 32 query heads over 8 kv heads (GQA, enable_gqa=True) and over 32,
+fp32 and bf16, under torch.inference_mode. Reports both times, the ratio and
+the KV cache's bytes (K and V, read once) per second of each against this
+machine's measured copy bandwidth (bench/_common.py). Results:
+bench/results/attention_<device>_decode.{json,md}.
 
+--forward: forward only under torch.inference_mode, [4, 8, L, 64] with L = S
+in 512..4096, no mask, fp32 and bf16, against F.scaled_dot_product_attention.
+Results: bench/results/attention_<device>_fwd.{json,md}.
+"""
 from __future__ import annotations
 
 import argparse
@@ -159,6 +171,80 @@ def flash_compare(repeats: int) -> None:
                            "gpu": torch.cuda.get_device_name()})
 
 
+DECODE = {"B": 8, "Hq": 32, "L": 1, "S": 2048, "D": 128}
+
+
+def decode_compare(dev: str, repeats: int, hkv_list=(8, 32), dtypes=("float32", "bfloat16"), suffix="") -> None:
+    """One decode step against F.sdpa: times, ratio, KV-read bandwidth."""
+    B, Hq, L, S, D = (DECODE[x] for x in ("B", "Hq", "L", "S", "D"))
+    copy_gbs = _common.copy_bandwidth(dev)
+    print(f"threads: {torch.get_num_threads()}, copy bandwidth {copy_gbs:.1f} GB/s", flush=True)
+    rows = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        for hkv in hkv_list:
+            g = torch.Generator().manual_seed(0)
+            q = torch.randn(B, Hq, L, D, generator=g).to(dev, dtype)
+            k, v = (torch.randn(B, hkv, S, D, generator=g).to(dev, dtype) for _ in range(2))
+            mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
+            mask[: B // 2, ..., 3 * S // 4 :] = False
+            mask = mask.to(dev)
+            gqa = hkv != Hq
+
+            def mk(f):
+                def run():
+                    with torch.inference_mode():
+                        f(q, k, v, attn_mask=mask, enable_gqa=gqa)
+                return run
+
+            t = _common.time_fns({"nanguard": mk(safe_sdpa), "torch": mk(F.scaled_dot_product_attention)},
+                                 repeats=repeats, warmup=3, device=dev)
+            kv_bytes = 2 * k.numel() * k.element_size()
+            row = {
+                "dtype": dtype_name,
+                "heads": f"{Hq}/{hkv}",
+                "nanguard_ms": t["nanguard"] * 1e3,
+                "torch_ms": t["torch"] * 1e3,
+                "vs_torch": t["torch"] / t["nanguard"],
+                "nanguard_KV_GBs": kv_bytes / t["nanguard"] / 1e9,
+                "torch_KV_GBs": kv_bytes / t["torch"] / 1e9,
+                "nanguard_pct_copy": 100 * kv_bytes / t["nanguard"] / 1e9 / copy_gbs,
+            }
+            rows.append(row)
+            print(row, flush=True)
+    cols = ["dtype", "heads", "nanguard_ms", "torch_ms", "vs_torch", "nanguard_KV_GBs", "torch_KV_GBs",
+            "nanguard_pct_copy"]
+    _common.write_results(f"attention_{dev}_decode{suffix}", rows, cols,
+                          {**DECODE, "mask": "bool padding [B,1,1,S]", "copy_GBs": copy_gbs, "repeats": repeats})
+
+
+def forward_compare(dev: str, repeats: int, lengths=(512, 1024, 2048, 4096), suffix="") -> None:
+    """Forward only, no mask, under inference_mode, against F.sdpa."""
+    print(f"threads: {torch.get_num_threads()}, device: {dev}", flush=True)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for L in lengths:
+            q, k, v, _, _, _ = inputs(L, dtype, "none", dev)
+
+            def mk(f):
+                def run():
+                    with torch.inference_mode():
+                        f(q, k, v)
+                return run
+
+            t = _common.time_fns({"nanguard": mk(safe_sdpa), "torch": mk(F.scaled_dot_product_attention)},
+                                 repeats=repeats, warmup=1, device=dev)
+            fl = flops(L, False, False)
+            row = {"dtype": str(dtype).replace("torch.", ""), "L": L, "nanguard_ms": t["nanguard"] * 1e3,
+                   "torch_ms": t["torch"] * 1e3, "vs_torch": t["torch"] / t["nanguard"],
+                   "nanguard_GFLOPs": fl / t["nanguard"] / 1e9, "torch_GFLOPs": fl / t["torch"] / 1e9}
+            rows.append(row)
+            print(row, flush=True)
+    cols = ["dtype", "L", "nanguard_ms", "torch_ms", "vs_torch", "nanguard_GFLOPs", "torch_GFLOPs"]
+    _common.write_results(f"attention_{dev}_fwd{suffix}", rows, cols,
+                          {"B": B, "H": H, "D": D, "mask": "none", "mode": "inference_mode", "repeats": repeats})
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cpu")
@@ -167,7 +253,23 @@ def main():
     p.add_argument("--memory-child")
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--flash", action="store_true", help="CUDA: bf16 D=128 L=4096 TFLOP/s against flash")
+    p.add_argument("--decode", action="store_true", help="decode steps: time and KV-read bandwidth")
+    p.add_argument("--forward", action="store_true", help="forward only under inference_mode, no mask")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch.set_num_threads(N) first; results get a _tN suffix")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.decode:
+        decode_compare(args.device, max(args.repeats, 3 if _common.quick() else 15),
+                       suffix=f"_t{args.threads}" if args.threads else "")
+        return
+    if args.forward:
+        lengths = (512, 1024, 2048, 4096) if args.lengths == ",".join(map(str, LENGTHS)) else \
+            tuple(int(x) for x in args.lengths.split(","))
+        forward_compare(args.device, max(args.repeats, 3 if _common.quick() else 7), lengths,
+                        suffix=f"_t{args.threads}" if args.threads else "")
+        return
     if args.flash:
         if not torch.cuda.is_available():
             raise SystemExit("--flash needs a CUDA device")
