@@ -32,9 +32,10 @@
  *   count, so neither does the result.
  *
  * R is fp32 for fp32/fp16/bf16 inputs and fp64 for fp64 (gradcheck). Each R
- * is compiled for baseline x86-64 and for AVX2+FMA (attention_cpu.inc, chosen
- * at run time through cpu_isa.h); only the 4x16 micro-kernel and the row exp
- * differ between them.
+ * is compiled for baseline x86-64 and for AVX2+FMA, fp32 also for AVX-512
+ * (attention_cpu.inc, chosen at run time through cpu_isa.h); only the
+ * micro-kernel, the decode path's dots and P V, and the row exp differ
+ * between them.
  */
 #include "kernels/attention.h"
 
@@ -190,6 +191,53 @@ NG_TARGET_AVX2 static void ng_gemm_f32_avx2(int64_t M, int64_t N, int64_t K, con
             NG_GEMM_F32_ROWS(4)
             i += 4;
         }
+    }
+}
+
+/* AVX-512: R rows x NB * 16 floats, NB zmm accumulators per row. */
+#define NG_GEMM_F32_ROWS512(R, NB)                                                                       \
+    {                                                                                                    \
+        __m512 c[R][NB];                                                                                 \
+        for (int r = 0; r < R; r++)                                                                      \
+            for (int x = 0; x < NB; x++)                                                                 \
+                c[r][x] = acc ? _mm512_loadu_ps(C + (i + r) * ldc + n + 16 * x) : _mm512_setzero_ps();   \
+        const float *b = B + n, *a = A + i * sai;                                                        \
+        for (int64_t k = 0; k < K; k++, b += ldb, a += sak) {                                            \
+            __m512 y[NB];                                                                                \
+            for (int x = 0; x < NB; x++) y[x] = _mm512_loadu_ps(b + 16 * x);                             \
+            for (int r = 0; r < R; r++) {                                                                \
+                const __m512 xa = _mm512_set1_ps(a[r * sai]);                                            \
+                for (int x = 0; x < NB; x++) c[r][x] = _mm512_fmadd_ps(xa, y[x], c[r][x]);               \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < R; r++)                                                                      \
+            for (int x = 0; x < NB; x++) _mm512_storeu_ps(C + (i + r) * ldc + n + 16 * x, c[r][x]);      \
+    }
+
+/* The AVX2 kernel's blocking with 32 columns per step (16 for a tail): each
+ * C element is the same sequence of FMAs over k, so the results are those of
+ * ng_gemm_f32_avx2 bit for bit, at twice the width. */
+NG_TARGET_AVX512 static void ng_gemm_f32_avx512(int64_t M, int64_t N, int64_t K, const float *A, int64_t sai,
+                                                int64_t sak, const float *B, int64_t ldb, float *C, int64_t ldc,
+                                                int acc) {
+    int64_t i = 0;
+    while (i < M) {
+        const int64_t rem = M - i;
+        const int six = rem == 6 || rem >= 10;
+        int64_t n = 0;
+        for (; n + 32 <= N; n += 32) {
+            if (six)
+                NG_GEMM_F32_ROWS512(6, 2)
+            else
+                NG_GEMM_F32_ROWS512(4, 2)
+        }
+        if (n < N) {
+            if (six)
+                NG_GEMM_F32_ROWS512(6, 1)
+            else
+                NG_GEMM_F32_ROWS512(4, 1)
+        }
+        i += six ? 6 : 4;
     }
 }
 
@@ -609,11 +657,10 @@ static double ng_exp_row_f64(double *x, int64_t n, double m) {
 #undef DOTS_ALIGN
 #undef EXP_ROW
 
-/* the decode path only, with 16-lane dots and P V */
-#define DEC_ONLY
+/* AVX-512: the micro-kernel, the decode path's dots and P V at 16 lanes */
 #define SFX(n) n##_f32_avx512
 #define ATTR NG_TARGET_AVX512
-#define GEMM ng_gemm_f32_avx2
+#define GEMM ng_gemm_f32_avx512
 #define DOTS ng_dots_f32_avx512
 #define PV ng_pv_f32_avx512
 #define DOTS_ALIGN 16
@@ -626,7 +673,6 @@ static double ng_exp_row_f64(double *x, int64_t n, double m) {
 #undef PV
 #undef DOTS_ALIGN
 #undef EXP_ROW
-#undef DEC_ONLY
 #endif
 
 #undef M_STORE
@@ -707,10 +753,9 @@ static ng_attn_variant ng_attn_pick(ng_dtype t) {
         if (wide)
             v = (ng_attn_variant){fwd_range_f32_avx2, bwd_prep_range_f32_avx2, bwd_range_f32_avx2,
                                   dq_store_range_f32_avx2, dec_range_f32_avx2, dec_combine_range_f32_avx2};
-        if (ng_cpu_isa_active() >= NG_ISA_AVX512) {
-            v.dec = dec_range_f32_avx512;
-            v.dec_combine = dec_combine_range_f32_avx512;
-        }
+        if (ng_cpu_isa_active() >= NG_ISA_AVX512)
+            v = (ng_attn_variant){fwd_range_f32_avx512, bwd_prep_range_f32_avx512, bwd_range_f32_avx512,
+                                  dq_store_range_f32_avx512, dec_range_f32_avx512, dec_combine_range_f32_avx512};
 #endif
     }
     (void)wide;
