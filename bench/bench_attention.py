@@ -25,7 +25,10 @@ a boolean padding mask (the last quarter of the keys padded in half the
 batch), 32 query heads over 8 kv heads (GQA, enable_gqa=True) and over 32,
 fp32 and bf16, under torch.inference_mode. Reports both times, the ratio and
 the KV cache's bytes (K and V, read once) per second of each against this
-machine's measured copy bandwidth (bench/_common.py). Results:
+machine's measured copy bandwidth (bench/_common.py). nanguard skips key
+blocks that the mask pads for every query row of a task (here 1/8 of the
+cache), so the bytes it actually reads per second are those of the keys the
+mask keeps: nanguard_attended_GBs. Results:
 bench/results/attention_<device>_decode.{json,md}.
 
 --forward: forward only under torch.inference_mode, [4, 8, L, 64] with L = S
@@ -200,6 +203,7 @@ def decode_compare(dev: str, repeats: int, hkv_list=(8, 32), dtypes=("float32", 
             t = _common.time_fns({"nanguard": mk(safe_sdpa), "torch": mk(F.scaled_dot_product_attention)},
                                  repeats=repeats, warmup=3, device=dev)
             kv_bytes = 2 * k.numel() * k.element_size()
+            attended = kv_bytes * mask.float().mean().item()
             row = {
                 "dtype": dtype_name,
                 "heads": f"{Hq}/{hkv}",
@@ -209,11 +213,12 @@ def decode_compare(dev: str, repeats: int, hkv_list=(8, 32), dtypes=("float32", 
                 "nanguard_KV_GBs": kv_bytes / t["nanguard"] / 1e9,
                 "torch_KV_GBs": kv_bytes / t["torch"] / 1e9,
                 "nanguard_pct_copy": 100 * kv_bytes / t["nanguard"] / 1e9 / copy_gbs,
+                "nanguard_attended_GBs": attended / t["nanguard"] / 1e9,
             }
             rows.append(row)
             print(row, flush=True)
     cols = ["dtype", "heads", "nanguard_ms", "torch_ms", "vs_torch", "nanguard_KV_GBs", "torch_KV_GBs",
-            "nanguard_pct_copy"]
+            "nanguard_pct_copy", "nanguard_attended_GBs"]
     _common.write_results(f"attention_{dev}_decode{suffix}", rows, cols,
                           {**DECODE, "mask": "bool padding [B,1,1,S]", "copy_GBs": copy_gbs, "repeats": repeats})
 
