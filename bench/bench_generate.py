@@ -1,0 +1,101 @@
+"""generate() of a nanguard-patched Hugging Face model against the stock one.
+
+A Llama-style model from a small config (4 layers, hidden 512, 8 query heads
+over 8 or 2 kv heads, random weights; nothing is downloaded), greedy
+decoding with the KV cache: batch 4, a prompt of 256 tokens (the first rows
+left-padded, so every step carries a padding mask), 32 new tokens, fp32 and
+bf16. The two models are deep copies with the same weights, timed in the same
+process with their calls interleaved; the ratio is stock time / patched time
+(> 1: the patched model is faster). Both must produce the same tokens (fp32:
+checked; bf16: reported, since rounding may flip a near tie).
+
+    python bench/bench_generate.py [--repeats 5] [--threads N] [--kv-heads 8,2]
+
+Results: bench/results/generate_<device>[_tN].{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+import nanguard  # noqa: E402
+
+LAYERS, HIDDEN, HEADS, VOCAB = 4, 512, 8, 32000
+BATCH, PROMPT, NEW = 4, 256, 32
+
+
+def build(kv_heads: int, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN // 3 * 2,
+                      num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=kv_heads,
+                      max_position_embeddings=PROMPT + NEW + 8, pad_token_id=0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def prompt(device: str):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (BATCH, PROMPT), generator=g)
+    am = torch.ones(BATCH, PROMPT, dtype=torch.long)
+    for b in range(BATCH // 2):  # left padding of 16 and 48 tokens
+        n = 16 + 32 * b
+        ids[b, :n] = 0
+        am[b, :n] = 0
+    return ids.to(device), am.to(device)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=3 if _common.quick() else 5)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--kv-heads", default="8,2")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dev = args.device
+    ids, am = prompt(dev)
+    kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, use_cache=True, pad_token_id=0)
+    print(f"threads: {torch.get_num_threads()}, device: {dev}", flush=True)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for kv in (int(x) for x in args.kv_heads.split(",")):
+            stock = build(kv, dtype).to(dev)
+            ours = copy.deepcopy(stock)
+            nanguard.patch(ours)
+            outs = {}
+
+            def mk(name, model):
+                def run():
+                    with torch.inference_mode():
+                        outs[name] = model.generate(input_ids=ids, attention_mask=am, **kw)
+                return run
+
+            t = _common.time_fns({"nanguard": mk("nanguard", ours), "stock": mk("stock", stock)},
+                                 repeats=args.repeats, warmup=1, device=dev)
+            same = bool(torch.equal(outs["nanguard"], outs["stock"]))
+            if dtype == torch.float32 and not same:
+                raise SystemExit("fp32: the patched model generated other tokens than the stock one")
+            row = {"dtype": str(dtype).replace("torch.", ""), "heads": f"{HEADS}/{kv}",
+                   "nanguard_s": t["nanguard"], "stock_s": t["stock"], "vs_stock": t["stock"] / t["nanguard"],
+                   "same_tokens": same}
+            rows.append(row)
+            print(row, flush=True)
+    cols = ["dtype", "heads", "nanguard_s", "stock_s", "vs_stock", "same_tokens"]
+    suffix = f"_t{args.threads}" if args.threads else ""
+    _common.write_results(f"generate_{dev}{suffix}", rows, cols,
+                          {"layers": LAYERS, "hidden": HIDDEN, "batch": BATCH, "prompt": PROMPT, "new_tokens": NEW,
+                           "repeats": args.repeats})
+
+
+if __name__ == "__main__":
+    main()
