@@ -983,6 +983,10 @@ static const acase ATTN_CASES[] = {
     {"nan_in_q_causal_mask_E64", 1, 2, 2, 129, 129, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_FULL, 0, 1, 0,   0,   0,   1,   0, SP_NAN, 42},
     {"nan_in_dout_pad_mask_E128", 2, 2, 2, 64, 129, 128, 128, LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_PAD,  1, 0, 0,   0,   0,   1,   0, SP_NAN_DOUT, 42},
     {"nan_in_dout_causal_E40",  1, 2, 2,  64,  64,  40,  40,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 1, 0,   0,   0,   1,   0, SP_NAN_DOUT, 42},
+    /* decode shapes (L <= 16, S >= 32: the CPU kernel's split-KV decode path) */
+    {"decode_L1_S300_pad_gqa",  2, 8, 2,  1,   300, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
+    {"decode_L5_S129_causal_E40", 1, 4, 1, 5,  129, 40,  40,  LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_FULL, 1, 1, 0,   0,   0,   1,   0, SP_NONE, 42},
+    {"decode_L16_S1000_softcap", 1, 2, 2, 16, 1000, 128, 128, LAY_BSHD, LAY_BHSD, AM_LOWEST,  MS_PAD,  0, 0, 0,   3.0, 0,   3,   0, SP_NONE, 42},
     /* more heads than gridDim.y / z allow (65535) */
     {"heads_65537",             1, 65537, 65537, 1, 3,   64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
     {"empty_S",                 1, 2, 2,  5,   0,   64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
