@@ -24,6 +24,7 @@ from typing import Iterable, List, Optional
 import torch
 from torch import nn
 
+from .. import amp as _amp
 from .. import grad_guard as _gg
 from ..watch import watch as _watch
 
@@ -43,13 +44,8 @@ class SkippedStep:
     pass_: str = ""  #: "forward", "backward" or "parameter grad"
     report: str = ""  #: the watcher's whole report
 
-    @property
-    def cause(self) -> str:
-        if self.nan_count:
-            return "nan"
-        if self.inf_count:
-            return "inf"
-        return "norm overflow"
+    #: "nan", "inf" or "norm overflow", by the rule of nanguard.amp.SkippedStep
+    cause = _amp.SkippedStep.cause
 
     def __str__(self) -> str:
         where = f"; first non-finite: {self.module or '<root>'} ({self.module_class}, {self.pass_} pass)" \
