@@ -225,9 +225,7 @@ static int threads_for(int64_t cols) {
 
 static ng_status check(const ng_layernorm_args *a, int backward) {
     NG_TRY(ng_layernorm_check(a, backward));
-    if (a->dtype == NG_F64) return NG_ERR_DTYPE;
-    (void)backward;
-    return NG_OK;
+    return a->dtype == NG_F64 ? NG_ERR_DTYPE : NG_OK;
 }
 
 static ng_status launch_status(void) { return ng_cuda_record(cudaSuccess); }
