@@ -196,6 +196,183 @@ static __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(ng_atten
     }
 }
 
+/* ---- decode: a few query rows against a long key sequence ---------------
+ * A generation step has L <= kDecMaxL query rows against S >= kDecMinS
+ * cached keys. The query-block kernels would leave most of a 32- or 64-row
+ * block empty and read each kv head once per query head. Here a block takes
+ * one kv head hk, up to kDecRows rows of the query heads that share it
+ * (r = g * L + i is query i of head hk * G + g, G = Hq / Hkv) and one split
+ * of the keys; each K / V tile staged in shared memory serves every query
+ * head of the group.
+ *
+ * Warp w owns rows r0 + w + kDecWarps * t. Per tile of kBK keys, lane j
+ * scores key j for each of its warp's rows (the query row is broadcast from
+ * shared memory, the K tile is padded to E + 1 floats a row so the 32 lanes
+ * read 32 banks), the online softmax folds the tile as in the forward, and
+ * P V broadcasts p_j lane by lane. A pair of probability zero (masked,
+ * dropped, underflowed) is skipped: it adds nothing, not even 0 * NaN.
+ *
+ * Split-KV ("flash-decoding"): when the caller gives a workspace and there
+ * are fewer than kDecBlocks (batch, kv head, row group) blocks, the keys are
+ * split over blocks of at least kDecMinSplit keys. Each split leaves its
+ * (m, l) and unnormalized output in the workspace and decode_combine merges
+ * them in split order, one warp per row, as the CPU's split-KV combine
+ * does. The split sizes depend on the shape alone. */
+constexpr int kDecMaxL = 16, kDecMinS = 32;    /* the CPU forward's decode bounds */
+constexpr int kDecWarps = 4;
+constexpr int kDecThreads = kDecWarps * 32;
+constexpr int kDecRowsPerWarp = 4;
+constexpr int kDecRows = kDecWarps * kDecRowsPerWarp; /* 16 query rows per block */
+constexpr int64_t kDecBlocks = 256;   /* split until there are this many blocks */
+constexpr int64_t kDecMinSplit = 128; /* but no split shorter than this (keys) */
+
+struct dec_plan {
+    int64_t groups;    /* row groups of kDecRows per (batch, kv head) */
+    int64_t klen;      /* keys any row can see */
+    int64_t nsplit;    /* key splits */
+    int64_t split_len; /* keys per split, a multiple of kBK */
+};
+
+__host__ __device__ inline int64_t dec_rows(const ng_attention_args &a) { return a.B * a.Hq * a.L; }
+
+dec_plan plan_decode(const ng_attention_args *a, int can_split) {
+    dec_plan p;
+    p.groups = NG_CEIL_DIV((a->Hq / a->Hkv) * a->L, (int64_t)kDecRows);
+    p.klen = a->is_causal ? NG_MIN(a->S, a->L) : a->S; /* causal: keys past the last query unseen */
+    const int64_t blocks = a->B * a->Hkv * p.groups;
+    int64_t n = 1;
+    while (can_split && blocks * n < kDecBlocks && p.klen / (n * 2) >= kDecMinSplit) n *= 2;
+    p.split_len = NG_MAX((int64_t)kBK, NG_CEIL_DIV(NG_CEIL_DIV(p.klen, n), (int64_t)kBK) * kBK);
+    p.nsplit = NG_MAX((int64_t)1, NG_CEIL_DIV(p.klen, p.split_len));
+    return p;
+}
+
+/* ws: nsplit > 1 only; [nsplit][B*Hq*L][2] (m, l), then [nsplit][B*Hq*L][Ev]. */
+template <ng_dtype T, int NT>
+static __global__ void __launch_bounds__(kDecThreads) attention_decode_kernel(ng_attention_args a, dec_plan p,
+                                                                              float *ws) {
+    NG_DYNAMIC_SMEM(float, smem);
+    const int E = (int)a.E, Ev = (int)a.Ev, kst = E + 1;
+    float *qs = smem, *ks = qs + kDecRows * E, *vs = ks + kBK * kst;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const block_coord bc = block_coords(p.nsplit * p.groups, a.Hkv);
+    const int64_t b = bc.b, hk = bc.h, split = bc.blk % p.nsplit, r0 = bc.blk / p.nsplit * kDecRows;
+    const int64_t G = a.Hq / a.Hkv, M = G * a.L;
+    const float scale = (float)a.scale;
+    const void *kb = slice<T>(a.k, b * a.k_stride[0] + hk * a.k_stride[1]);
+    const void *vb = slice<T>(a.v, b * a.v_stride[0] + hk * a.v_stride[1]);
+
+    for (int x = threadIdx.x; x < kDecRows * E; x += kDecThreads) {
+        const int64_t r = r0 + x / E, e = x % E;
+        qs[x] = r < M ? ld<T>(a.q, b * a.q_stride[0] + (hk * G + r / a.L) * a.q_stride[1] +
+                                       (r % a.L) * a.q_stride[2] + e)
+                      : 0.0f;
+    }
+    float acc[kDecRowsPerWarp][NT], m[kDecRowsPerWarp], l[kDecRowsPerWarp];
+    for (int t = 0; t < kDecRowsPerWarp; t++) {
+        for (int u = 0; u < NT; u++) acc[t][u] = 0.0f;
+        m[t] = -INFINITY;
+        l[t] = 0.0f;
+    }
+
+    const int64_t jb = split * p.split_len, je = NG_MIN(p.klen, jb + p.split_len);
+    for (int64_t j0 = jb; j0 < je; j0 += kBK) {
+        const int64_t nk = NG_MIN((int64_t)kBK, je - j0);
+        __syncthreads(); /* the previous tile's readers are done */
+        for (int x = threadIdx.x; x < kBK * E; x += kDecThreads) {
+            const int r = x / E, e = x % E;
+            ks[r * kst + e] = r < nk ? ld<T>(kb, (j0 + r) * a.k_stride[2] + e) : 0.0f;
+        }
+        for (int x = threadIdx.x; x < kBK * Ev; x += kDecThreads) {
+            const int r = x / Ev, d = x % Ev;
+            vs[x] = r < nk ? ld<T>(vb, (j0 + r) * a.v_stride[2] + d) : 0.0f;
+        }
+        __syncthreads();
+        for (int t = 0; t < kDecRowsPerWarp; t++) {
+            const int64_t r = r0 + warp + kDecWarps * t;
+            if (r >= M) break; /* warp-uniform */
+            const int64_t h = hk * G + r / a.L, i = r % a.L, j = j0 + lane;
+            const float *qr = qs + (r - r0) * E, *kr = ks + lane * kst;
+            float dot = 0.0f;
+            for (int e = 0; e < E; e++) dot += qr[e] * kr[e];
+            float s = lane < nk ? guarded_score(a, dot * scale, b, h, i, j) : -INFINITY;
+            const float m_new = ng_attn_max_nan_f32(m[t], warp_max_nan(s));
+            const float alpha = ng_attn_rescale_f32(m[t], m_new);
+            float pr = ng_attn_exp_shift_f32(s, m_new);
+            l[t] = l[t] * alpha + warp_sum(pr);
+            m[t] = m_new;
+            if (lane < nk) pr *= dropout_scale(a, b, h, i, j);
+            for (int u = 0; u < NT; u++) acc[t][u] *= alpha;
+            for (int jj = 0; jj < nk; jj++) {
+                const float pj = __shfl_sync(kFull, pr, jj);
+                if (pj == 0.0f) continue; /* warp-uniform */
+                for (int u = 0; u < NT; u++) {
+                    const int d = lane + 32 * u;
+                    if (d < Ev) acc[t][u] += pj * vs[jj * Ev + d];
+                }
+            }
+        }
+    }
+
+    const int64_t rows = dec_rows(a);
+    for (int t = 0; t < kDecRowsPerWarp; t++) {
+        const int64_t r = r0 + warp + kDecWarps * t;
+        if (r >= M) break;
+        const int64_t h = hk * G + r / a.L, i = r % a.L, row = (b * a.Hq + h) * a.L + i;
+        if (p.nsplit == 1) {
+            const float inv = ng_attn_inv_sum_f32(l[t]);
+            const int64_t ob = b * a.out_stride[0] + h * a.out_stride[1] + i * a.out_stride[2];
+            for (int u = 0; u < NT; u++) {
+                const int d = lane + 32 * u;
+                if (d < Ev) ng_store_f32(a.out, T, ob + d, acc[t][u] * inv);
+            }
+            if (lane == 0) ((float *)a.lse)[row] = ng_attn_lse_f32(m[t], l[t]);
+        } else {
+            float *part = ws + 2 * p.nsplit * rows + (split * rows + row) * Ev;
+            for (int u = 0; u < NT; u++) {
+                const int d = lane + 32 * u;
+                if (d < Ev) part[d] = acc[t][u];
+            }
+            if (lane == 0) {
+                ws[2 * (split * rows + row)] = m[t];
+                ws[2 * (split * rows + row) + 1] = l[t];
+            }
+        }
+    }
+}
+
+/* One warp per row of B*Hq*L: the splits' (m, l, acc) merged in split
+ * order, then out = acc / l and lse = m + log l. A split that saw only
+ * masked keys has m = -inf and weighs 0; a NaN m makes the row NaN. */
+template <ng_dtype T, int NT>
+static __global__ void __launch_bounds__(kDecThreads) attention_decode_combine_kernel(ng_attention_args a,
+                                                                                      int64_t nsplit,
+                                                                                      const float *ws) {
+    const int lane = threadIdx.x & 31;
+    const int64_t rows = dec_rows(a), row = (int64_t)blockIdx.x * kDecWarps + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const float *part = ws + 2 * nsplit * rows;
+    float mx = -INFINITY, l = 0.0f, acc[NT];
+    for (int64_t s = 0; s < nsplit; s++) mx = ng_attn_max_nan_f32(mx, ws[2 * (s * rows + row)]);
+    for (int u = 0; u < NT; u++) acc[u] = 0.0f;
+    for (int64_t s = 0; s < nsplit; s++) {
+        const float alpha = ng_attn_rescale_f32(ws[2 * (s * rows + row)], mx);
+        l += ws[2 * (s * rows + row) + 1] * alpha;
+        for (int u = 0; u < NT; u++) {
+            const int d = lane + 32 * u;
+            if (d < a.Ev) acc[u] += part[(s * rows + row) * a.Ev + d] * alpha;
+        }
+    }
+    const int64_t i = row % a.L, bh = row / a.L, b = bh / a.Hq, h = bh % a.Hq;
+    const int64_t ob = b * a.out_stride[0] + h * a.out_stride[1] + i * a.out_stride[2];
+    const float inv = ng_attn_inv_sum_f32(l);
+    for (int u = 0; u < NT; u++) {
+        const int d = lane + 32 * u;
+        if (d < a.Ev) ng_store_f32(a.out, T, ob + d, acc[u] * inv);
+    }
+    if (lane == 0) ((float *)a.lse)[row] = ng_attn_lse_f32(mx, l);
+}
+
 /* ---- backward ----------------------------------------------------------- */
 
 /* For one (query i, key j), from its raw dot products: p, pd = p times the
@@ -898,6 +1075,29 @@ ng_status launch_mma(const ng_attention_args *a, cudaStream_t st, int backward, 
     return cuda_check();
 }
 
+/* The decode kernel, then (with splits) the combine; ws may be NULL (no
+ * splits). */
+template <ng_dtype T, int NT>
+ng_status launch_decode(const ng_attention_args *a, cudaStream_t st, float *ws) {
+    static std::atomic<int> allowed[kMaxDevices];
+    const dec_plan p = plan_decode(a, ws != nullptr);
+    dim3 grid;
+    NG_TRY(fold_grid(p.nsplit * p.groups, a->Hkv, a->B, &grid));
+    const size_t sm = sizeof(float) * (size_t)(kDecRows * a->E + kBK * (a->E + 1) + kBK * a->Ev);
+    NG_TRY(allow_smem(attention_decode_kernel<T, NT>, sm, allowed));
+    NG_LAUNCH((attention_decode_kernel<T, NT>), grid, kDecThreads, sm, st, *a, p, ws);
+    NG_TRY(cuda_check());
+    if (p.nsplit == 1) return NG_OK;
+    const int64_t nb = NG_CEIL_DIV(dec_rows(*a), (int64_t)kDecWarps);
+    if (nb > 2147483647LL) return NG_ERR_UNSUPPORTED; /* gridDim.x */
+    NG_LAUNCH((attention_decode_combine_kernel<T, NT>), dim3((unsigned)nb), kDecThreads, 0, st, *a, p.nsplit,
+              (const float *)ws);
+    return cuda_check();
+}
+
+/* A forward the decode kernel takes. */
+int decode_shape(const ng_attention_args *a) { return a->L >= 1 && a->L <= kDecMaxL && a->S >= kDecMinS; }
+
 /* A [B, heads, seq, D] operand whose every row starts on 16 bytes. */
 int rows_aligned16(const void *p, const int64_t stride[3]) {
     return (uintptr_t)p % 16 == 0 && stride[0] % 8 == 0 && stride[1] % 8 == 0 && stride[2] % 8 == 0;
@@ -931,7 +1131,13 @@ int mma_eligible(const ng_attention_args *a) {
 
 /* Dispatch on NT = ceil(max(E, Ev) / 32) rounded up to 1, 2, 4, 8. */
 template <ng_dtype T>
-ng_status dispatch_nt(const ng_attention_args *a, cudaStream_t st, int backward) {
+ng_status dispatch_nt(const ng_attention_args *a, cudaStream_t st, int backward, float *ws) {
+    if (!backward && decode_shape(a)) {
+        if (a->Ev <= 32) return launch_decode<T, 1>(a, st, ws);
+        if (a->Ev <= 64) return launch_decode<T, 2>(a, st, ws);
+        if (a->Ev <= 128) return launch_decode<T, 4>(a, st, ws);
+        return launch_decode<T, 8>(a, st, ws);
+    }
     if constexpr (T != NG_F32) {
         if (mma_eligible(a)) {
             const int vec = rows_aligned16(a->q, a->q_stride) && rows_aligned16(a->k, a->k_stride) &&
@@ -947,16 +1153,26 @@ ng_status dispatch_nt(const ng_attention_args *a, cudaStream_t st, int backward)
     return backward ? launch_bwd<T, 8>(a, st) : launch_fwd<T, 8>(a, st);
 }
 
-ng_status dispatch(const ng_attention_args *a, void *stream, int backward) {
+/* The decode plan's workspace: (m, l) and Ev partial outputs per split and
+ * row; 0 without splits. Shape-only: the args need not be checked yet. */
+int64_t fwd_workspace_bytes(const ng_attention_args *a) {
+    if (a->dtype == NG_F64 || a->B <= 0 || a->Hkv <= 0 || a->Hq % a->Hkv || !decode_shape(a)) return 0;
+    const dec_plan p = plan_decode(a, 1);
+    return p.nsplit > 1 ? (int64_t)sizeof(float) * p.nsplit * dec_rows(*a) * (a->Ev + 2) : 0;
+}
+
+ng_status dispatch(const ng_attention_args *a, void *stream, int backward, void *ws, int64_t ws_bytes) {
     NG_TRY(ng_attention_check(a, backward));
+    if (ws && (ws_bytes < fwd_workspace_bytes(a) || (uintptr_t)ws % alignof(float))) return NG_ERR_INVALID_ARG;
     if (a->B == 0 || (a->L == 0 && !backward) || (a->L == 0 && a->S == 0)) return NG_OK;
     ng_attention_args n = *a;
     if (n.mask_kind == NG_MASK_NONE) n.mask = nullptr;
     cudaStream_t st = (cudaStream_t)stream;
+    float *w = fwd_workspace_bytes(a) > 0 ? (float *)ws : nullptr;
     switch (a->dtype) {
-    case NG_F32: return dispatch_nt<NG_F32>(&n, st, backward);
-    case NG_F16: return dispatch_nt<NG_F16>(&n, st, backward);
-    case NG_BF16: return dispatch_nt<NG_BF16>(&n, st, backward);
+    case NG_F32: return dispatch_nt<NG_F32>(&n, st, backward, w);
+    case NG_F16: return dispatch_nt<NG_F16>(&n, st, backward, w);
+    case NG_BF16: return dispatch_nt<NG_BF16>(&n, st, backward, w);
     case NG_F64: return NG_ERR_DTYPE;
     }
     return NG_ERR_DTYPE;
@@ -965,9 +1181,18 @@ ng_status dispatch(const ng_attention_args *a, void *stream, int backward) {
 } // namespace
 
 extern "C" ng_status ng_attention_fwd_cuda(const ng_attention_args *a, void *stream) {
-    return dispatch(a, stream, 0);
+    return dispatch(a, stream, 0, nullptr, 0);
+}
+
+extern "C" ng_status ng_attention_fwd_cuda_ws(const ng_attention_args *a, void *workspace, int64_t workspace_bytes,
+                                             void *stream) {
+    return dispatch(a, stream, 0, workspace, workspace_bytes);
+}
+
+extern "C" int64_t ng_attention_fwd_cuda_workspace_bytes(const ng_attention_args *a) {
+    return a ? fwd_workspace_bytes(a) : 0;
 }
 
 extern "C" ng_status ng_attention_bwd_cuda(const ng_attention_args *a, void *stream) {
-    return dispatch(a, stream, 1);
+    return dispatch(a, stream, 1, nullptr, 0);
 }

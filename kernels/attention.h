@@ -76,10 +76,24 @@ ng_status ng_attention_bwd(const ng_attention_args *a, ng_parallel_fn par);
 ng_status ng_attention_fwd_decode(const ng_attention_args *a, ng_parallel_fn par);
 
 /* CUDA launchers (kernels/attention.cu): fp32 / fp16 / bf16 (fp64 gives
- * NG_ERR_DTYPE), lse fp32, stream is a cudaStream_t. Neither allocates: the
- * backward is two kernels (dk/dv per key block, dq per query block). */
+ * NG_ERR_DTYPE), lse fp32, stream is a cudaStream_t. None allocates: the
+ * backward is two kernels (dk/dv per key block, dq per query block). The
+ * forward takes a decode kernel for L <= 16 against S >= 32 keys (as the
+ * CPU does): one block reads a kv head once for up to 16 rows of the query
+ * heads that share it. */
 ng_status ng_attention_fwd_cuda(const ng_attention_args *a, void *stream);
 ng_status ng_attention_bwd_cuda(const ng_attention_args *a, void *stream);
+/* The forward with a device workspace (4-byte aligned) of at least
+ * ng_attention_fwd_cuda_workspace_bytes(a) bytes, which lets the decode
+ * kernel split long key ranges over blocks (split-KV) and merge the splits'
+ * softmax statistics in a fixed order. Without one (NULL, as
+ * ng_attention_fwd_cuda passes) each block reads all the keys. The split
+ * sizes depend on the shape alone; the two forms differ only in fp32
+ * summation order. A smaller or misaligned workspace is NG_ERR_INVALID_ARG. */
+ng_status ng_attention_fwd_cuda_ws(const ng_attention_args *a, void *workspace, int64_t workspace_bytes,
+                                   void *stream);
+/* 0 unless the shape is a decode shape with keys to split. */
+int64_t ng_attention_fwd_cuda_workspace_bytes(const ng_attention_args *a);
 
 #ifdef __cplusplus
 }

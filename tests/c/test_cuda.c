@@ -916,7 +916,7 @@ enum { LAY_BHSD, LAY_BSHD, LAY_PAD, LAY_SHIFT };
 #define PAD_EXTRA 5
 enum { AM_NONE, AM_BOOL, AM_NEG_INF, AM_LOWEST };
 enum { MS_FULL, MS_PAD, MS_LS }; /* mask shape: [B, Hq, L, S], [B, 1, 1, S], [L, S] */
-enum { SP_NONE, SP_LARGE, SP_NAN, SP_NAN_DOUT };
+enum { SP_NONE, SP_LARGE, SP_NAN, SP_NAN_DOUT, SP_PAD_TAIL };
 
 typedef struct acase {
     const char *name;
@@ -928,7 +928,8 @@ typedef struct acase {
     int special;     /* SP_LARGE: q.k far beyond fp16's range (see attn_case; forward
                         only: its softmax is one-hot, so its gradients are rounding
                         noise); SP_NAN: one NaN in q; SP_NAN_DOUT: one NaN
-                        in dout */
+                        in dout; SP_PAD_TAIL: batch 0's keys past S / 3
+                        masked too */
     uint64_t offset; /* dropout counter offset */
 } acase;
 
@@ -987,6 +988,22 @@ static const acase ATTN_CASES[] = {
     {"decode_L1_S300_pad_gqa",  2, 8, 2,  1,   300, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
     {"decode_L5_S129_causal_E40", 1, 4, 1, 5,  129, 40,  40,  LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_FULL, 1, 1, 0,   0,   0,   1,   0, SP_NONE, 42},
     {"decode_L16_S1000_softcap", 1, 2, 2, 16, 1000, 128, 128, LAY_BSHD, LAY_BHSD, AM_LOWEST,  MS_PAD,  0, 0, 0,   3.0, 0,   3,   0, SP_NONE, 42},
+    /* the CPU's decode cases (tests/python/test_attention.py DECODE_CASES) */
+    {"decode_L1_gqa_bool_pad",  2, 8, 2,  1,   600, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  0, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
+    {"decode_L1_mha_S2048_E128", 1, 4, 4, 1,  2048, 128, 128, LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
+    {"decode_L1_mqa_neginf",    1, 4, 1,  1,  1500, 32,  32,  LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
+    {"decode_L4_mqa_lowest_full_rows", 1, 6, 1, 4, 1100, 40, 24, LAY_BHSD, LAY_BHSD, AM_LOWEST, MS_FULL, 1, 0, 0, 0,   0,   1,   0, SP_NONE, 42},
+    {"decode_L3_bool_full_rows_ls", 2, 4, 2, 3, 333, 16,  16,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_LS,   1, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
+    {"decode_L16_gqa_additive", 1, 8, 2,  16,  513, 64,  64,  LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
+    {"decode_L3_causal",        1, 4, 2,  3,   700, 32,  32,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 1, 0,   0,   0,   1,   0, SP_NONE, 42},
+    {"decode_L2_guards_mask",   1, 4, 2,  2,   900, 32,  32,  LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_LS,   0, 0, 3.0, 2.0, 0,   4,   0, SP_NONE, 42},
+    {"decode_L7_S33_odd",       1, 3, 1,  7,   33,  20,  12,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
+    {"decode_L3_S200_dropout",  1, 2, 2,  3,   200, 8,   5,   LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0.4, 1,   0, SP_NONE, 5},
+    {"decode_L1_S77_dropout_gqa", 2, 6, 3, 1,  77,  64,  64,  LAY_BSHD, LAY_BHSD, AM_BOOL,    MS_PAD,  0, 0, 0,   0,   0.3, 1,   0, SP_NONE, 42},
+    {"decode_L2_nan_in_q_gqa",  1, 4, 2,  2,   300, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NAN, 42},
+    /* batch 1 all padding, batch 0 padding past S / 3: whole key splits
+     * see only masked keys and must weigh nothing in the combine */
+    {"decode_L1_pad_tail_splits", 2, 8, 2, 1,  900, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1,   0, SP_PAD_TAIL, 42},
     /* more heads than gridDim.y / z allow (65535) */
     {"heads_65537",             1, 65537, 65537, 1, 3,   64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
     {"empty_S",                 1, 2, 2,  5,   0,   64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
@@ -1203,6 +1220,7 @@ static void attn_case(const acase *c, ng_dtype t) {
             if (c->full_rows && mL > 1 && i % 5 == 2) m = 1;    /* fully masked query rows */
             if (c->full_rows && mL == 1 && row % 2 == 1) m = 1; /* a fully padded batch */
             if (j == 0 && !c->full_rows) m = 0;                 /* otherwise no row is empty */
+            if (c->special == SP_PAD_TAIL && row == 0 && j >= S / 3) m = 1;
             if (c->mask == AM_BOOL) {
                 ((uint8_t *)mask)[x] = (uint8_t)!m;
             } else {
@@ -1278,18 +1296,32 @@ static void attn_case(const acase *c, ng_dtype t) {
     for (int64_t r = 0; r < B * Hq * L; r++)
         if (lse[r] == -INFINITY) empty_row[r] = 1, n_empty++;
 
-    dpoison(o.d, at_bytes(&o));
-    dpoison(lse_d, L ? lse_bytes : 0);
-    if (st == NG_OK && LAUNCHED(ng_attention_fwd_cuda(&ad, g_stream))) {
-        void *og = at_compare("out", &o, t, attn_tol(t, 0, c->mag, 0));
-        float *lg = ddownload(lse_d, L ? lse_bytes : 0);
-        double *lr = to_f64(lse, NG_F32, B * Hq * L), *lc = to_f64(lg, NG_F32, B * Hq * L);
-        close_rows("lse", lc, lr, B * Hq * L, 1, attn_tol(t, 1, c->mag, 0), NULL);
-        const int64_t nonzero = empty_row_nonzeros(og, t, &o, empty_row);
-        CHECK(nonzero == 0, "%lld output values of fully masked rows are not 0",
-              (long long)nonzero);
-        free(og), free(lg), free(lr), free(lc);
+    /* the forward as the op calls it (with the split-KV workspace of a
+     * decode shape), then, for a decode shape, without a workspace: one
+     * block over all keys */
+    const int64_t wsb = ng_attention_fwd_cuda_workspace_bytes(&ad);
+    void *ws_d = wsb ? dmalloc((size_t)wsb) : NULL;
+    const int decode = L >= 1 && L <= 16 && S >= 32;
+    const size_t case_len = strlen(g_case);
+    for (int form = 0; form < (decode ? 2 : 1); form++) {
+        if (form == 1) snprintf(g_case + strlen(g_case), sizeof g_case - strlen(g_case), " [no workspace]");
+        dpoison(o.d, at_bytes(&o));
+        dpoison(lse_d, L ? lse_bytes : 0);
+        if (ws_d) dpoison(ws_d, (size_t)wsb);
+        if (st == NG_OK && LAUNCHED(form ? ng_attention_fwd_cuda(&ad, g_stream)
+                                         : ng_attention_fwd_cuda_ws(&ad, ws_d, wsb, g_stream))) {
+            void *og = at_compare("out", &o, t, attn_tol(t, 0, c->mag, 0));
+            float *lg = ddownload(lse_d, L ? lse_bytes : 0);
+            double *lr = to_f64(lse, NG_F32, B * Hq * L), *lc = to_f64(lg, NG_F32, B * Hq * L);
+            close_rows("lse", lc, lr, B * Hq * L, 1, attn_tol(t, 1, c->mag, 0), NULL);
+            const int64_t nonzero = empty_row_nonzeros(og, t, &o, empty_row);
+            CHECK(nonzero == 0, "%lld output values of fully masked rows are not 0",
+                  (long long)nonzero);
+            free(og), free(lg), free(lr), free(lc);
+        }
+        g_case[case_len] = 0;
     }
+    dfree(ws_d);
 
     if (st == NG_OK && do_bwd) {
         /* the CPU forward's out and lse feed both backward passes */
