@@ -208,9 +208,11 @@ static __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(ng_atten
  * Warp w owns rows r0 + w + kDecWarps * t. Per tile of kBK keys, lane j
  * scores key j for each of its warp's rows (the query row is broadcast from
  * shared memory, the K tile is padded to E + 1 floats a row so the 32 lanes
- * read 32 banks), the online softmax folds the tile as in the forward, and
- * P V broadcasts p_j lane by lane. A pair of probability zero (masked,
- * dropped, underflowed) is skipped: it adds nothing, not even 0 * NaN.
+ * read 32 banks) and the online softmax folds the tile as in the forward;
+ * then the V tile replaces the K tile (one buffer: head dim 256 fits the
+ * 64 KiB of sm_75) and P V broadcasts p_j lane by lane. A pair of
+ * probability zero (masked, dropped, underflowed) is skipped: it adds
+ * nothing, not even 0 * NaN.
  *
  * Split-KV ("flash-decoding"): when the caller gives a workspace and there
  * are fewer than kDecBlocks (batch, kv head, row group) blocks, the keys are
@@ -253,7 +255,7 @@ static __global__ void __launch_bounds__(kDecThreads) attention_decode_kernel(ng
                                                                               float *ws) {
     NG_DYNAMIC_SMEM(float, smem);
     const int E = (int)a.E, Ev = (int)a.Ev, kst = E + 1;
-    float *qs = smem, *ks = qs + kDecRows * E, *vs = ks + kBK * kst;
+    float *qs = smem, *kv = qs + kDecRows * E; /* the K tile, then the V tile */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const block_coord bc = block_coords(p.nsplit * p.groups, a.Hkv);
     const int64_t b = bc.b, hk = bc.h, split = bc.blk % p.nsplit, r0 = bc.blk / p.nsplit * kDecRows;
@@ -278,37 +280,44 @@ static __global__ void __launch_bounds__(kDecThreads) attention_decode_kernel(ng
     const int64_t jb = split * p.split_len, je = NG_MIN(p.klen, jb + p.split_len);
     for (int64_t j0 = jb; j0 < je; j0 += kBK) {
         const int64_t nk = NG_MIN((int64_t)kBK, je - j0);
-        __syncthreads(); /* the previous tile's readers are done */
+        float pr[kDecRowsPerWarp]; /* lane j: p of key j for each of the warp's rows */
+        __syncthreads();           /* the previous tile's V readers are done */
         for (int x = threadIdx.x; x < kBK * E; x += kDecThreads) {
             const int r = x / E, e = x % E;
-            ks[r * kst + e] = r < nk ? ld<T>(kb, (j0 + r) * a.k_stride[2] + e) : 0.0f;
-        }
-        for (int x = threadIdx.x; x < kBK * Ev; x += kDecThreads) {
-            const int r = x / Ev, d = x % Ev;
-            vs[x] = r < nk ? ld<T>(vb, (j0 + r) * a.v_stride[2] + d) : 0.0f;
+            kv[r * kst + e] = r < nk ? ld<T>(kb, (j0 + r) * a.k_stride[2] + e) : 0.0f;
         }
         __syncthreads();
         for (int t = 0; t < kDecRowsPerWarp; t++) {
             const int64_t r = r0 + warp + kDecWarps * t;
-            if (r >= M) break; /* warp-uniform */
+            pr[t] = 0.0f;
+            if (r >= M) continue; /* warp-uniform */
             const int64_t h = hk * G + r / a.L, i = r % a.L, j = j0 + lane;
-            const float *qr = qs + (r - r0) * E, *kr = ks + lane * kst;
+            const float *qr = qs + (r - r0) * E, *kr = kv + lane * kst;
             float dot = 0.0f;
             for (int e = 0; e < E; e++) dot += qr[e] * kr[e];
-            float s = lane < nk ? guarded_score(a, dot * scale, b, h, i, j) : -INFINITY;
+            const float s = lane < nk ? guarded_score(a, dot * scale, b, h, i, j) : -INFINITY;
             const float m_new = ng_attn_max_nan_f32(m[t], warp_max_nan(s));
             const float alpha = ng_attn_rescale_f32(m[t], m_new);
-            float pr = ng_attn_exp_shift_f32(s, m_new);
-            l[t] = l[t] * alpha + warp_sum(pr);
+            pr[t] = ng_attn_exp_shift_f32(s, m_new);
+            l[t] = l[t] * alpha + warp_sum(pr[t]);
             m[t] = m_new;
-            if (lane < nk) pr *= dropout_scale(a, b, h, i, j);
+            if (lane < nk) pr[t] *= dropout_scale(a, b, h, i, j);
             for (int u = 0; u < NT; u++) acc[t][u] *= alpha;
+        }
+        __syncthreads(); /* the K tile's readers are done: V takes its place */
+        for (int x = threadIdx.x; x < kBK * Ev; x += kDecThreads) {
+            const int r = x / Ev, d = x % Ev;
+            kv[x] = r < nk ? ld<T>(vb, (j0 + r) * a.v_stride[2] + d) : 0.0f;
+        }
+        __syncthreads();
+        for (int t = 0; t < kDecRowsPerWarp; t++) {
+            if (r0 + warp + kDecWarps * t >= M) break;
             for (int jj = 0; jj < nk; jj++) {
-                const float pj = __shfl_sync(kFull, pr, jj);
+                const float pj = __shfl_sync(kFull, pr[t], jj);
                 if (pj == 0.0f) continue; /* warp-uniform */
                 for (int u = 0; u < NT; u++) {
                     const int d = lane + 32 * u;
-                    if (d < Ev) acc[t][u] += pj * vs[jj * Ev + d];
+                    if (d < Ev) acc[t][u] += pj * kv[jj * Ev + d];
                 }
             }
         }
@@ -1083,7 +1092,7 @@ ng_status launch_decode(const ng_attention_args *a, cudaStream_t st, float *ws) 
     const dec_plan p = plan_decode(a, ws != nullptr);
     dim3 grid;
     NG_TRY(fold_grid(p.nsplit * p.groups, a->Hkv, a->B, &grid));
-    const size_t sm = sizeof(float) * (size_t)(kDecRows * a->E + kBK * (a->E + 1) + kBK * a->Ev);
+    const size_t sm = sizeof(float) * (size_t)(kDecRows * a->E + kBK * NG_MAX(a->E + 1, a->Ev));
     NG_TRY(allow_smem(attention_decode_kernel<T, NT>, sm, allowed));
     NG_LAUNCH((attention_decode_kernel<T, NT>), grid, kDecThreads, sm, st, *a, p, ws);
     NG_TRY(cuda_check());

@@ -4,13 +4,15 @@
 # binary (every launcher against the CPU kernel: the cases the CPU emulator
 # runs in CI, all of them, on the device), the CUDA cases of pytest
 # (the CUDA ops against the CPU ops, through PyTorch), then the attention
-# benchmark against PyTorch's flash backend.
+# benchmarks against PyTorch: training shapes against its flash backend,
+# and decode steps (the split-KV decode kernel) with their KV-read bandwidth.
 #
 #   bash scripts/gpu_check.sh             # everything, about 10 minutes on 16 cores
 #   bash scripts/gpu_check.sh --no-bench  # tests only
 #
 # Needs the test extras (pip install --no-build-isolation ".[test]").
-# Results: stdout, and bench/results/attention_cuda_flash.{json,md}.
+# Results: stdout, bench/results/attention_cuda_flash.{json,md} and
+# bench/results/attention_cuda_decode.{json,md}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -31,5 +33,6 @@ NANGUARD_LIB_DIR="$PWD/$build" PYTHONPATH="$PWD/python" \
 
 if [[ "${1:-}" != --no-bench && $status -eq 0 ]]; then
     NANGUARD_LIB_DIR="$PWD/$build" PYTHONPATH="$PWD/python" "$PY" bench/bench_attention.py --flash
+    NANGUARD_LIB_DIR="$PWD/$build" PYTHONPATH="$PWD/python" "$PY" bench/bench_attention.py --device cuda --decode
 fi
 exit $status

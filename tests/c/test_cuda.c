@@ -1001,6 +1001,8 @@ static const acase ATTN_CASES[] = {
     {"decode_L3_S200_dropout",  1, 2, 2,  3,   200, 8,   5,   LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0.4, 1,   0, SP_NONE, 5},
     {"decode_L1_S77_dropout_gqa", 2, 6, 3, 1,  77,  64,  64,  LAY_BSHD, LAY_BHSD, AM_BOOL,    MS_PAD,  0, 0, 0,   0,   0.3, 1,   0, SP_NONE, 42},
     {"decode_L2_nan_in_q_gqa",  1, 4, 2,  2,   300, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NAN, 42},
+    /* head dim 256: the decode kernel's shared memory must fit sm_75's 64 KiB */
+    {"decode_L2_E256_gqa",      1, 4, 2,  2,   400, 256, 256, LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  0, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
     /* batch 1 all padding, batch 0 padding past S / 3: whole key splits
      * see only masked keys and must weigh nothing in the combine */
     {"decode_L1_pad_tail_splits", 2, 8, 2, 1,  900, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1,   0, SP_PAD_TAIL, 42},
@@ -1392,6 +1394,44 @@ static void attn_rejects_fp64(void) {
     case_end();
 }
 
+/* The split-KV workspace: asked for by long decode shapes only, and a
+ * smaller or misaligned one refused before anything is launched. */
+static void attn_workspace_contract(void) {
+    if (!case_begin("attention  %-34s %s", "decode_workspace", "float32")) return;
+    const int64_t L = 1, S = 1024, E = 64;
+    float *buf = dmalloc(sizeof(float) * (size_t)(2 * S * E));
+    float *lse = dmalloc(4 * sizeof(float));
+    ng_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.dtype = NG_F32;
+    a.B = 1, a.Hq = 2, a.Hkv = 1, a.L = L, a.S = S, a.E = E, a.Ev = E;
+    const int64_t qst[3] = {2 * L * E, L * E, E}, kst[3] = {S * E, S * E, E};
+    a.q = a.out = buf;
+    a.k = a.v = buf;
+    memcpy(a.q_stride, qst, sizeof qst), memcpy(a.out_stride, qst, sizeof qst);
+    memcpy(a.k_stride, kst, sizeof kst), memcpy(a.v_stride, kst, sizeof kst);
+    a.lse = lse;
+    a.scale = 0.125;
+    const int64_t need = ng_attention_fwd_cuda_workspace_bytes(&a);
+    /* 1024 keys over 2 rows: 8 splits of 128 keys, each (m, l) + 64 outputs per row */
+    CHECK(need == (int64_t)sizeof(float) * 8 * 2 * (E + 2), "workspace of L 1, S 1024: %lld bytes",
+          (long long)need);
+    ng_attention_args t = a;
+    t.L = 17;
+    CHECK(ng_attention_fwd_cuda_workspace_bytes(&t) == 0, "L 17 (not a decode shape) asks for a workspace");
+    t = a;
+    t.S = 255;
+    CHECK(ng_attention_fwd_cuda_workspace_bytes(&t) == 0, "S 255 (one split) asks for a workspace");
+    char *ws = dmalloc((size_t)need + 4);
+    ng_status s = ng_attention_fwd_cuda_ws(&a, ws, need - 4, g_stream);
+    CHECK(s == NG_ERR_INVALID_ARG, "a workspace 4 bytes short: %s", ng_status_str(s));
+    s = ng_attention_fwd_cuda_ws(&a, ws + 2, need, g_stream);
+    CHECK(s == NG_ERR_INVALID_ARG, "a misaligned workspace: %s", ng_status_str(s));
+    CU(cudaStreamSynchronize(g_stream));
+    dfree(ws), dfree(buf), dfree(lse);
+    case_end();
+}
+
 static void test_attention(void) {
     static const int64_t sizes[5] = {1, 7, 64, 129, 300};
     static const int64_t dims[2] = {64, 128};
@@ -1431,6 +1471,7 @@ static void test_attention(void) {
         for (int di = 1; di < 3; di++)
             attn_case(&ATTN_CASES_16[ci], FLOAT_TYPES[di]);
     attn_rejects_fp64();
+    attn_workspace_contract();
 }
 
 /* ---- runtime errors inside a launcher (emulator only) ---------------------------
