@@ -29,14 +29,18 @@ def _sync(device: str) -> None:
 
 def time_fns(fns: dict[str, Callable[[], object]], repeats: int = 30, warmup: int = 3,
              device: str = "cpu") -> dict[str, float]:
-    """Median seconds per call of each fn, the fns interleaved per repeat."""
+    """Median seconds per call of each fn, the fns interleaved per repeat, in
+    reverse order every other repeat (whichever runs right after another can
+    find the caches and the allocator in a different state: a bias of a few
+    percent on a multi-second generate())."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     _sync(device)
     samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for rep in range(repeats):
+        for name, fn in order if rep % 2 == 0 else order[::-1]:
             _sync(device)
             t0 = time.perf_counter()
             fn()
