@@ -88,6 +88,20 @@ static void *ng_attn_alloc(size_t bytes) {
 
 static void ng_attn_fail(ng_attn_ctx *c) { atomic_store(&c->failed, 1); }
 
+/* Asks for n rows (ld bytes apart, width bytes each) to be brought into the
+ * cache ahead of their use. The decode path reads each K and V row once,
+ * from memory, and has little arithmetic per row to hide the misses behind:
+ * it fetches a tile's V rows while it scores the tile, and the next tile's
+ * K rows while it adds P V. */
+static inline void ng_prefetch_rows(const char *p, int64_t n, size_t ld, size_t width) {
+#if defined(__GNUC__)
+    for (int64_t j = 0; j < n; j++)
+        for (size_t x = 0; x < width; x += 64) __builtin_prefetch(p + (size_t)j * ld + x);
+#else
+    (void)p, (void)n, (void)ld, (void)width;
+#endif
+}
+
 /* ---- exp ----------------------------------------------------------------
  * Branch-free expf (Cephes polynomial, ~1 ulp) so that the softmax row loop
  * vectorizes; exact for the cases the softmax relies on: exp(-inf) = 0,
