@@ -29,7 +29,9 @@ machine's measured copy bandwidth (bench/_common.py). nanguard skips key
 blocks that the mask pads for every query row of a task (here 1/8 of the
 cache), so the bytes it actually reads per second are those of the keys the
 mask keeps: nanguard_attended_GBs. Results:
-bench/results/attention_<device>_decode.{json,md}.
+bench/results/attention_<device>_decode.{json,md}; NANGUARD_CPU_ISA=avx2
+(the AVX2 kernels on an AVX-512 machine) adds _avx2 to the name, --threads N
+adds _tN.
 
 --forward: forward only under torch.inference_mode, [4, 8, L, 64] with L = S
 in 512..4096, no mask, fp32 and bf16, against F.scaled_dot_product_attention.
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -265,15 +268,17 @@ def main():
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    # NANGUARD_CPU_ISA=avx2 (or baseline) caps the CPU kernels' instruction set:
+    # an AVX2 machine's numbers from an AVX-512 one; the results get a suffix
+    isa = os.environ.get("NANGUARD_CPU_ISA", "")
+    tag = (f"_{isa}" if isa and args.device == "cpu" else "") + (f"_t{args.threads}" if args.threads else "")
     if args.decode:
-        decode_compare(args.device, max(args.repeats, 3 if _common.quick() else 15),
-                       suffix=f"_t{args.threads}" if args.threads else "")
+        decode_compare(args.device, max(args.repeats, 3 if _common.quick() else 15), suffix=tag)
         return
     if args.forward:
         lengths = (512, 1024, 2048, 4096) if args.lengths == ",".join(map(str, LENGTHS)) else \
             tuple(int(x) for x in args.lengths.split(","))
-        forward_compare(args.device, max(args.repeats, 3 if _common.quick() else 7), lengths,
-                        suffix=f"_t{args.threads}" if args.threads else "")
+        forward_compare(args.device, max(args.repeats, 3 if _common.quick() else 7), lengths, suffix=tag)
         return
     if args.flash:
         if not torch.cuda.is_available():
