@@ -1524,6 +1524,25 @@ static void test_cuda_errors(void) {
         CU(cudaStreamSynchronize(g_stream));
         case_end();
     }
+    if (case_begin("errors     %-34s %s", "failed_smem_attribute_decode", "float32")) {
+        /* the decode kernel at head dim 256 asks for 49 KiB: the failure is
+         * returned, and the same call then succeeds */
+        const int64_t S = 64, E = 256;
+        float *kv = dmalloc(sizeof(float) * (size_t)(S * E));
+        CU(cudaMemsetAsync(kv, 0, sizeof(float) * (size_t)(S * E), g_stream));
+        ng_attention_args a = err_attn_args(buf, lse, E);
+        a.S = S;
+        a.k = a.v = kv;
+        a.k_stride[0] = a.k_stride[1] = a.v_stride[0] = a.v_stride[1] = S * E;
+        ng_emu_inject("cudaFuncSetAttribute", cudaErrorInvalidValue);
+        ng_status s = ng_attention_fwd_cuda(&a, g_stream);
+        CHECK(s == NG_ERR_CUDA, "a failed cudaFuncSetAttribute: launcher returned %s", ng_status_str(s));
+        s = ng_attention_fwd_cuda(&a, g_stream);
+        CHECK(s == NG_OK, "the same call again returned %s", ng_status_str(s));
+        CU(cudaStreamSynchronize(g_stream));
+        dfree(kv);
+        case_end();
+    }
     if (case_begin("errors     %-34s %s", "failed_device_query", "float16")) {
         /* the compute-capability query fails: the SIMT kernels run instead */
         ng_attention_args a = err_attn_args(buf, lse, 64);
