@@ -193,16 +193,9 @@ static void sdpa_forward(StableIValue *stack, uint64_t na, uint64_t no, int has_
     for (int d = 0; d < 3; d++) a.out_stride[d] = ov.strides[d];
     a.lse = lv.mut;
 #ifdef NG_BUILD_CUDA
-    /* a decode shape's split-KV partials, from the caching allocator (freed
-     * with the frame after the launches are queued: stream-ordered reuse) */
-    int64_t ws_n = ng_attention_fwd_cuda_workspace_bytes(&a) / (int64_t)sizeof(float);
-    void *ws = NULL;
-    if (ws_n > 0) {
-        ng_tensor wsv;
-        ng_view_mut(&f, ng_empty(&f, 1, &ws_n, NG_F32, q.device_type, q.device_index), "workspace", &wsv);
-        ws = wsv.mut;
-    }
-    NG_KERNEL_CHECK(&f, ng_attention_fwd_cuda_ws(&a, ws, ws_n * (int64_t)sizeof(float),
+    /* a decode shape's split-KV partials */
+    const int64_t wsb = ng_attention_fwd_cuda_workspace_bytes(&a);
+    NG_KERNEL_CHECK(&f, ng_attention_fwd_cuda_ws(&a, ng_scratch(&f, wsb, &q), wsb,
                                                  ng_cuda_current_stream(&f, q.device_index)));
 #else
     NG_KERNEL_CHECK(&f, ng_attention_fwd(&a, ng_torch_parallel));

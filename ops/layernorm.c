@@ -164,17 +164,9 @@ static void ln_backward(StableIValue *stack, uint64_t na, uint64_t no, int has_w
                            (void *)(uintptr_t)mean.data, (void *)(uintptr_t)rstd.data, NULL,
                            dy.data, dxv.mut, has_w ? dwv.mut : NULL, with_bias ? dbv.mut : NULL};
 #ifdef NG_BUILD_CUDA
-    /* scratch for the dweight / dbias partial sums over chunks of rows, from
-     * the caching allocator (freed with the frame, after the launch is queued
-     * on this stream: stream-ordered reuse) */
-    int64_t ws_n = ng_layernorm_bwd_cuda_workspace_bytes(&a) / (int64_t)sizeof(float);
-    void *ws = NULL;
-    if (ws_n > 0) {
-        ng_tensor wsv;
-        ng_view_mut(&f, ng_empty(&f, 1, &ws_n, NG_F32, x.device_type, x.device_index), "workspace", &wsv);
-        ws = wsv.mut;
-    }
-    NG_KERNEL_CHECK(&f, ng_layernorm_bwd_cuda_ws(&a, ws, ws_n * (int64_t)sizeof(float),
+    /* the dweight / dbias partial sums over chunks of rows */
+    const int64_t wsb = ng_layernorm_bwd_cuda_workspace_bytes(&a);
+    NG_KERNEL_CHECK(&f, ng_layernorm_bwd_cuda_ws(&a, ng_scratch(&f, wsb, &x), wsb,
                                                  ng_cuda_current_stream(&f, x.device_index)));
 #else
     NG_KERNEL_CHECK(&f, ng_layernorm_bwd(&a, ng_torch_parallel));

@@ -370,6 +370,14 @@ AtenTensorHandle ng_empty_like(ng_frame *f, const ng_tensor *t) {
     return ng_empty(f, t->ndim, t->sizes, t->dtype, t->device_type, t->device_index);
 }
 
+void *ng_scratch(ng_frame *f, int64_t bytes, const ng_tensor *like) {
+    if (bytes <= 0) return NULL;
+    const int64_t n = NG_CEIL_DIV(bytes, (int64_t)sizeof(float));
+    ng_tensor v;
+    ng_view_mut(f, ng_empty(f, 1, &n, NG_F32, like->device_type, like->device_index), "scratch", &v);
+    return v.mut;
+}
+
 void ng_make_contiguous(ng_frame *f, ng_tensor *t) {
     if (ng_is_contiguous(t)) return;
     AtenTensorHandle c = ng_empty_like(f, t);

@@ -241,6 +241,11 @@ bool ng_is_contiguous(const ng_tensor *t);
 AtenTensorHandle ng_empty(ng_frame *f, int64_t ndim, const int64_t *sizes, ng_dtype dtype,
                           int32_t device_type, int32_t device_index);
 AtenTensorHandle ng_empty_like(ng_frame *f, const ng_tensor *t);
+/* A kernel's scratch of at least `bytes` bytes (4-byte aligned) on like's
+ * device, owned by f: from PyTorch's caching allocator, so on CUDA it is
+ * freed with the frame after the launches that use it are queued
+ * (stream-ordered reuse). NULL for bytes <= 0. */
+void *ng_scratch(ng_frame *f, int64_t bytes, const ng_tensor *like);
 /* t itself when contiguous, else a contiguous copy (owned by f); the view is
  * refreshed (read-only) either way. For inputs only: a copy of an in-place
  * argument would not write back. */
