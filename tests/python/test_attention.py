@@ -290,13 +290,15 @@ def test_decode_shapes_match_fp64_reference(case, dtype):
     check_case(dtype, B, Hq, Hkv, L, S, E, Ev, **kw)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_decode_fully_masked_rows_are_zero_with_lse_minus_inf(dtype):
+def test_decode_fully_masked_rows_are_zero_with_lse_minus_inf(dtype, device):
     q, k, v = rand((2, 8, 1, 64), dtype, 1), rand((2, 2, 900, 64), dtype, 2), rand((2, 2, 900, 64), dtype, 3)
     mask = torch.ones(2, 1, 1, 900, dtype=torch.bool)
     mask[1] = False  # every key of batch row 1 is padding
     mask[0, ..., 400:] = False  # and most of row 0: whole key splits see only padding
-    out, lse = ops.safe_sdpa.masked(q, k, v, mask, 0.0, False, 0.125, 0.0, 0.0, rng())
+    out, lse = ops.safe_sdpa.masked(*(t.to(device) for t in (q, k, v, mask)), 0.0, False, 0.125, 0.0, 0.0, rng())
+    out, lse = out.cpu(), lse.cpu()
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert torch.isneginf(lse[1]).all() and torch.isfinite(lse[0]).all()
     ref = ref_sdpa(q, k, v, mask=mask, scale=0.125)
@@ -761,10 +763,13 @@ TC_CASES = {
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", ["plain", "D256", "gqa", "causal_L_gt_S", "bool", "neginf_pad",
-                                  "clamp_softcap_mask", "L7_S129_D40", *TC_CASES])
+                                  "clamp_softcap_mask", "L7_S129_D40", *TC_CASES, *DECODE_CASES])
 def test_cuda_matches_cpu_op(case, dtype):
-    B, Hq, Hkv, L, S, E, Ev, kw = {**CASES, **TC_CASES}[case]
+    """Decode shapes take the CUDA decode kernel, with the split-KV workspace
+    the op allocates where the keys are long."""
+    B, Hq, Hkv, L, S, E, Ev, kw = {**CASES, **TC_CASES, **DECODE_CASES}[case]
     kw = dict(kw)
+    kw.pop("full_rows", None)  # make_mask below always makes some
     q = rand((B, Hq, L, E), dtype, 1, kw.pop("scale_in", 1.0))
     k = rand((B, Hkv, S, E), dtype, 2)
     v = rand((B, Hkv, S, Ev), dtype, 3)
