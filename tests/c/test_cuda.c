@@ -1001,6 +1001,8 @@ static const acase ATTN_CASES[] = {
     {"decode_L3_S200_dropout",  1, 2, 2,  3,   200, 8,   5,   LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0.4, 1,   0, SP_NONE, 5},
     {"decode_L1_S77_dropout_gqa", 2, 6, 3, 1,  77,  64,  64,  LAY_BSHD, LAY_BHSD, AM_BOOL,    MS_PAD,  0, 0, 0,   0,   0.3, 1,   0, SP_NONE, 42},
     {"decode_L2_nan_in_q_gqa",  1, 4, 2,  2,   300, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NAN, 42},
+    {"decode_L2_S700_dropout_splits", 1, 4, 2, 2, 700, 64, 64, LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  0, 0, 0,   0,   0.3, 1,   0, SP_NONE, 42},
+    {"decode_L3_padded_layouts", 2, 6, 2, 3,   520, 40,  40,  LAY_PAD,  LAY_PAD,  AM_LOWEST,  MS_FULL, 1, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
     /* head dim 256: the decode kernel's shared memory must fit sm_75's 64 KiB */
     {"decode_L2_E256_gqa",      1, 4, 2,  2,   400, 256, 256, LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  0, 0, 0,   0,   0,   1,   0, SP_NONE, 42},
     /* batch 1 all padding, batch 0 padding past S / 3: whole key splits
