@@ -299,6 +299,9 @@ def _to_4d(query, key, value, enable_gqa):
         raise ValueError(
             f"query has {hq} heads but key/value have {hk}; pass enable_gqa=True for grouped-query attention"
         )
+    if (query.dim() == key.dim() == value.dim() == 4 and qb[0] == kb[0] == vb[0]
+            and (qb[1], kb[1], vb[1]) == (Hq, Hkv, Hkv)):
+        return query, key, value, qb[:1], Hq  # already [B, heads, seq, dim]: the common case, no reshapes
     try:
         batch = tuple(torch.broadcast_shapes(qb[:-1], kb[:-1], vb[:-1]))
     except RuntimeError:
