@@ -88,17 +88,26 @@ static void *ng_attn_alloc(size_t bytes) {
 
 static void ng_attn_fail(ng_attn_ctx *c) { atomic_store(&c->failed, 1); }
 
-/* Asks for n rows (ld bytes apart, width bytes each) to be brought into the
- * cache ahead of their use. The decode path reads each K and V row once,
- * from memory, and has little arithmetic per row to hide the misses behind:
- * it fetches a tile's V rows while it scores the tile, and the next tile's
- * K rows while it adds P V. */
-static inline void ng_prefetch_rows(const char *p, int64_t n, size_t ld, size_t width) {
+/* Rows to bring into the cache while a decode kernel computes. The decode
+ * path reads each K and V row once, from memory, with little arithmetic per
+ * row to hide the misses behind: while it scores a tile it fetches the
+ * tile's V rows, while it adds P V the next tile's K rows, a few rows per
+ * group of keys done, so that misses stay in flight during the arithmetic
+ * instead of stalling it in one burst. */
+typedef struct ng_pf {
+    const char *p;         /* row 0 (NULL: nothing to fetch) */
+    size_t ld, width;      /* bytes between rows, bytes of a row */
+    int64_t n;             /* rows */
+} ng_pf;
+
+/* Rows [j0, j1) of pf, those that exist. */
+static inline void ng_pf_rows(const ng_pf *pf, int64_t j0, int64_t j1) {
 #if defined(__GNUC__)
-    for (int64_t j = 0; j < n; j++)
-        for (size_t x = 0; x < width; x += 64) __builtin_prefetch(p + (size_t)j * ld + x);
+    if (!pf->p) return;
+    for (int64_t j = j0; j < j1 && j < pf->n; j++)
+        for (size_t x = 0; x < pf->width; x += 64) __builtin_prefetch(pf->p + (size_t)j * pf->ld + x);
 #else
-    (void)p, (void)n, (void)ld, (void)width;
+    (void)pf, (void)j0, (void)j1;
 #endif
 }
 
@@ -300,14 +309,17 @@ NG_TARGET_AVX2 static void ng_gemm_f64_avx2(int64_t M, int64_t N, int64_t K, con
 
 #define NG_DOTS_PLAIN(NAME, T)                                                                     \
     static void NAME(int64_t M, int64_t nk, int64_t n, const T *Q, int64_t ldq, const T *K,         \
-                     int64_t ldk, T *S, int64_t lds) {                                              \
-        for (int64_t j = 0; j < nk; j++)                                                           \
+                     int64_t ldk, T *S, int64_t lds, const ng_pf *pf) {                             \
+        ng_pf_rows(pf, nk, pf->n);                                                                 \
+        for (int64_t j = 0; j < nk; j++) {                                                         \
+            ng_pf_rows(pf, j, j + 1);                                                              \
             for (int64_t r = 0; r < M; r++) {                                                      \
                 const T *q = Q + r * ldq, *k = K + j * ldk;                                        \
                 T d = 0;                                                                           \
                 _Pragma("omp simd reduction(+ : d)") for (int64_t e = 0; e < n; e++) d += q[e] * k[e]; \
                 S[r * lds + j] = d;                                                                \
             }                                                                                      \
+        }                                                                                          \
     }
 
 NG_DOTS_PLAIN(ng_dots_f32_base, float)
@@ -330,9 +342,11 @@ NG_TARGET_AVX2 static inline float ng_hsum8(__m256 a) {
 /* 2 query rows x 4 keys per step (8 accumulators, 6 loads per 8 FMAs);
  * n % 8 == 0 (rows zero-padded by the caller when they are not). */
 NG_TARGET_AVX2 static void ng_dots_f32_avx2(int64_t M, int64_t nk, int64_t n, const float *Q, int64_t ldq,
-                                            const float *K, int64_t ldk, float *S, int64_t lds) {
+                                            const float *K, int64_t ldk, float *S, int64_t lds, const ng_pf *pf) {
     int64_t j = 0;
+    ng_pf_rows(pf, nk & ~(int64_t)3, pf->n); /* rows past the last group of 4 */
     for (; j + 4 <= nk; j += 4) {
+        ng_pf_rows(pf, j, j + 4);
         const float *k0 = K + j * ldk, *k1 = k0 + ldk, *k2 = k1 + ldk, *k3 = k2 + ldk;
         int64_t r = 0;
         for (; r + 2 <= M; r += 2) {
@@ -385,13 +399,16 @@ NG_TARGET_AVX2 static void ng_dots_f32_avx2(int64_t M, int64_t nk, int64_t n, co
 
 #define NG_PV_PLAIN(NAME, T)                                                                       \
     static void NAME(int64_t M, int64_t nk, int64_t n, const T *P, int64_t lds, const T *V,         \
-                     int64_t ldv, T *C, int64_t ldc) {                                              \
-        for (int64_t j = 0; j < nk; j++)                                                           \
+                     int64_t ldv, T *C, int64_t ldc, const ng_pf *pf) {                             \
+        ng_pf_rows(pf, nk, pf->n);                                                                 \
+        for (int64_t j = 0; j < nk; j++) {                                                         \
+            ng_pf_rows(pf, j, j + 1);                                                              \
             for (int64_t r = 0; r < M; r++) {                                                      \
                 const T p = P[r * lds + j], *v = V + j * ldv;                                      \
                 T *c = C + r * ldc;                                                                \
                 _Pragma("omp simd") for (int64_t d = 0; d < n; d++) c[d] += p * v[d];              \
             }                                                                                      \
+        }                                                                                          \
     }
 
 NG_PV_PLAIN(ng_pv_f32_base, float)
@@ -401,9 +418,11 @@ NG_PV_PLAIN(ng_pv_f64, double)
 /* 2 rows x 4 keys per step: 4 V loads and 2 accumulator loads / stores per
  * 8 FMAs; n % 8 == 0. */
 NG_TARGET_AVX2 static void ng_pv_f32_avx2(int64_t M, int64_t nk, int64_t n, const float *P, int64_t lds,
-                                          const float *V, int64_t ldv, float *C, int64_t ldc) {
+                                          const float *V, int64_t ldv, float *C, int64_t ldc, const ng_pf *pf) {
     int64_t j = 0;
+    ng_pf_rows(pf, nk & ~(int64_t)3, pf->n); /* rows past the last group of 4 */
     for (; j + 4 <= nk; j += 4) {
+        ng_pf_rows(pf, j, j + 4);
         const float *v0 = V + j * ldv, *v1 = v0 + ldv, *v2 = v1 + ldv, *v3 = v2 + ldv;
         int64_t r = 0;
         for (; r + 2 <= M; r += 2) {
@@ -461,9 +480,11 @@ NG_TARGET_AVX512 static inline __m256 ng_fold16(__m512 a) {
 }
 
 NG_TARGET_AVX512 static void ng_dots_f32_avx512(int64_t M, int64_t nk, int64_t n, const float *Q, int64_t ldq,
-                                                const float *K, int64_t ldk, float *S, int64_t lds) {
+                                                const float *K, int64_t ldk, float *S, int64_t lds, const ng_pf *pf) {
     int64_t j = 0;
+    ng_pf_rows(pf, nk & ~(int64_t)3, pf->n); /* rows past the last group of 4 */
     for (; j + 4 <= nk; j += 4) {
+        ng_pf_rows(pf, j, j + 4);
         const float *k0 = K + j * ldk, *k1 = k0 + ldk, *k2 = k1 + ldk, *k3 = k2 + ldk;
         int64_t r = 0;
         for (; r + 2 <= M; r += 2) {
@@ -510,9 +531,11 @@ NG_TARGET_AVX512 static void ng_dots_f32_avx512(int64_t M, int64_t nk, int64_t n
 }
 
 NG_TARGET_AVX512 static void ng_pv_f32_avx512(int64_t M, int64_t nk, int64_t n, const float *P, int64_t lds,
-                                              const float *V, int64_t ldv, float *C, int64_t ldc) {
+                                              const float *V, int64_t ldv, float *C, int64_t ldc, const ng_pf *pf) {
     int64_t j = 0;
+    ng_pf_rows(pf, nk & ~(int64_t)3, pf->n); /* rows past the last group of 4 */
     for (; j + 4 <= nk; j += 4) {
+        ng_pf_rows(pf, j, j + 4);
         const float *v0 = V + j * ldv, *v1 = v0 + ldv, *v2 = v1 + ldv, *v3 = v2 + ldv;
         int64_t r = 0;
         for (; r + 2 <= M; r += 2) {
