@@ -49,6 +49,26 @@ def time_fns(fns: dict[str, Callable[[], object]], repeats: int = 30, warmup: in
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def paired_times(fn_a: Callable[[], object], fn_b: Callable[[], object], repeats: int = 15, warmup: int = 1,
+                 device: str = "cpu") -> tuple[tuple[float, float], float]:
+    """Both fns once per repeat, in alternating order: ((median seconds of a,
+    median seconds of b), median over repeats of b's time / a's time)."""
+    for fn in (fn_a, fn_b):
+        for _ in range(warmup):
+            fn()
+    ta: list[float] = []
+    tb: list[float] = []
+    for rep in range(repeats):
+        for fn, out in ((fn_a, ta), (fn_b, tb)) if rep % 2 == 0 else ((fn_b, tb), (fn_a, ta)):
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            out.append(time.perf_counter() - t0)
+    ratio = statistics.median(b / a for a, b in zip(ta, tb))
+    return (statistics.median(ta), statistics.median(tb)), ratio
+
+
 def copy_bandwidth(device: str = "cpu", nbytes: int = 256 << 20, repeats: int = 10) -> float:
     """Measured GB/s of a large tensor copy (read + write counted)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()

@@ -5,11 +5,13 @@ over 8 or 2 kv heads, random weights; nothing is downloaded), greedy
 decoding with the KV cache: batch 4, a prompt of 256 tokens (the first rows
 left-padded, so every step carries a padding mask), 32 new tokens, fp32 and
 bf16. The two models are deep copies with the same weights, timed in the same
-process with their calls interleaved; the ratio is stock time / patched time
-(> 1: the patched model is faster). Both must produce the same tokens (fp32:
+process with their calls interleaved in alternating order; the ratio is the
+median over repeats of each pair's stock time / patched time (> 1: the
+patched model is faster), which a slow drift of the machine's speed during
+the run affects less than a ratio of two medians. Both must produce the same tokens (fp32:
 checked; bf16: reported, since rounding may flip a near tie).
 
-    python bench/bench_generate.py [--repeats 5] [--threads N] [--kv-heads 8,2]
+    python bench/bench_generate.py [--repeats 15] [--threads N] [--kv-heads 8,2]
 
 Results: bench/results/generate_<device>[_tN].{json,md}.
 """
@@ -56,7 +58,7 @@ def prompt(device: str):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cpu")
-    p.add_argument("--repeats", type=int, default=3 if _common.quick() else 5)
+    p.add_argument("--repeats", type=int, default=3 if _common.quick() else 15)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--kv-heads", default="8,2")
     args = p.parse_args()
@@ -80,13 +82,13 @@ def main():
                         outs[name] = model.generate(input_ids=ids, attention_mask=am, **kw)
                 return run
 
-            t = _common.time_fns({"nanguard": mk("nanguard", ours), "stock": mk("stock", stock)},
-                                 repeats=args.repeats, warmup=1, device=dev)
+            t, ratio = _common.paired_times(mk("nanguard", ours), mk("stock", stock), repeats=args.repeats,
+                                            device=dev)
             same = bool(torch.equal(outs["nanguard"], outs["stock"]))
             if dtype == torch.float32 and not same:
                 raise SystemExit("fp32: the patched model generated other tokens than the stock one")
             row = {"dtype": str(dtype).replace("torch.", ""), "heads": f"{HEADS}/{kv}",
-                   "nanguard_s": t["nanguard"], "stock_s": t["stock"], "vs_stock": t["stock"] / t["nanguard"],
+                   "nanguard_s": t[0], "stock_s": t[1], "vs_stock": ratio,
                    "same_tokens": same}
             rows.append(row)
             print(row, flush=True)
