@@ -75,14 +75,21 @@ __device__ __forceinline__ float ld(const void *p, int64_t i) {
     return ng_load_f32(p, T, i);
 }
 
+/* The mask's value at (b, h, i, j): 0 without a mask, -inf where masked. */
+__device__ __forceinline__ double mask_value(const ng_attention_args &a, int64_t b, int64_t h, int64_t i,
+                                             int64_t j) {
+    if (a.mask_kind == NG_MASK_NONE) return 0.0;
+    const int64_t off = b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2] + j * a.mask_stride[3];
+    return ng_attn_mask_value(a.mask, a.mask_kind, a.mask_dtype, off);
+}
+
 /* Scaled raw score -> guarded, masked score (-inf where masked). */
 __device__ __forceinline__ float guarded_score(const ng_attention_args &a, float raw, int64_t b, int64_t h,
                                                int64_t i, int64_t j) {
     float s = ng_attn_transform_f32(raw, (float)a.max_score, (float)a.softcap);
     if (a.is_causal && ng_attn_causal_masked(i, j)) return -INFINITY;
     if (a.mask_kind != NG_MASK_NONE) {
-        int64_t off = b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2] + j * a.mask_stride[3];
-        double mv = ng_attn_mask_value(a.mask, a.mask_kind, a.mask_dtype, off);
+        const double mv = mask_value(a, b, h, i, j);
         if (mv == -INFINITY) return -INFINITY;
         s += (float)mv;
     }
@@ -208,7 +215,8 @@ static __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(ng_atten
  * Warp w owns rows r0 + w + kDecWarps * t. Per tile of kBK keys, lane j
  * scores key j for each of its warp's rows (the query row is broadcast from
  * shared memory, the K tile is padded to E + 1 floats a row so the 32 lanes
- * read 32 banks) and the online softmax folds the tile as in the forward;
+ * read 32 banks) and the online softmax folds the tile as in the forward
+ * (a tile the mask hides from all the block's rows is skipped unread);
  * then the V tile replaces the K tile (one buffer: head dim 256 fits the
  * 64 KiB of sm_75) and P V broadcasts p_j lane by lane. A pair of
  * probability zero (masked, dropped, underflowed) is skipped: it adds
@@ -277,11 +285,24 @@ static __global__ void __launch_bounds__(kDecThreads) attention_decode_kernel(ng
         l[t] = 0.0f;
     }
 
+    __shared__ int live; /* the tile has a key the mask leaves to some row of the block */
     const int64_t jb = split * p.split_len, je = NG_MIN(p.klen, jb + p.split_len);
     for (int64_t j0 = jb; j0 < je; j0 += kBK) {
         const int64_t nk = NG_MIN((int64_t)kBK, je - j0);
         float pr[kDecRowsPerWarp]; /* lane j: p of key j for each of the warp's rows */
-        __syncthreads();           /* the previous tile's V readers are done */
+        if (a.mask_kind != NG_MASK_NONE) {
+            /* a tile the mask hides from every row (padding) is not read:
+             * its probabilities would all be 0, nothing would change */
+            if (threadIdx.x == 0) live = 0;
+            __syncthreads(); /* also: every thread has read the previous tile's flag */
+            for (int x = threadIdx.x; x < kDecRows * kBK; x += kDecThreads) {
+                const int64_t r = r0 + x / kBK, j = x % kBK;
+                if (r < M && j < nk && mask_value(a, b, hk * G + r / a.L, r % a.L, j0 + j) != -INFINITY) live = 1;
+            }
+            __syncthreads();
+            if (!live) continue; /* block-uniform */
+        }
+        __syncthreads(); /* the previous tile's V readers are done */
         for (int x = threadIdx.x; x < kBK * E; x += kDecThreads) {
             const int r = x / E, e = x % E;
             kv[r * kst + e] = r < nk ? ld<T>(kb, (j0 + r) * a.k_stride[2] + e) : 0.0f;
