@@ -104,14 +104,30 @@ __device__ __forceinline__ float dropout_scale(const ng_attention_args &a, int64
                                                                           : 0.0f;
 }
 
-/* Stage rows [r0, r0+n) of a [seq, dim] slice into tile[rows][dim] as fp32 (zeros past n). */
-template <ng_dtype T>
-__device__ __forceinline__ void stage(float *tile, int rows, const void *base, int64_t rs, int64_t r0, int64_t n,
-                                      int64_t dim) {
-    for (int x = threadIdx.x; x < rows * dim; x += kThreads) {
+/* Stage rows [r0, r0+n) of a [seq, dim] slice as fp32 into `rows` tile rows
+ * tile_ld floats apart (zeros past n), by the block's NTHREADS threads. */
+template <ng_dtype T, int NTHREADS = kThreads>
+__device__ __forceinline__ void stage(float *tile, int64_t tile_ld, int rows, const void *base, int64_t rs,
+                                      int64_t r0, int64_t n, int64_t dim) {
+    for (int x = threadIdx.x; x < rows * dim; x += NTHREADS) {
         int r = x / (int)dim, d = x % (int)dim;
-        tile[x] = r < n ? ld<T>(base, (r0 + r) * rs + d) : 0.0f;
+        tile[r * tile_ld + d] = r < n ? ld<T>(base, (r0 + r) * rs + d) : 0.0f;
     }
+}
+
+/* A finished query row i of head h: out = acc / l (the lane holds columns
+ * lane + 32 u) and lse = m + log l (-inf and zeros for an empty row). */
+template <ng_dtype T, int NT>
+__device__ __forceinline__ void store_row(const ng_attention_args &a, int64_t b, int64_t h, int64_t i,
+                                          const float (&acc)[NT], float m, float l) {
+    const int lane = threadIdx.x & 31;
+    const float inv = ng_attn_inv_sum_f32(l);
+    const int64_t ob = b * a.out_stride[0] + h * a.out_stride[1] + i * a.out_stride[2];
+    for (int u = 0; u < NT; u++) {
+        const int d = lane + 32 * u;
+        if (d < a.Ev) ng_store_f32(a.out, T, ob + d, acc[u] * inv);
+    }
+    if (lane == 0) ((float *)a.lse)[(b * a.Hq + h) * a.L + i] = ng_attn_lse_f32(m, l);
 }
 
 /* Keys [j0, j0 + nk) of K and V into ks and vs (kBK rows each), between
@@ -120,8 +136,8 @@ template <ng_dtype T>
 __device__ __forceinline__ void stage_kv(float *ks, float *vs, const void *kb, const void *vb,
                                          const ng_attention_args &a, int64_t j0, int64_t nk) {
     __syncthreads();
-    stage<T>(ks, kBK, kb, a.k_stride[2], j0, nk, a.E);
-    stage<T>(vs, kBK, vb, a.v_stride[2], j0, nk, a.Ev);
+    stage<T>(ks, a.E, kBK, kb, a.k_stride[2], j0, nk, a.E);
+    stage<T>(vs, a.Ev, kBK, vb, a.v_stride[2], j0, nk, a.Ev);
     __syncthreads();
 }
 
@@ -191,15 +207,8 @@ static __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(ng_atten
     }
 
     for (int r = 0; r < kFwdRows; r++) {
-        const int64_t i = row0 + r;
-        if (i >= a.L) break;
-        const float inv = ng_attn_inv_sum_f32(l[r]);
-        const int64_t ob = b * a.out_stride[0] + h * a.out_stride[1] + i * a.out_stride[2];
-        for (int t = 0; t < NT; t++) {
-            int d = lane + 32 * t;
-            if (d < a.Ev) ng_store_f32(a.out, T, ob + d, acc[r][t] * inv);
-        }
-        if (lane == 0) ((float *)a.lse)[(b * a.Hq + h) * a.L + i] = ng_attn_lse_f32(m[r], l[r]);
+        if (row0 + r >= a.L) break;
+        store_row<T, NT>(a, b, h, row0 + r, acc[r], m[r], l[r]);
     }
 }
 
@@ -303,10 +312,7 @@ static __global__ void __launch_bounds__(kDecThreads) attention_decode_kernel(ng
             if (!live) continue; /* block-uniform */
         }
         __syncthreads(); /* the previous tile's V readers are done */
-        for (int x = threadIdx.x; x < kBK * E; x += kDecThreads) {
-            const int r = x / E, e = x % E;
-            kv[r * kst + e] = r < nk ? ld<T>(kb, (j0 + r) * a.k_stride[2] + e) : 0.0f;
-        }
+        stage<T, kDecThreads>(kv, kst, kBK, kb, a.k_stride[2], j0, nk, E);
         __syncthreads();
         for (int t = 0; t < kDecRowsPerWarp; t++) {
             const int64_t r = r0 + warp + kDecWarps * t;
@@ -326,10 +332,7 @@ static __global__ void __launch_bounds__(kDecThreads) attention_decode_kernel(ng
             for (int u = 0; u < NT; u++) acc[t][u] *= alpha;
         }
         __syncthreads(); /* the K tile's readers are done: V takes its place */
-        for (int x = threadIdx.x; x < kBK * Ev; x += kDecThreads) {
-            const int r = x / Ev, d = x % Ev;
-            kv[x] = r < nk ? ld<T>(vb, (j0 + r) * a.v_stride[2] + d) : 0.0f;
-        }
+        stage<T, kDecThreads>(kv, Ev, kBK, vb, a.v_stride[2], j0, nk, Ev);
         __syncthreads();
         for (int t = 0; t < kDecRowsPerWarp; t++) {
             if (r0 + warp + kDecWarps * t >= M) break;
@@ -350,13 +353,7 @@ static __global__ void __launch_bounds__(kDecThreads) attention_decode_kernel(ng
         if (r >= M) break;
         const int64_t h = hk * G + r / a.L, i = r % a.L, row = (b * a.Hq + h) * a.L + i;
         if (p.nsplit == 1) {
-            const float inv = ng_attn_inv_sum_f32(l[t]);
-            const int64_t ob = b * a.out_stride[0] + h * a.out_stride[1] + i * a.out_stride[2];
-            for (int u = 0; u < NT; u++) {
-                const int d = lane + 32 * u;
-                if (d < Ev) ng_store_f32(a.out, T, ob + d, acc[t][u] * inv);
-            }
-            if (lane == 0) ((float *)a.lse)[row] = ng_attn_lse_f32(m[t], l[t]);
+            store_row<T, NT>(a, b, h, i, acc[t], m[t], l[t]);
         } else {
             float *part = ws + 2 * p.nsplit * rows + (split * rows + row) * Ev;
             for (int u = 0; u < NT; u++) {
@@ -393,14 +390,8 @@ static __global__ void __launch_bounds__(kDecThreads) attention_decode_combine_k
             if (d < a.Ev) acc[u] += part[(s * rows + row) * a.Ev + d] * alpha;
         }
     }
-    const int64_t i = row % a.L, bh = row / a.L, b = bh / a.Hq, h = bh % a.Hq;
-    const int64_t ob = b * a.out_stride[0] + h * a.out_stride[1] + i * a.out_stride[2];
-    const float inv = ng_attn_inv_sum_f32(l);
-    for (int u = 0; u < NT; u++) {
-        const int d = lane + 32 * u;
-        if (d < a.Ev) ng_store_f32(a.out, T, ob + d, acc[u] * inv);
-    }
-    if (lane == 0) ((float *)a.lse)[row] = ng_attn_lse_f32(mx, l);
+    const int64_t bh = row / a.L;
+    store_row<T, NT>(a, bh / a.Hq, bh % a.Hq, row % a.L, acc, mx, l);
 }
 
 /* ---- backward ----------------------------------------------------------- */
@@ -469,8 +460,8 @@ static __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(ng_
         for (int64_t i0 = istart; i0 < a.L; i0 += kBwdBQ) {
             const int64_t nq = NG_MIN((int64_t)kBwdBQ, a.L - i0);
             __syncthreads();
-            stage<T>(qs, kBwdBQ, qb, a.q_stride[2], i0, nq, a.E);
-            stage<T>(gs, kBwdBQ, gb, a.dout_stride[2], i0, nq, a.Ev);
+            stage<T>(qs, a.E, kBwdBQ, qb, a.q_stride[2], i0, nq, a.E);
+            stage<T>(gs, a.Ev, kBwdBQ, gb, a.dout_stride[2], i0, nq, a.Ev);
             for (int r = warp; r < kBwdBQ; r += kWarps) { /* D = dout . out, one warp per row */
                 float part = 0.0f;
                 if (r < nq)
@@ -1193,12 +1184,13 @@ int64_t fwd_workspace_bytes(const ng_attention_args *a) {
 
 ng_status dispatch(const ng_attention_args *a, void *stream, int backward, void *ws, int64_t ws_bytes) {
     NG_TRY(ng_attention_check(a, backward));
-    if (ws && (ws_bytes < fwd_workspace_bytes(a) || (uintptr_t)ws % alignof(float))) return NG_ERR_INVALID_ARG;
+    const int64_t need = backward ? 0 : fwd_workspace_bytes(a);
+    if (ws && (ws_bytes < need || (uintptr_t)ws % alignof(float))) return NG_ERR_INVALID_ARG;
     if (a->B == 0 || (a->L == 0 && !backward) || (a->L == 0 && a->S == 0)) return NG_OK;
     ng_attention_args n = *a;
     if (n.mask_kind == NG_MASK_NONE) n.mask = nullptr;
     cudaStream_t st = (cudaStream_t)stream;
-    float *w = fwd_workspace_bytes(a) > 0 ? (float *)ws : nullptr;
+    float *w = need > 0 ? (float *)ws : nullptr;
     switch (a->dtype) {
     case NG_F32: return dispatch_nt<NG_F32>(&n, st, backward, w);
     case NG_F16: return dispatch_nt<NG_F16>(&n, st, backward, w);
