@@ -27,9 +27,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_fns(fns: dict[str, Callable[[], object]], repeats: int = 30, warmup: int = 3,
-             device: str = "cpu") -> dict[str, float]:
-    """Median seconds per call of each fn, the fns interleaved per repeat, in
+def time_samples(fns: dict[str, Callable[[], object]], repeats: int = 30, warmup: int = 3,
+                 device: str = "cpu") -> dict[str, list[float]]:
+    """Seconds of each call of each fn, the fns interleaved per repeat, in
     reverse order every other repeat (whichever runs right after another can
     find the caches and the allocator in a different state: a bias of a few
     percent on a multi-second generate())."""
@@ -46,27 +46,23 @@ def time_fns(fns: dict[str, Callable[[], object]], repeats: int = 30, warmup: in
             fn()
             _sync(device)
             samples[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return samples
+
+
+def time_fns(fns: dict[str, Callable[[], object]], repeats: int = 30, warmup: int = 3,
+             device: str = "cpu") -> dict[str, float]:
+    """Median seconds per call of each fn (time_samples)."""
+    return {k: statistics.median(v) for k, v in time_samples(fns, repeats, warmup, device).items()}
 
 
 def paired_times(fn_a: Callable[[], object], fn_b: Callable[[], object], repeats: int = 15, warmup: int = 1,
                  device: str = "cpu") -> tuple[tuple[float, float], float]:
-    """Both fns once per repeat, in alternating order: ((median seconds of a,
-    median seconds of b), median over repeats of b's time / a's time)."""
-    for fn in (fn_a, fn_b):
-        for _ in range(warmup):
-            fn()
-    ta: list[float] = []
-    tb: list[float] = []
-    for rep in range(repeats):
-        for fn, out in ((fn_a, ta), (fn_b, tb)) if rep % 2 == 0 else ((fn_b, tb), (fn_a, ta)):
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            out.append(time.perf_counter() - t0)
-    ratio = statistics.median(b / a for a, b in zip(ta, tb))
-    return (statistics.median(ta), statistics.median(tb)), ratio
+    """Both fns once per repeat, in alternating order (time_samples): ((median
+    seconds of a, median seconds of b), median over repeats of b's time / a's
+    time)."""
+    t = time_samples({"a": fn_a, "b": fn_b}, repeats, warmup, device)
+    ratio = statistics.median(b / a for a, b in zip(t["a"], t["b"]))
+    return (statistics.median(t["a"]), statistics.median(t["b"])), ratio
 
 
 def copy_bandwidth(device: str = "cpu", nbytes: int = 256 << 20, repeats: int = 10) -> float:
