@@ -326,19 +326,8 @@ def test_decode_dropout_matches_the_backwards_mask(shape):
     Philox element indices): gradients equal the fp64 reference built from
     the mask the forward drew."""
     B, H, L, S = shape
-    p, seed, off = 0.4, 7, 5
-    _, _, d = dropped_probs(B, H, L, S, p, seed, off)
-    keep = d != 0
+    keep = check_dropout_against_reference(B, H, L, S, 0.4, 7, 5)[0]
     assert 0.5 < keep.double().mean().item() < 0.7
-    q, k, v = (rand(s, torch.float64, i).requires_grad_() for i, s in
-               enumerate([(B, H, L, 8), (B, H, S, 8), (B, H, S, 5)]))
-    args = (p, False, 1 / math.sqrt(8), 0.0, 0.0, rng(seed, off))
-    out, _ = ops.safe_sdpa(q, k, v, *args)
-    ref = ref_sdpa(q, k, v, keep=keep, dropout_p=p)
-    torch.testing.assert_close(out, ref)
-    g = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
-        torch.testing.assert_close(a, b)
 
 
 def test_non_contiguous_inputs():
@@ -371,6 +360,24 @@ def rng(seed=0, offset=0):
 
 
 
+def check_dropout_against_reference(B, H, L, S, p, seed, off):
+    """fp64 q, k, v (head dims 8 / 5): out and its gradients equal the
+    reference built from the keep mask the op drew (read back with
+    dropped_probs). Returns (keep, (q, k, v), the op's args after q, k, v)."""
+    _, _, d = dropped_probs(B, H, L, S, p, seed, off)
+    keep = d != 0
+    q, k, v = (rand(s, torch.float64, i).requires_grad_() for i, s in
+               enumerate([(B, H, L, 8), (B, H, S, 8), (B, H, S, 5)]))
+    args = (p, False, 1 / math.sqrt(8), 0.0, 0.0, rng(seed, off))
+    out, _ = ops.safe_sdpa(q, k, v, *args)
+    ref = ref_sdpa(q, k, v, keep=keep, dropout_p=p)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b)
+    return keep, (q, k, v), args
+
+
 def dropped_probs(B, H, L, S, p, seed, offset, dtype=torch.float64, device="cpu"):
     """P * keep / (1 - p) read back through value = identity. rng stays on
     the CPU whatever the device."""
@@ -398,19 +405,8 @@ def test_dropout_keep_rate_and_scaling():
 def test_dropout_forward_backward_consistent():
     """Gradients with dropout equal the fp64 reference that uses the mask the
     forward drew (read back through value = identity); gradcheck agrees."""
-    B, H, L, S, p, seed, off = 1, 2, 9, 13, 0.4, 99, 3
-    _, _, d = dropped_probs(B, H, L, S, p, seed, off)
-    keep = d != 0
-    q, k, v = (rand(s, torch.float64, i).requires_grad_() for i, s in
-               enumerate([(B, H, L, 8), (B, H, S, 8), (B, H, S, 5)]))
-    args = (p, False, 1 / math.sqrt(8), 0.0, 0.0, rng(seed, off))
-    out, _ = ops.safe_sdpa(q, k, v, *args)
-    ref = ref_sdpa(q, k, v, keep=keep, dropout_p=p)
-    torch.testing.assert_close(out, ref)
-    g = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
-        torch.testing.assert_close(a, b)
-    assert torch.autograd.gradcheck(lambda q, k, v: ops.safe_sdpa(q, k, v, *args)[0], (q, k, v))
+    _, qkv, args = check_dropout_against_reference(1, 2, 9, 13, 0.4, 99, 3)
+    assert torch.autograd.gradcheck(lambda q, k, v: ops.safe_sdpa(q, k, v, *args)[0], qkv)
 
 
 def test_dropout_follows_torch_manual_seed():

@@ -35,6 +35,20 @@ def test_import_nanguard_imports_no_framework():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def _assert_only_the_nan_step_skipped(changed, model, guard, log):
+    """Of 5 optimizer steps, the NaN one (NAN_AT) was skipped: no parameter
+    moved then, every other step moved them; the guard recorded that one
+    skip with the module and pass that produced the NaN, and the framework's
+    log (`log`, its logger's text) says so. Returns the record."""
+    assert changed == [i != NAN_AT for i in range(5)], changed
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert len(guard.skipped) == 1 and guard.skipped[0].step == NAN_AT
+    rec = guard.skipped[0]
+    assert rec.module_class and rec.pass_ == "forward", str(rec)
+    assert f"optimizer step {NAN_AT} skipped" in log and f"({rec.module_class}, forward pass)" in log, log
+    return rec
+
+
 @contextlib.contextmanager
 def _records_of(logger_name):
     """The messages a framework's logger emits (its own handlers may write
@@ -244,14 +258,8 @@ def test_transformers_trainer_bf16_nan_batch_is_skipped(tmp_path, fresh_accelera
     with _records_of("transformers.trainer") as msgs:
         trainer.train()
     err = "\n".join(msgs)
-    # the NaN step (the third) was skipped: no parameter moved; every other step moved them
-    assert watch_steps.changed == [i != NAN_AT for i in range(5)], watch_steps.changed
-    assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert len(cb.guard.skipped) == 1 and cb.guard.skipped[0].step == NAN_AT
-    rec = cb.guard.skipped[0]
-    assert rec.module_class and rec.pass_ == "forward", str(rec)
-    # in the Trainer's logs: its logger and its log history
-    assert f"optimizer step {NAN_AT} skipped" in err and f"({rec.module_class}, forward pass)" in err, err
+    rec = _assert_only_the_nan_step_skipped(watch_steps.changed, model, cb.guard, err)
+    # in the Trainer's logs: its log history too
     assert "1 of 5 optimizer steps skipped" in err, err
     entries = [e for e in trainer.state.log_history if "nanguard_skipped_step" in e]
     assert len(entries) == 1 and entries[0]["nanguard_first_nonfinite_class"] == rec.module_class
@@ -371,13 +379,8 @@ def test_lightning_trainer_nan_batch_is_skipped(package, precision):
     with _records_of(f"{package}.callbacks.nanguard") as msgs:
         trainer.fit(module, loader)
     err = "\n".join(msgs)
-    assert steps.changed == [i != NAN_AT for i in range(5)], steps.changed
-    assert all(torch.isfinite(p).all() for p in lm.parameters())
-    assert len(cb.guard.skipped) == 1 and cb.guard.skipped[0].step == NAN_AT
-    rec = cb.guard.skipped[0]
-    assert rec.module_class and rec.pass_ == "forward", str(rec)
-    # Lightning's logs: its logger and the logged metrics
-    assert f"optimizer step {NAN_AT} skipped" in err and f"({rec.module_class}, forward pass)" in err, err
+    _assert_only_the_nan_step_skipped(steps.changed, lm, cb.guard, err)
+    # Lightning's logs: the logged metrics too
     assert trainer.callback_metrics["nanguard/skipped_steps"].item() == 1.0
     if scaler is not None:
         assert scaler.get_scale() == 512.0  # the scaler's own skip backed the scale off once

@@ -215,11 +215,12 @@ def test_eps_floor():
 # ---- gradcheck / opcheck / compile ----------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "affine,rms",
-    [(a, False) for a in ("none", "weight", "weight_bias", "bias")] + [("none", True), ("weight", True)],
-)
-def test_gradcheck(affine, rms):
+AFFINE_RMS = [(a, False) for a in ("none", "weight", "weight_bias", "bias")] + [("none", True), ("weight", True)]
+
+
+def _norm_fn_and_inputs(affine, rms):
+    """f(x, w, b) for the affine variant and fp64 inputs [3, 4, 7] that
+    require grad, for gradcheck / gradgradcheck."""
     x = make((3, 4, 7), torch.float64).requires_grad_()
     w = make((7,), torch.float64, seed=2).requires_grad_()
     b = make((7,), torch.float64, seed=3).requires_grad_()
@@ -230,28 +231,20 @@ def test_gradcheck(affine, rms):
             return rms_norm(x, (7,), w if has_w else None, 1e-5)
         return layer_norm(x, (7,), w if has_w else None, b if has_b else None, 1e-5)
 
-    assert torch.autograd.gradcheck(f, (x, w, b))
+    return f, (x, w, b)
 
 
-@pytest.mark.parametrize(
-    "affine,rms",
-    [(a, False) for a in ("none", "weight", "weight_bias", "bias")] + [("none", True), ("weight", True)],
-)
+@pytest.mark.parametrize("affine,rms", AFFINE_RMS)
+def test_gradcheck(affine, rms):
+    assert torch.autograd.gradcheck(*_norm_fn_and_inputs(affine, rms))
+
+
+@pytest.mark.parametrize("affine,rms", AFFINE_RMS)
 def test_gradgradcheck(affine, rms):
     """Double backward (gradient penalties, Hessian-vector products): the
     derivative of the C backward, numerically checked in fp64, with respect
     to the input, the parameters and the incoming gradient."""
-    x = make((3, 4, 7), torch.float64).requires_grad_()
-    w = make((7,), torch.float64, seed=2).requires_grad_()
-    b = make((7,), torch.float64, seed=3).requires_grad_()
-    has_w, has_b = "weight" in affine, "bias" in affine
-
-    def f(x, w, b):
-        if rms:
-            return rms_norm(x, (7,), w if has_w else None, 1e-5)
-        return layer_norm(x, (7,), w if has_w else None, b if has_b else None, 1e-5)
-
-    assert torch.autograd.gradgradcheck(f, (x, w, b))
+    assert torch.autograd.gradgradcheck(*_norm_fn_and_inputs(affine, rms))
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])

@@ -60,21 +60,24 @@ def _run(code: str, env_extra: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
 
 
+def _import_after(prelude: str, env_extra: dict) -> subprocess.CompletedProcess:
+    """A child that imports torch, runs prelude, then imports nanguard and
+    prints IMPORT_ERROR and the error, or IMPORTED."""
+    return _run(
+        "import torch\n" + prelude + "try:\n    import nanguard\nexcept ImportError as e:\n"
+        "    print('IMPORT_ERROR', e)\nelse:\n    print('IMPORTED')\n",
+        env_extra,
+    )
+
+
 def test_failed_registration_makes_import_fail():
     """A schema the core library cannot define (here: the name is already
     taken in this process) must fail the import, not only print to stderr."""
-    code = (
-        "import torch\n"
+    out = _import_after(
         "lib = torch.library.Library('nanguard', 'FRAGMENT')\n"
-        "lib.define('stable_layernorm(Tensor x) -> Tensor')\n"
-        "try:\n"
-        "    import nanguard\n"
-        "except ImportError as e:\n"
-        "    print('IMPORT_ERROR', e)\n"
-        "else:\n"
-        "    print('IMPORTED')\n"
+        "lib.define('stable_layernorm(Tensor x) -> Tensor')\n",
+        {},
     )
-    out = _run(code, {})
     assert "IMPORT_ERROR" in out.stdout, out.stdout + out.stderr
     assert "could not define the schema stable_layernorm(Tensor input" in out.stdout
 
@@ -100,17 +103,7 @@ def test_cuda_library_of_another_build_is_refused(tmp_path):
     )
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp_path / "libnanguard_cuda.so"), str(src)],
                    check=True)
-    code = (
-        "import torch\n"
-        "torch.version.cuda = '12.4'\n"
-        "try:\n"
-        "    import nanguard\n"
-        "except ImportError as e:\n"
-        "    print('IMPORT_ERROR', e)\n"
-        "else:\n"
-        "    print('IMPORTED')\n"
-    )
-    out = _run(code, {"NANGUARD_LIB_DIR": str(tmp_path)})
+    out = _import_after("torch.version.cuda = '12.4'\n", {"NANGUARD_LIB_DIR": str(tmp_path)})
     msg = out.stdout
     assert "IMPORT_ERROR" in msg, msg + out.stderr
     core_id = _lib.build_id(str(core))
