@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import nanguard
-from nanguard.doctor import BadBatchError, Finding, format_findings
+from nanguard.diagnostics import BadBatchError, Finding, format_findings
 
 
 def codes(findings):
