@@ -95,6 +95,21 @@ def test_check_batch_raises_on_request():
     assert nanguard.check_batch(torch.randn(3)) == []  # a bare tensor
 
 
+
+def test_tensors_in_a_list_under_a_key_are_checked_as_that_key():
+    # an uncollated batch: one tensor per sequence
+    b = {"input_ids": [torch.tensor([1, 2]), torch.tensor([3, 100])],
+         "labels": (torch.tensor([1, 2]), torch.full((2,), -100)),
+         "attention_mask": [torch.ones(2, 3), torch.ones(2, 3)]}
+    got = [(f.path, f.problem, f.count) for f in nanguard.check_batch(b, vocab_size=100)]
+    assert got == [("batch['input_ids'][1]", "token ids outside [0, vocab_size)", 1),
+                   ("batch['labels'][1]", "all labels are ignore_index", 2)]
+    b["attention_mask"][0][1] = 0
+    f = nanguard.check_batch(b, vocab_size=101)
+    assert [(x.path, x.problem) for x in f] == [
+        ("batch['labels'][1]", "all labels are ignore_index"),
+        ("batch['attention_mask'][0]", "attention mask rows that attend to nothing")]
+
 # ---- doctor: plain PyTorch ----------------------------------------------------------------
 
 

@@ -1,1 +1,2 @@
-from ._doctor import BadBatchError, BatchFinding, Finding, check_batch, doctor, format_findings
+from ._batch import BadBatchError, BatchFinding, check_batch
+from ._doctor import Finding, doctor, format_findings
