@@ -29,7 +29,7 @@ def main(argv=None) -> int:
 
         return demo.main(rest)
     if args.command == "doctor":
-        from .doctor import cli_main
+        from .diagnostics._cli import cli_main
 
         return cli_main(rest)
     return 0

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import nanguard
-from nanguard.doctor import BadBatchError, Finding, format_findings
+from nanguard.diagnostics import BadBatchError, Finding, format_findings
 
 
 def codes(findings):
@@ -94,6 +94,21 @@ def test_check_batch_raises_on_request():
     assert len(ei.value.findings) == 1
     assert nanguard.check_batch(torch.randn(3)) == []  # a bare tensor
 
+
+
+def test_tensors_in_a_list_under_a_key_are_checked_as_that_key():
+    # an uncollated batch: one tensor per sequence
+    b = {"input_ids": [torch.tensor([1, 2]), torch.tensor([3, 100])],
+         "labels": (torch.tensor([1, 2]), torch.full((2,), -100)),
+         "attention_mask": [torch.ones(2, 3), torch.ones(2, 3)]}
+    got = [(f.path, f.problem, f.count) for f in nanguard.check_batch(b, vocab_size=100)]
+    assert got == [("batch['input_ids'][1]", "token ids outside [0, vocab_size)", 1),
+                   ("batch['labels'][1]", "all labels are ignore_index", 2)]
+    b["attention_mask"][0][1] = 0
+    f = nanguard.check_batch(b, vocab_size=101)
+    assert [(x.path, x.problem) for x in f] == [
+        ("batch['labels'][1]", "all labels are ignore_index"),
+        ("batch['attention_mask'][0]", "attention mask rows that attend to nothing")]
 
 # ---- doctor: plain PyTorch ----------------------------------------------------------------
 
@@ -183,6 +198,83 @@ def test_bad_model_argument_and_format():
     f = Finding("warning", "x", "y", "because", "do this")
     assert "evidence: because" in format_findings([f]) and "fix: do this" in str(f)
 
+
+
+# ---- doctor: each rule alone, on a context built by hand ------------------------------------
+
+
+def test_rule_fp16_no_scaler_alone():
+    from nanguard.diagnostics._doctor import _AuditContext, _rule_fp16_no_scaler
+
+    m = nn.Linear(2, 2)
+    assert _rule_fp16_no_scaler(_AuditContext(m, tdtype=torch.bfloat16)) == []
+    assert _rule_fp16_no_scaler(_AuditContext(m, tdtype=torch.float16,
+                                              scaler=torch.amp.GradScaler("cpu"))) == []
+    [f] = _rule_fp16_no_scaler(_AuditContext(m, tdtype=torch.float16, from_autocast=True))
+    assert (f.severity, f.code, f.where) == ("error", "fp16-no-scaler", "scaler")
+    assert f.evidence.startswith("training in autocast(float16) with no GradScaler")
+    off = torch.amp.GradScaler("cpu", enabled=False)
+    [f] = _rule_fp16_no_scaler(_AuditContext(m, tdtype=torch.float16, scaler=off))
+    assert f.evidence.startswith("training in float16 parameters with a disabled GradScaler")
+
+
+def test_rule_post_ln_alone_reads_the_config():
+    from types import SimpleNamespace
+
+    from nanguard.diagnostics._doctor import DEEP_STACK, _AuditContext, _rule_post_ln
+
+    m = nn.Linear(2, 2)
+    assert _rule_post_ln(_AuditContext(m)) == []
+    assert _rule_post_ln(_AuditContext(m, cfg=SimpleNamespace(model_type="llama"))) == []
+    [f] = _rule_post_ln(_AuditContext(m, depth=DEEP_STACK, cfg=SimpleNamespace(model_type="bert")))
+    assert (f.severity, f.where) == ("warning", "model (bert)")
+    assert "as in every 'bert' model" in f.evidence
+    # an explicit flag wins over the model type
+    cfg = SimpleNamespace(model_type="bert", do_layer_norm_before=True)
+    assert _rule_post_ln(_AuditContext(m, depth=DEEP_STACK, cfg=cfg)) == []
+    cfg = SimpleNamespace(model_type="opt", do_layer_norm_before=False)
+    [f] = _rule_post_ln(_AuditContext(m, depth=DEEP_STACK - 1, cfg=cfg))
+    assert f.severity == "info" and f"at {DEEP_STACK - 1} blocks" in f.evidence
+
+
+def test_rule_norm_eps_alone_names_the_patch_for_hf_models_only():
+    from nanguard.diagnostics._doctor import _AuditContext, _rule_norm_eps
+
+    m = nn.Sequential(nn.LayerNorm(4, eps=1e-6), nn.LayerNorm(4))
+    assert _rule_norm_eps(_AuditContext(m, tdtype=torch.float32)) == []
+    [f] = _rule_norm_eps(_AuditContext(m, tdtype=torch.float16))
+    assert f.where == "'0'" and "1 LayerNorm/RMSNorm module(s) use eps 1e-06" in f.evidence
+    assert f.fix.startswith("eps >= 1e-5")
+    [f] = _rule_norm_eps(_AuditContext(m, tdtype=torch.float16, hf=True))
+    assert f.fix.startswith("nanguard.patch(model)")
+
+
+def test_rule_no_warmup_alone():
+    from types import SimpleNamespace
+
+    from nanguard.diagnostics._doctor import _AuditContext, _rule_no_warmup
+
+    m = nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), 0.1)
+    L = torch.optim.lr_scheduler
+    assert _rule_no_warmup(_AuditContext(m)) == []
+    [f] = _rule_no_warmup(_AuditContext(m, scheduler=L.StepLR(opt, 10)))
+    assert (f.where, f.evidence.split(" ")[0]) == ("scheduler", "StepLR")
+    # a scheduler that cannot be inspected is not reported, and wins over training_args
+    no_warm_args = SimpleNamespace(warmup_steps=0, warmup_ratio=0.0)
+    assert _rule_no_warmup(_AuditContext(m, scheduler=object(), training_args=no_warm_args)) == []
+    [f] = _rule_no_warmup(_AuditContext(m, training_args=no_warm_args))
+    assert f.where == "training_args"
+    warm_args = SimpleNamespace(warmup_steps=0, warmup_ratio=0.03)
+    assert _rule_no_warmup(_AuditContext(m, training_args=warm_args)) == []
+
+
+def test_every_rule_is_registered():
+    from nanguard.diagnostics import _doctor
+
+    defined = {v for k, v in vars(_doctor).items() if k.startswith("_rule_") and callable(v)}
+    assert len(defined) == 9 and set(_doctor._RULES) == defined
+    assert len(_doctor._RULES) == len(defined)
 
 # ---- doctor: Hugging Face -----------------------------------------------------------------
 

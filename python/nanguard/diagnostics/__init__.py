@@ -1,0 +1,2 @@
+from ._batch import BadBatchError, BatchFinding, check_batch
+from ._doctor import Finding, doctor, format_findings
