@@ -5,8 +5,9 @@ and fp32.
 
 Asserted: the NaN step is skipped (no parameter changes at that step, every
 other step changes them), the weights stay finite, the report names the
-module, the skip count and module reach the framework's logs, and gradients
-are clipped once, by nanguard.
+module, the skip count and module reach the framework's logs under the
+framework's own number for the step, gradients are clipped once, by
+nanguard, and a resume from a checkpoint continues the guard's history.
 """
 
 from __future__ import annotations
