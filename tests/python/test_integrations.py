@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import importlib.util
+import json
 import logging
 import math
 import subprocess
@@ -152,7 +154,13 @@ def test_step_guard_fp16_with_scaler_skips_and_backs_off():
     for a, p in zip(before, model.parameters()):
         assert torch.equal(a, p.detach())
     assert scaler.get_scale() == 512.0
-    assert g.skipped[-1].cause in ("nan", "inf")
+    rec = g.skipped[-1]
+    # the record: the scale the step ran at, the first gradient (model[0].weight) holding the Inf
+    assert rec.cause in ("nan", "inf") and rec.scale == 1024.0 and rec.first_bad == 0, rec
+    # its state survives JSON (the Trainer's trainer_state.json), all but the report text
+    g2 = StepGuard()
+    g2.load_state_dict(json.loads(json.dumps(g.state_dict())))
+    assert g2.steps == 2 and g2.skipped == [dataclasses.replace(rec, report="")]
 
 
 def test_step_guard_bad_arguments():
@@ -170,6 +178,9 @@ def test_step_guard_bad_arguments():
         StepGuard().guard(model.parameters(), None, torch.amp.GradScaler("cpu"))
     with pytest.raises(TypeError, match="watch_kwargs"):
         StepGuard(watch_kwargs=["policy"])
+    with pytest.raises(ValueError, match="norm_type"):
+        StepGuard.validate_args(norm_type=3.0)
+    StepGuard.validate_args(0.0, math.inf, False, {"every": 2})
     if importlib.util.find_spec("transformers") is not None:
         from nanguard.integrations.transformers import NanguardCallback
 
