@@ -281,9 +281,19 @@ def test_transformers_trainer_bf16_nan_batch_is_skipped(tmp_path, fresh_accelera
         def on_optimizer_step(self, args, state, control, **kw):
             watch_steps.post()
 
+    class Reporter(T.TrainerCallback):
+        """A reporting callback (TensorBoard's, W&B's) added after the
+        Trainer is built: it runs after NanguardCallback and sees its values."""
+
+        seen = {}
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            self.seen[state.global_step] = dict(logs)
+
     cb = NanguardCallback()
     trainer = _trainer(T, model, tmp_path, [cb, Probe()], _NaNAtCollator(32, at=2 * NAN_AT + 1),
                        gradient_accumulation_steps=2)
+    trainer.add_callback(Reporter)
     with _records_of("transformers.trainer") as msgs:
         trainer.train()
     err = "\n".join(msgs)
@@ -297,6 +307,9 @@ def test_transformers_trainer_bf16_nan_batch_is_skipped(tmp_path, fresh_accelera
     nan_norms = [e["step"] for e in trainer.state.log_history if math.isnan(e.get("grad_norm", 0.0))]
     assert nan_norms == [step], trainer.state.log_history
     assert trainer.state.log_history[-2]["nanguard_skipped_steps"] == 1
+    seen = Reporter.seen
+    assert [seen[i]["nanguard_skipped_steps"] for i in range(1, 6)] == [int(i >= step) for i in range(1, 6)]
+    assert math.isnan(seen[step]["nanguard_grad_norm"]) and math.isnan(seen[step]["grad_norm"])
     # clipping done once, by nanguard, at the Trainer's max_grad_norm; the Trainer's own is restored
     assert cb.guard.max_grad_norm == 1.0 and trainer.args.max_grad_norm == 1.0
 
