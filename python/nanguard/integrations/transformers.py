@@ -19,7 +19,10 @@ backward passes of every accumulated micro-batch):
   module; a skipped step is logged as a warning on the ``transformers.trainer``
   logger and as an entry of ``trainer.state.log_history``
   (``nanguard_skipped_step``, ``nanguard_first_nonfinite``, ...), and every
-  log line gets ``nanguard_skipped_steps`` and ``nanguard_grad_norm``.
+  log line gets ``nanguard_skipped_steps`` and ``nanguard_grad_norm``. The
+  ``report_to`` integrations (TensorBoard, W&B) run before the callbacks
+  given to the Trainer and do not see these; add them after the Trainer is
+  built (``report_to="none"``, then ``trainer.add_callback(...)``) to have them.
 
 Step numbers are the Trainer's: a skipped step carries the ``global_step``
 the Trainer gives it once done, the ``step`` of its own log line for that
