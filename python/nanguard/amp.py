@@ -105,6 +105,10 @@ class GradScaler(torch.amp.GradScaler):
     ``update()`` reads nothing back to the host: the skip records and counts
     are kept on the scale's device and copied to the host only when
     :attr:`skipped_steps` or :meth:`skip_summary` is read.
+
+    :meth:`state_dict` / :meth:`load_state_dict` keep the records, the counts
+    and ``min_scale`` across a checkpoint, and stay interchangeable with
+    :class:`torch.amp.GradScaler`'s in both directions.
     """
 
     def __init__(
