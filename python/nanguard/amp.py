@@ -21,36 +21,72 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
-from torch.amp.grad_scaler import OptState
-
+from . import _scaler_state
 from . import grad_guard as _gg
 
 __all__ = ["GradScaler", "SkippedStep"]
 
+_STATE_KEY = "nanguard"  # GradScaler.state_dict()'s one extra key
+
 
 @dataclasses.dataclass
 class SkippedStep:
-    """One optimizer step that was skipped because of non-finite gradients."""
+    """One optimizer step that was skipped because of non-finite gradients.
 
-    step: int  #: number of update() calls before this one
+    Recorded by :class:`GradScaler` (:attr:`GradScaler.skipped_steps`) and by
+    the integrations' :class:`~nanguard.integrations.StepGuard` (which also
+    names the first non-finite module, from :func:`nanguard.watch`).
+    """
+
+    #: the step's number: for :class:`GradScaler`, the number of ``update()``
+    #: calls before it; in the integrations, the framework's own number for
+    #: the step (the one its logs carry)
+    step: int
     nan_count: int
     inf_count: int
     #: index (in the optimizer's parameters that had gradients, in
     #: param_group order) of the first gradient holding a NaN/Inf; -1 when
     #: only the norm overflowed or another rank held the value
-    first_bad: int
-    scale: float  #: loss scale in use when the step was skipped
+    first_bad: int = -1
+    #: loss scale in use when the step was skipped; None without a scaler
+    scale: Optional[float] = None
+    #: the first non-finite module by :func:`nanguard.watch` (qualified name,
+    #: "" for the watched model itself); integrations only
+    module: str = ""
+    module_class: str = ""  #: its class name; "" when unknown
+    pass_: str = ""  #: "forward", "backward" or "parameter grad"
+    report: str = dataclasses.field(default="", repr=False)  #: the watcher's whole report
 
     @property
     def cause(self) -> str:
+        """"nan", "inf" or "norm overflow" (finite gradients whose norm is not)."""
         if self.nan_count:
             return "nan"
         if self.inf_count:
             return "inf"
         return "norm overflow"
+
+    def __str__(self) -> str:
+        where = (f"; first non-finite: {self.module or '<root>'} ({self.module_class}, {self.pass_} pass)"
+                 if self.module_class else "")
+        return (f"nanguard: optimizer step {self.step} skipped ({self.cause}: {self.nan_count} NaN, "
+                f"{self.inf_count} Inf in the gradients){where}")
+
+    def to_state(self) -> dict:
+        """The record as plain Python values (JSON- and ``weights_only``-safe),
+        without :attr:`report` (the long text stays in the logs)."""
+        d = dataclasses.asdict(self)
+        del d["report"]
+        return d
+
+    @classmethod
+    def from_state(cls, d: dict) -> "SkippedStep":
+        """Inverse of :meth:`to_state` (keys it does not know are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -69,6 +105,10 @@ class GradScaler(torch.amp.GradScaler):
     ``update()`` reads nothing back to the host: the skip records and counts
     are kept on the scale's device and copied to the host only when
     :attr:`skipped_steps` or :meth:`skip_summary` is read.
+
+    :meth:`state_dict` / :meth:`load_state_dict` keep the records, the counts
+    and ``min_scale`` across a checkpoint, and stay interchangeable with
+    :class:`torch.amp.GradScaler`'s in both directions.
     """
 
     def __init__(
@@ -144,29 +184,18 @@ class GradScaler(torch.amp.GradScaler):
                 norm_type,
                 process_group=process_group,
             )
-        self._check_scale_growth_tracker("unscale_")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.UNSCALED:
-            raise RuntimeError(
-                "unscale_() has already been called on this optimizer since the last update()."
-            )
-        if state["stage"] is OptState.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
-        assert self._scale is not None
+        inv_scale, found_inf, state = _scaler_state.begin_unscale(self, optimizer)
         for i, g in enumerate(grads):
             if g.is_sparse:
                 raise TypeError(
                     f"gradient {i} is sparse: use unscale_() and torch.nn.utils.clip_grad_norm_"
                 )
-        inv_scale = self._scale.double().reciprocal().float()
         # one float32 flag per device holding gradients, as unscale_ makes them
         # (none without gradients: step() then raises as PyTorch's does)
-        found_inf: Dict[torch.device, torch.Tensor] = {}
         total, stats, found_inf = _gg.guard_(
             grads, inv_scale, max_norm, norm_type, found_inf=found_inf, process_group=process_group
         )
-        state["found_inf_per_device"] = found_inf
-        state["stage"] = OptState.UNSCALED
+        _scaler_state.end_unscale(state, found_inf)
         self._pending.append(stats)
         self._pending_scale = self._scale.detach().clone()
         return total
@@ -194,6 +223,8 @@ class GradScaler(torch.amp.GradScaler):
             self._counts = torch.zeros(4, dtype=torch.int64, device=device)
             self._ring = torch.zeros(max(self._history_len, 0), 5, dtype=torch.float64, device=device)
             self._ring_n = torch.zeros((), dtype=torch.int64, device=device)
+        elif self._counts.device != device:  # restored by load_state_dict, on the CPU
+            self._counts, self._ring, self._ring_n = (t.to(device) for t in (self._counts, self._ring, self._ring_n))
 
     def _record(self, pending: List[_gg.GuardStats], scale_used) -> None:
         """Fold this iteration's guard stats into the device-side records,
@@ -223,7 +254,7 @@ class GradScaler(torch.amp.GradScaler):
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
         # PyTorch's step() reads found_inf of every device here; this reads
         # them, and the floor flag of the last update(), in one transfer.
-        found = list(optimizer_state["found_inf_per_device"].values())
+        found = _scaler_state.found_inf_flags(optimizer_state)
         flags = [v.reshape(()).to(found[0].device, torch.float32) for v in found]
         if self._floor_flag is not None:
             flags.append(self._floor_flag.to(found[0].device, torch.float32))
@@ -241,6 +272,50 @@ class GradScaler(torch.amp.GradScaler):
         if not sum(host):
             return optimizer.step(*args, **kwargs)
         return None
+
+    # ---- checkpoints ---------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """:meth:`torch.amp.GradScaler.state_dict` plus one key,
+        ``"nanguard"``: the update count, the skip counts of
+        :meth:`skip_summary`, the records of :attr:`skipped_steps` and
+        ``min_scale``, as plain Python values (``torch.load(weights_only=True)``
+        reads them). ``torch.amp.GradScaler.load_state_dict`` ignores the
+        extra key, and :meth:`load_state_dict` accepts a state dict of
+        ``torch.amp.GradScaler`` (without it). Reads the records to the host.
+        """
+        sd = super().state_dict()
+        if self._enabled:
+            sd[_STATE_KEY] = {
+                "updates": self._updates,
+                "counts": self._counts.tolist() if self._counts is not None else [0, 0, 0, 0],
+                "skipped_steps": [r.to_state() for r in self.skipped_steps],
+                "min_scale": self._min_scale,
+            }
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """:meth:`torch.amp.GradScaler.load_state_dict`; a state dict saved by
+        this class also restores the skip history and ``min_scale`` (as
+        PyTorch restores ``growth_factor`` and the other settings), so that
+        :attr:`skipped_steps`, :meth:`skip_summary` and the step numbering
+        continue where they were saved. The last ``history`` records are kept."""
+        super().load_state_dict(state_dict)
+        saved = state_dict.get(_STATE_KEY)
+        if not self._enabled or saved is None:
+            return
+        self._min_scale = None if saved["min_scale"] is None else float(saved["min_scale"])
+        self._updates = int(saved["updates"])
+        rows = [SkippedStep.from_state(r) for r in saved["skipped_steps"]]
+        rows = rows[-self._history_len:] if self._history_len > 0 else []
+        ring = torch.zeros(max(self._history_len, 0), 5, dtype=torch.float64)
+        for i, r in enumerate(rows):
+            ring[i] = torch.tensor([r.step, r.nan_count, r.inf_count, r.first_bad,
+                                    math.nan if r.scale is None else r.scale], dtype=torch.float64)
+        # on the CPU until the first update() moves them next to the scale
+        self._counts = torch.tensor([int(c) for c in saved["counts"]], dtype=torch.int64)
+        self._ring, self._ring_n = ring, torch.tensor(len(rows), dtype=torch.int64)
+        self._pending, self._pending_scale, self._floor_flag = [], None, None
 
     # ---- what happened -----------------------------------------------------------
 

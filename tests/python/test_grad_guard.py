@@ -680,3 +680,69 @@ def _run_both(model, opt, scaler, stock, bad, counts):
         counts[name] = (step_reads.reads, update_reads.reads)
         opt.zero_grad()
     counts.update({k: (len(v[0]), len(v[1])) for k, v in counts.items()})
+
+
+# ---- GradScaler.state_dict: the skip history across a checkpoint ----------------------------------
+
+
+def _skipping_steps(scaler, model, opt, bad_steps, steps):
+    """``steps`` guarded fp32 steps on ``scaler``; the loss is multiplied by
+    inf (NaN / Inf gradients) at the steps in ``bad_steps``."""
+    for i in range(steps):
+        loss = model(torch.randn(2, 4)).sum() * (math.inf if i in bad_steps else 1.0)
+        scaler.scale(loss).backward()
+        scaler.unscale_and_clip_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
+def test_scaler_state_dict_keeps_skip_history(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    a = GradScaler("cpu", init_scale=8.0, min_scale=2.0, growth_interval=100)
+    with pytest.warns(RuntimeWarning, match="min_scale"):
+        _skipping_steps(a, model, opt, {1, 2, 3}, 5)  # 8 -> 4 -> 2 -> 1 held at 2: one floor hit
+    assert a.get_scale() == 2.0 and a.skip_summary()["min_scale_hits"] == 1
+    path = tmp_path / "scaler.pt"
+    torch.save(a.state_dict(), path)
+    sd = torch.load(path, weights_only=True)  # plain Python values only
+    b = GradScaler("cpu", init_scale=2.0**16)  # no min_scale: the saved one is restored
+    b.load_state_dict(sd)
+    assert b.get_scale() == a.get_scale() and b.min_scale == 2.0
+    assert b.skipped_steps == a.skipped_steps and b.skip_summary() == a.skip_summary()
+    assert [(s.step, s.scale) for s in b.skipped_steps] == [(1, 8.0), (2, 4.0), (3, 2.0)]
+    # after the load, records continue the numbering and the counts
+    _skipping_steps(b, model, opt, {1}, 2)
+    assert [s.step for s in b.skipped_steps] == [1, 2, 3, 6]
+    assert b.skip_summary()["skipped"] == 4 and b.skip_summary()["updates"] == 7
+    # a shorter history keeps the newest records; the counts stay exact
+    c = GradScaler("cpu", history=2)
+    c.load_state_dict(b.state_dict())
+    assert [s.step for s in c.skipped_steps] == [3, 6] and c.skip_summary() == b.skip_summary()
+    _skipping_steps(c, model, opt, {0}, 1)
+    assert [s.step for s in c.skipped_steps] == [6, 7]
+
+
+def test_scaler_state_dict_interchangeable_with_torch():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ours = GradScaler("cpu", init_scale=8.0, growth_interval=3)
+    _skipping_steps(ours, model, opt, {0}, 2)
+    sd = ours.state_dict()
+    assert "nanguard" in sd
+    # nanguard -> torch: the extra key is ignored, the scale and its settings load
+    stock = torch.amp.GradScaler("cpu", init_scale=1.0)
+    stock.load_state_dict(sd)
+    assert stock.state_dict() == {k: v for k, v in sd.items() if k != "nanguard"}
+    # torch -> nanguard: no history (nothing was recorded), the constructor's min_scale kept
+    fresh = GradScaler("cpu", init_scale=2.0**16, min_scale=0.5)
+    fresh.load_state_dict(stock.state_dict())
+    assert fresh.get_scale() == ours.get_scale() and fresh.min_scale == 0.5
+    assert fresh.skipped_steps == [] and fresh.skip_summary()["skipped"] == 0
+    # a disabled scaler saves {} as PyTorch's, and loads anything as a no-op
+    off = GradScaler("cpu", enabled=False)
+    assert off.state_dict() == {}
+    off.load_state_dict(sd)

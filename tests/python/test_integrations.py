@@ -5,14 +5,18 @@ and fp32.
 
 Asserted: the NaN step is skipped (no parameter changes at that step, every
 other step changes them), the weights stay finite, the report names the
-module, the skip count and module reach the framework's logs, and gradients
-are clipped once, by nanguard.
+module, the skip count and module reach the framework's logs under the
+framework's own number for the step, gradients are clipped once, by
+nanguard, and a resume from a checkpoint continues the guard's history.
 """
 
 from __future__ import annotations
 
 import contextlib
+import csv
+import dataclasses
 import importlib.util
+import json
 import logging
 import math
 import subprocess
@@ -35,17 +39,20 @@ def test_import_nanguard_imports_no_framework():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def _assert_only_the_nan_step_skipped(changed, model, guard, log):
-    """Of 5 optimizer steps, the NaN one (NAN_AT) was skipped: no parameter
-    moved then, every other step moved them; the guard recorded that one
-    skip with the module and pass that produced the NaN, and the framework's
-    log (`log`, its logger's text) says so. Returns the record."""
+def _assert_only_the_nan_step_skipped(changed, model, guard, log, step):
+    """Of 5 optimizer steps, the NaN one (the NAN_AT-th, counted from 0) was
+    skipped: no parameter moved then, every other step moved them; the guard
+    recorded that one skip under the framework's number for it (`step`) with
+    the module and pass that produced the NaN, and the framework's log
+    (`log`, its logger's text) says so, under the same number. Returns the
+    record."""
     assert changed == [i != NAN_AT for i in range(5)], changed
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert len(guard.skipped) == 1 and guard.skipped[0].step == NAN_AT
+    assert len(guard.skipped) == 1 and guard.skipped[0].step == step, guard.skipped
     rec = guard.skipped[0]
     assert rec.module_class and rec.pass_ == "forward", str(rec)
-    assert f"optimizer step {NAN_AT} skipped" in log and f"({rec.module_class}, forward pass)" in log, log
+    assert f"optimizer step {step} skipped" in log and f"({rec.module_class}, forward pass)" in log, log
+    assert f"first non-finite value at step {step}," in rec.report, rec.report  # the watcher's report too
     return rec
 
 
@@ -147,7 +154,13 @@ def test_step_guard_fp16_with_scaler_skips_and_backs_off():
     for a, p in zip(before, model.parameters()):
         assert torch.equal(a, p.detach())
     assert scaler.get_scale() == 512.0
-    assert g.skipped[-1].cause in ("nan", "inf")
+    rec = g.skipped[-1]
+    # the record: the scale the step ran at, the first gradient (model[0].weight) holding the Inf
+    assert rec.cause in ("nan", "inf") and rec.scale == 1024.0 and rec.first_bad == 0, rec
+    # its state survives JSON (the Trainer's trainer_state.json), all but the report text
+    g2 = StepGuard()
+    g2.load_state_dict(json.loads(json.dumps(g.state_dict())))
+    assert g2.steps == 2 and g2.skipped == [dataclasses.replace(rec, report="")]
 
 
 def test_step_guard_bad_arguments():
@@ -165,6 +178,9 @@ def test_step_guard_bad_arguments():
         StepGuard().guard(model.parameters(), None, torch.amp.GradScaler("cpu"))
     with pytest.raises(TypeError, match="watch_kwargs"):
         StepGuard(watch_kwargs=["policy"])
+    with pytest.raises(ValueError, match="norm_type"):
+        StepGuard.validate_args(norm_type=3.0)
+    StepGuard.validate_args(0.0, math.inf, False, {"every": 2})
     if importlib.util.find_spec("transformers") is not None:
         from nanguard.integrations.transformers import NanguardCallback
 
@@ -216,24 +232,41 @@ class _Rows(torch.utils.data.Dataset):
 
 
 class _NaNAtCollator:
-    """Stacks rows into a batch; the batch of call ``NAN_AT`` carries NaN
-    input embeddings instead of token ids (a corrupted batch)."""
+    """Stacks rows into a batch; the batch of call ``at`` (default
+    ``NAN_AT``; None: none) carries NaN input embeddings instead of token ids
+    (a corrupted batch)."""
 
-    def __init__(self, hidden):
+    def __init__(self, hidden, at=NAN_AT):
         self.calls = 0
         self.hidden = hidden
+        self.at = at
 
     def __call__(self, rows):
         ids = torch.stack([r["input_ids"] for r in rows])
         batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
-        if self.calls == NAN_AT:
+        if self.calls == self.at:
             batch["inputs_embeds"] = torch.full((ids.shape[0], ids.shape[1], self.hidden), float("nan"))
             del batch["input_ids"]
         self.calls += 1
         return batch
 
 
+def _trainer(T, model, tmp_path, callbacks, collator, **kw):
+    """A transformers.Trainer on the CPU in bf16 over tiny-Llama rows, one log line per step."""
+    opts = dict(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, max_steps=5, learning_rate=1e-3,
+                logging_steps=1, report_to=[], save_strategy="no", bf16=True, use_cpu=True,
+                dataloader_num_workers=0, max_grad_norm=1.0, disable_tqdm=True, seed=0)
+    opts.update(kw)
+    args = T.TrainingArguments(**opts)
+    rows = _Rows(BATCH * args.max_steps * args.gradient_accumulation_steps)
+    return T.Trainer(model=model, args=args, train_dataset=rows, data_collator=collator, callbacks=callbacks)
+
+
 def test_transformers_trainer_bf16_nan_batch_is_skipped(tmp_path, fresh_accelerate_state):
+    """Gradient accumulation 2, the NaN in the second micro-batch of the
+    NAN_AT-th optimizer step: the Trainer numbers that step NAN_AT + 1 (its
+    global_step once done, the step of its log line, where it logs
+    grad_norm: nan), and so does every nanguard log of the skip."""
     T, model = _llama()
     from nanguard.integrations.transformers import NanguardCallback
 
@@ -248,24 +281,69 @@ def test_transformers_trainer_bf16_nan_batch_is_skipped(tmp_path, fresh_accelera
         def on_optimizer_step(self, args, state, control, **kw):
             watch_steps.post()
 
+    class Reporter(T.TrainerCallback):
+        """A reporting callback (TensorBoard's, W&B's) added after the
+        Trainer is built: it runs after NanguardCallback and sees its values."""
+
+        seen = {}
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            self.seen[state.global_step] = dict(logs)
+
     cb = NanguardCallback()
-    args = T.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, max_steps=5,
-                               learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
-                               bf16=True, use_cpu=True, dataloader_num_workers=0, max_grad_norm=1.0,
-                               disable_tqdm=True, seed=0)
-    trainer = T.Trainer(model=model, args=args, train_dataset=_Rows(BATCH * 5),
-                        data_collator=_NaNAtCollator(32), callbacks=[cb, Probe()])
+    trainer = _trainer(T, model, tmp_path, [cb, Probe()], _NaNAtCollator(32, at=2 * NAN_AT + 1),
+                       gradient_accumulation_steps=2)
+    trainer.add_callback(Reporter)
     with _records_of("transformers.trainer") as msgs:
         trainer.train()
     err = "\n".join(msgs)
-    rec = _assert_only_the_nan_step_skipped(watch_steps.changed, model, cb.guard, err)
-    # in the Trainer's logs: its log history too
+    step = NAN_AT + 1
+    rec = _assert_only_the_nan_step_skipped(watch_steps.changed, model, cb.guard, err, step)
+    # in the Trainer's logs: its log history too, at the step where the Trainer logs grad_norm nan
     assert "1 of 5 optimizer steps skipped" in err, err
     entries = [e for e in trainer.state.log_history if "nanguard_skipped_step" in e]
     assert len(entries) == 1 and entries[0]["nanguard_first_nonfinite_class"] == rec.module_class
+    assert entries[0]["step"] == entries[0]["nanguard_skipped_step"] == step
+    nan_norms = [e["step"] for e in trainer.state.log_history if math.isnan(e.get("grad_norm", 0.0))]
+    assert nan_norms == [step], trainer.state.log_history
     assert trainer.state.log_history[-2]["nanguard_skipped_steps"] == 1
+    seen = Reporter.seen
+    assert [seen[i]["nanguard_skipped_steps"] for i in range(1, 6)] == [int(i >= step) for i in range(1, 6)]
+    assert math.isnan(seen[step]["nanguard_grad_norm"]) and math.isnan(seen[step]["grad_norm"])
     # clipping done once, by nanguard, at the Trainer's max_grad_norm; the Trainer's own is restored
-    assert cb.guard.max_grad_norm == 1.0 and args.max_grad_norm == 1.0
+    assert cb.guard.max_grad_norm == 1.0 and trainer.args.max_grad_norm == 1.0
+
+
+@pytest.mark.parametrize("restore_callbacks", [False, True])
+def test_transformers_resume_keeps_the_guards_history(tmp_path, fresh_accelerate_state, restore_callbacks):
+    """4 steps with a NaN batch at the NAN_AT-th, a checkpoint at step 4,
+    then a new Trainer resuming from it for steps 5 and 6: the skip of step
+    NAN_AT + 1 and the step count carry over (through trainer_state.json),
+    with the Trainer's callback restore on or off."""
+    T, model = _llama()
+    from nanguard.integrations.transformers import NanguardCallback
+
+    cb = NanguardCallback()
+    first = _trainer(T, model, tmp_path, [cb], _NaNAtCollator(32), max_steps=4, save_strategy="steps",
+                     save_steps=4)
+    first.train()
+    assert [s.step for s in cb.guard.skipped] == [NAN_AT + 1]
+    _, model2 = _llama()
+    cb2 = NanguardCallback()
+    second = _trainer(T, model2, tmp_path, [cb2], _NaNAtCollator(32, at=None), max_steps=6,
+                      restore_callback_states_from_checkpoint=restore_callbacks)
+    with _records_of("transformers.trainer") as msgs:
+        second.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    (resumed,) = [c for c in second.callback_handler.callbacks if isinstance(c, NanguardCallback)]
+    assert (resumed is cb2) == (not restore_callbacks)  # the Trainer's restore builds a new callback
+    (rec,) = resumed.guard.skipped
+    saved = cb.guard.skipped[0]
+    assert (rec.step, rec.cause, rec.nan_count, rec.module_class, rec.pass_) == \
+        (saved.step, saved.cause, saved.nan_count, saved.module_class, saved.pass_)
+    assert resumed.guard.summary()["steps"] == 6
+    lines = [e for e in second.state.log_history if e.get("step", 0) > 4 and "loss" in e]
+    assert [e["step"] for e in lines] == [5, 6] and all(e["nanguard_skipped_steps"] == 1 for e in lines)
+    assert "1 of 6 optimizer steps skipped" in "\n".join(msgs)
 
 
 @pytest.fixture
@@ -318,7 +396,7 @@ def test_transformers_callback_fp16_through_accelerates_scaler(tmp_path, fresh_a
         assert moved == (step != NAN_AT) and opt.step_was_skipped == (step == NAN_AT), step
     assert scaler.get_scale() == 512.0
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert [s.step for s in cb.guard.skipped] == [NAN_AT]
+    assert [s.step for s in cb.guard.skipped] == [NAN_AT + 1]  # the Trainer's number: global_step + 1
     cb.on_train_end(args, state, control)
     assert args.max_grad_norm == 1.0
 
@@ -379,7 +457,8 @@ def test_lightning_trainer_nan_batch_is_skipped(package, precision):
     with _records_of(f"{package}.callbacks.nanguard") as msgs:
         trainer.fit(module, loader)
     err = "\n".join(msgs)
-    _assert_only_the_nan_step_skipped(steps.changed, lm, cb.guard, err)
+    # Lightning's loggers log the NAN_AT-th step's metrics under step NAN_AT
+    _assert_only_the_nan_step_skipped(steps.changed, lm, cb.guard, err, NAN_AT)
     # Lightning's logs: the logged metrics too
     assert trainer.callback_metrics["nanguard/skipped_steps"].item() == 1.0
     if scaler is not None:
@@ -417,3 +496,95 @@ def test_lightning_manual_optimization():
     trainer.fit(Module(), loader)
     assert [s.step for s in cb.guard.skipped] == [NAN_AT] and cb.guard.steps == 5
     assert all(torch.isfinite(p).all() for p in lm.parameters())
+
+
+def test_lightning_skips_carry_the_loggers_step(tmp_path):
+    """Manual optimization with two optimizers (trainer.global_step counts
+    both: 2 per batch): the NaN batch's two skipped steps carry the step
+    Lightning's logger records that batch's metrics under, where its NaN loss
+    is in the CSV log, not a global_step."""
+    L = pytest.importorskip("lightning.pytorch", reason="pip install lightning (scripts/setup.sh installs it)")
+    from nanguard.integrations.lightning import NanguardCallback
+
+    T, lm = _llama()
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lm = lm
+            self.automatic_optimization = False
+
+        def training_step(self, batch, i):
+            opts = self.optimizers()
+            for o in opts:
+                o.zero_grad()
+            loss = self.lm(**batch).loss
+            self.log("train_loss", loss, on_step=True, on_epoch=False)
+            self.manual_backward(loss)
+            for o in opts:
+                o.step()
+
+        def configure_optimizers(self):
+            params = list(self.parameters())
+            half = len(params) // 2
+            return torch.optim.AdamW(params[:half], lr=1e-3), torch.optim.AdamW(params[half:], lr=1e-3)
+
+    loader = torch.utils.data.DataLoader(_Rows(BATCH * 5), batch_size=BATCH, collate_fn=_NaNAtCollator(32))
+    cb = NanguardCallback(max_grad_norm=1.0)
+    logger = L.loggers.CSVLogger(str(tmp_path), name="run")
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=10, logger=logger,
+                        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[cb])
+    with _records_of("lightning.pytorch.callbacks.nanguard") as msgs:
+        trainer.fit(Module(), loader)
+    assert trainer.global_step == 10 and cb.guard.steps == 10
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train_loss")]
+    nan_steps = [int(r["step"]) for r in rows if math.isnan(float(r["train_loss"]))]
+    assert nan_steps == [NAN_AT], rows
+    assert [s.step for s in cb.guard.skipped] == [NAN_AT, NAN_AT]
+    assert f"optimizer step {NAN_AT} skipped" in "\n".join(msgs)
+
+
+def test_lightning_resume_keeps_the_guards_history(tmp_path):
+    """4 steps with a NaN batch at the NAN_AT-th, Lightning's checkpoint,
+    then a new Trainer and callback resuming from it for 2 more steps: the
+    skip record and the step count carry over (Callback.state_dict)."""
+    L = pytest.importorskip("lightning.pytorch", reason="pip install lightning (scripts/setup.sh installs it)")
+    from nanguard.integrations.lightning import NanguardCallback
+
+    def run(max_steps, collator, ckpt_path=None):
+        T, lm = _llama()
+
+        class Module(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.lm = lm
+
+            def training_step(self, batch, i):
+                return self.lm(**batch).loss
+
+            def configure_optimizers(self):
+                return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        cb = NanguardCallback(max_grad_norm=1.0)
+        trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=max_steps,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[cb])
+        loader = torch.utils.data.DataLoader(_Rows(BATCH * 6), batch_size=BATCH, collate_fn=collator)
+        with _records_of("lightning.pytorch.callbacks.nanguard") as msgs:
+            trainer.fit(Module(), loader, ckpt_path=ckpt_path)
+        return trainer, cb, "\n".join(msgs)
+
+    trainer, cb, _ = run(4, _NaNAtCollator(32))
+    assert [s.step for s in cb.guard.skipped] == [NAN_AT]
+    path = str(tmp_path / "four.ckpt")
+    trainer.save_checkpoint(path)
+    trainer2, cb2, log = run(6, _NaNAtCollator(32, at=None), ckpt_path=path)
+    assert trainer2.global_step == 6
+    (rec,) = cb2.guard.skipped
+    saved = cb.guard.skipped[0]
+    assert (rec.step, rec.cause, rec.nan_count, rec.module_class, rec.pass_) == \
+        (saved.step, saved.cause, saved.nan_count, saved.module_class, saved.pass_)
+    assert cb2.guard.summary()["steps"] == 6 and "1 of 6 optimizer steps skipped" in log, log
+    assert trainer2.callback_metrics["nanguard/skipped_steps"].item() == 1.0

@@ -24,34 +24,12 @@ from typing import Iterable, List, Optional
 import torch
 from torch import nn
 
-from .. import amp as _amp
+from .. import _scaler_state
 from .. import grad_guard as _gg
+from ..amp import SkippedStep
 from ..watch import watch as _watch
 
-__all__ = ["StepGuard", "SkippedStep"]
-
-
-@dataclasses.dataclass
-class SkippedStep:
-    """One optimizer step that was skipped."""
-
-    step: int  #: the framework's optimizer-step index
-    nan_count: int
-    inf_count: int
-    #: the first non-finite module by :func:`nanguard.watch` (qualified name), "" when unknown
-    module: str = ""
-    module_class: str = ""
-    pass_: str = ""  #: "forward", "backward" or "parameter grad"
-    report: str = ""  #: the watcher's whole report
-
-    #: "nan", "inf" or "norm overflow", by the rule of nanguard.amp.SkippedStep
-    cause = _amp.SkippedStep.cause
-
-    def __str__(self) -> str:
-        where = f"; first non-finite: {self.module or '<root>'} ({self.module_class}, {self.pass_} pass)" \
-            if self.module_class else ""
-        return (f"nanguard: optimizer step {self.step} skipped ({self.cause}: {self.nan_count} NaN, "
-                f"{self.inf_count} Inf in the gradients){where}")
+__all__ = ["StepGuard"]
 
 
 def _check_max_norm(max_grad_norm) -> float:
@@ -75,18 +53,18 @@ class StepGuard:
         watch: attach :func:`nanguard.watch` (policy ``"record"``) to name
             the first non-finite module of a skipped step.
         watch_kwargs: more arguments for :func:`nanguard.watch`.
+
+    A skipped step is recorded as a :class:`nanguard.amp.SkippedStep` whose
+    ``step`` is the number passed to :meth:`guard` (the framework's own), or
+    the count of :meth:`guard` calls before it when none is passed.
+    :meth:`state_dict` / :meth:`load_state_dict` carry the count and the
+    records across a checkpoint.
     """
 
     def __init__(self, max_grad_norm: Optional[float] = None, norm_type: float = 2.0, watch: bool = True,
                  watch_kwargs: Optional[dict] = None):
+        self.validate_args(max_grad_norm, norm_type, watch, watch_kwargs)
         self.max_grad_norm = _check_max_norm(max_grad_norm)
-        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) \
-                or float(norm_type) not in (2.0, math.inf):
-            raise ValueError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
-        if not isinstance(watch, bool):
-            raise TypeError(f"watch must be a bool, got {type(watch).__name__}")
-        if watch_kwargs is not None and not isinstance(watch_kwargs, dict):
-            raise TypeError(f"watch_kwargs must be a dict or None, got {type(watch_kwargs).__name__}")
         self.norm_type = float(norm_type)
         self.use_watch = watch
         self.watch_kwargs = dict(watch_kwargs or {})
@@ -94,6 +72,21 @@ class StepGuard:
         self.steps = 0  #: optimizer steps guarded
         self.skipped: List[SkippedStep] = []  #: steps skipped, oldest first
         self.last_grad_norm: Optional[float] = None  #: norm of the unscaled gradients of the last step
+
+    @staticmethod
+    def validate_args(max_grad_norm: Optional[float] = None, norm_type: float = 2.0, watch: bool = True,
+                      watch_kwargs: Optional[dict] = None) -> None:
+        """Raise the ``TypeError`` / ``ValueError`` the constructor would
+        raise for these arguments (the callbacks check theirs when built,
+        and build their guard when training starts)."""
+        _check_max_norm(max_grad_norm)
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) \
+                or float(norm_type) not in (2.0, math.inf):
+            raise ValueError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
+        if not isinstance(watch, bool):
+            raise TypeError(f"watch must be a bool, got {type(watch).__name__}")
+        if watch_kwargs is not None and not isinstance(watch_kwargs, dict):
+            raise TypeError(f"watch_kwargs must be a dict or None, got {type(watch_kwargs).__name__}")
 
     # ---- lifetime ----------------------------------------------------------------------
 
@@ -117,58 +110,46 @@ class StepGuard:
         """Unscale / check / clip the gradients of ``parameters`` in place;
         True when the step may go ahead, False when it was made a no-op
         (see the module docstring). ``optimizer`` is the torch optimizer the
-        ``scaler`` steps (needed when a scaler is enabled)."""
+        ``scaler`` steps (needed when a scaler is enabled). ``step`` numbers
+        the step in the records and reports (default: :attr:`steps`)."""
         params = [p for p in parameters if p.grad is not None]
         grads = [p.grad for p in params]
         use_scaler = scaler is not None and scaler.is_enabled()
-        state = None
-        inv_scale, found_inf = 1.0, None
+        inv_scale, found_inf, state = 1.0, None, None
         if use_scaler:
             if optimizer is None:
                 raise ValueError("optimizer is required with an enabled scaler")
-            from torch.amp.grad_scaler import OptState
-
-            state = scaler._per_optimizer_states[id(optimizer)]
-            if state["stage"] is OptState.STEPPED:
-                raise RuntimeError("the scaler has already stepped this optimizer in this iteration")
-            if state["stage"] is OptState.UNSCALED:  # the framework unscaled already (its own clipping path)
-                found_inf = state["found_inf_per_device"]
-            else:
-                scaler._check_scale_growth_tracker("unscale_")
-                inv_scale = scaler._scale.double().reciprocal().float()
-                found_inf = {}
+            # already unscaled: the framework's own norm computation ran unscale_ (inv None)
+            inv, found_inf, state = _scaler_state.begin_unscale(scaler, optimizer, allow_unscaled=True)
+            inv_scale = 1.0 if inv is None else inv
         index = self.steps if step is None else int(step)
         self.steps += 1
-        report = None
         if grads:
             total, stats, found_inf = _gg.guard_(grads, inv_scale, self.max_grad_norm, self.norm_type,
                                                  found_inf=found_inf)
-            acc, nan, inf, _ = stats.tensor.tolist()  # the step's one host read
+            _, nan, inf, first_bad = stats.tensor.tolist()  # the step's one host read
             norm = float(total.item())
             finite = nan == 0 and inf == 0 and math.isfinite(norm)
         else:
             nan = inf = 0
-            norm, finite = 0.0, True
+            first_bad, norm, finite = -1, 0.0, True
         if use_scaler:
-            from torch.amp.grad_scaler import OptState
-
-            if not found_inf:  # no gradient on any device: as torch's unscale_ leaves it
-                found_inf = {}
-            state["found_inf_per_device"] = found_inf
-            state["stage"] = OptState.UNSCALED
-        if self.watcher is not None:
-            report = self.watcher.step()
+            _scaler_state.end_unscale(state, found_inf)  # no gradient: no flag, as unscale_ leaves it
+        report = self.watcher.step() if self.watcher is not None else None
         self.last_grad_norm = norm
         if finite:
             return True
-        rec = SkippedStep(index, int(nan), int(inf))
+        rec = SkippedStep(index, int(nan), int(inf), int(first_bad), scaler.get_scale() if use_scaler else None)
         if report is not None and report.tensor is not None:
+            report = dataclasses.replace(report, step=index)  # the report speaks of the same step number
             rec.module, rec.module_class, rec.pass_, rec.report = report.module, report.cls, report.pass_, str(report)
         self.skipped.append(rec)
         if not use_scaler:
             for p in params:
                 p.grad = None
         return False
+
+    # ---- what happened ----------------------------------------------------------------
 
     def summary(self) -> dict:
         """Counts for the framework's logs."""
@@ -181,3 +162,31 @@ class StepGuard:
             "skipped_norm_overflow": sum(1 for s in self.skipped if s.cause == "norm overflow"),
             "last_skip_module": last.module if last else "",
         }
+
+    def summary_line(self) -> str:
+        """The end-of-training line of the callbacks' logs; "" when no step
+        was skipped."""
+        s = self.summary()
+        if not s["skipped"]:
+            return ""
+        return (f"nanguard: {s['skipped']} of {s['steps']} optimizer steps skipped ({s['skipped_nan']} NaN, "
+                f"{s['skipped_inf']} Inf, {s['skipped_norm_overflow']} norm overflow)")
+
+    @staticmethod
+    def skip_message(rec: SkippedStep) -> str:
+        """A skipped step's log message: its line, then the watcher's report."""
+        return str(rec) + (f"\n{rec.report}" if rec.report else "")
+
+    # ---- checkpoints ------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The steps guarded and the skipped steps' records (without their
+        report text), as plain Python values: JSON-safe, for the Trainer's
+        ``trainer_state.json`` as for a Lightning checkpoint."""
+        return {"steps": self.steps, "skipped": [r.to_state() for r in self.skipped]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`: the counts, :attr:`skipped` and
+        :meth:`summary` go on from the saved ones."""
+        self.steps = int(state["steps"])
+        self.skipped = [SkippedStep.from_state(d) for d in state["skipped"]]

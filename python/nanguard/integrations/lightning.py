@@ -27,6 +27,18 @@ Clipping is done once, by nanguard: the Trainer's ``gradient_clip_val``
 (norm clipping) becomes the callback's unless ``max_grad_norm=`` is given,
 and is set to None for the run (restored at the end). Value clipping
 (``gradient_clip_algorithm="value"``) is refused.
+
+Step numbers are the ones Lightning's loggers use: a skipped step carries
+the step its batch's metrics are logged under (TensorBoard's, W&B's or the
+CSV logger's ``step``; 0 for the first optimizer step, and the same number
+for every optimizer of a batch), in the warning, the watcher's report and
+``callback.guard.skipped``. ``trainer.global_step`` reads one more once the
+step is done.
+
+Resuming (``trainer.fit(..., ckpt_path=...)``) keeps the guard's history:
+the callback's ``state_dict`` (its step count and skipped-step records,
+without the watcher's report text) is saved in Lightning's checkpoints and
+restored before training starts again.
 """
 
 from __future__ import annotations
@@ -50,6 +62,16 @@ def _logger_name(callback_base: type) -> str:
     return pkg + ".callbacks.nanguard"
 
 
+def _logged_step(trainer) -> int:
+    """The step Lightning's loggers record the current batch's metrics under
+    (``fit_loop.epoch_loop._batches_that_stepped``, which Lightning's own
+    LearningRateMonitor and DeviceStatsMonitor log with); ``global_step``
+    when a Lightning version has no such counter."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    n = getattr(loop, "_batches_that_stepped", None)
+    return trainer.global_step if n is None else int(n)
+
+
 class _Guarded:
     """Watch + fused gradient guard for a Lightning ``Trainer``.
 
@@ -59,19 +81,37 @@ class _Guarded:
         watch: name the first non-finite module with :func:`nanguard.watch`.
         watch_kwargs: more arguments for :func:`nanguard.watch`.
 
-    ``callback.guard.skipped`` lists the skipped steps and
-    ``callback.guard.summary()`` the counts.
+    ``callback.guard.skipped`` lists the skipped steps
+    (:class:`nanguard.amp.SkippedStep`, numbered as Lightning's loggers
+    number them) and ``callback.guard.summary()`` the counts; both continue
+    across a resume from a checkpoint.
     """
 
     def __init__(self, max_grad_norm: Optional[float] = None, watch: bool = True,
                  watch_kwargs: Optional[dict] = None):
         super().__init__()
-        StepGuard(max_grad_norm, watch=watch, watch_kwargs=watch_kwargs)  # validate the arguments now
+        StepGuard.validate_args(max_grad_norm, watch=watch, watch_kwargs=watch_kwargs)
         self._own_norm = max_grad_norm
         self._watch, self._watch_kwargs = watch, watch_kwargs
         self.guard: Optional[StepGuard] = None
         self._saved_clip = None
         self._trainer = None
+        self._restored: Optional[dict] = None  # from a checkpoint, for the guard of the next fit
+
+    # ---- checkpoints: Lightning's Callback.state_dict / load_state_dict ------------------
+
+    def state_dict(self) -> dict:
+        """The guard's step count and skipped-step records
+        (:meth:`~nanguard.integrations.StepGuard.state_dict`), for Lightning's checkpoints."""
+        if self.guard is not None:
+            return {"guard": self.guard.state_dict()}
+        return {"guard": self._restored} if self._restored else {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # Lightning restores callbacks before on_fit_start, which builds the guard
+        self._restored = state_dict.get("guard")
+
+    # ---- events ------------------------------------------------------------------------
 
     def on_fit_start(self, trainer, pl_module) -> None:
         clip = trainer.gradient_clip_val
@@ -80,6 +120,9 @@ class _Guarded:
                              "would clip a second time: use gradient_clip_algorithm='norm'")
         norm = self._own_norm if self._own_norm is not None else clip
         self.guard = StepGuard(norm, watch=self._watch, watch_kwargs=self._watch_kwargs)
+        if self._restored:
+            self.guard.load_state_dict(self._restored)
+            self._restored = None
         self._trainer, self._saved_clip = trainer, clip
         trainer.gradient_clip_val = None  # one clipping, by nanguard
         self.guard.attach(pl_module)
@@ -87,10 +130,8 @@ class _Guarded:
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        ok = self.guard.guard(params, optimizer=optimizer, scaler=scaler, step=trainer.global_step)
-        if not ok:
-            rec = self.guard.skipped[-1]
-            logging.getLogger(self._log_name).warning(str(rec) + (f"\n{rec.report}" if rec.report else ""))
+        if not self.guard.guard(params, optimizer=optimizer, scaler=scaler, step=_logged_step(trainer)):
+            logging.getLogger(self._log_name).warning(StepGuard.skip_message(self.guard.skipped[-1]))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.guard is None:
@@ -101,11 +142,9 @@ class _Guarded:
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self._restore()
-        s = self.guard.summary() if self.guard is not None else None
-        if s and s["skipped"]:
-            logging.getLogger(self._log_name).warning(f"nanguard: {s['skipped']} of {s['steps']} optimizer steps skipped "
-                            f"({s['skipped_nan']} NaN, {s['skipped_inf']} Inf, "
-                            f"{s['skipped_norm_overflow']} norm overflow)")
+        line = self.guard.summary_line() if self.guard is not None else ""
+        if line:
+            logging.getLogger(self._log_name).warning(line)
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self._restore()

@@ -19,7 +19,25 @@ backward passes of every accumulated micro-batch):
   module; a skipped step is logged as a warning on the ``transformers.trainer``
   logger and as an entry of ``trainer.state.log_history``
   (``nanguard_skipped_step``, ``nanguard_first_nonfinite``, ...), and every
-  log line gets ``nanguard_skipped_steps`` and ``nanguard_grad_norm``.
+  log line gets ``nanguard_skipped_steps`` and ``nanguard_grad_norm``. The
+  ``report_to`` integrations (TensorBoard, W&B) run before the callbacks
+  given to the Trainer and do not see these; add them after the Trainer is
+  built (``report_to="none"``, then ``trainer.add_callback(...)``) to have them.
+
+Step numbers are the Trainer's: a skipped step carries the ``global_step``
+the Trainer gives it once done, the ``step`` of its own log line for that
+step (the first optimizer step is step 1), in the warning, the watcher's
+report, ``log_history`` and ``callback.guard.skipped``.
+
+Resuming (``trainer.train(resume_from_checkpoint=...)``) keeps the guard's
+history: the callback is an ``ExportableState``, so each checkpoint's
+``trainer_state.json`` holds its step count and skipped-step records (without
+the watcher's report text), and the resumed run continues them
+(``nanguard_skipped_steps``, ``callback.guard.skipped``, the end-of-training
+line). With ``restore_callback_states_from_checkpoint=True`` the Trainer
+replaces the callback by a new one built from its saved arguments (find it
+in ``trainer.callback_handler.callbacks``); ``watch_kwargs`` that JSON cannot
+hold are not among them.
 
 Clipping is done once, by nanguard: the Trainer's own
 (``args.max_grad_norm``) is turned off for the run (set to 0, restored at the
@@ -33,9 +51,15 @@ fp16 it does not, as with the Trainer alone.
 
 from __future__ import annotations
 
+import json
 from typing import Optional
 
 from transformers import TrainerCallback
+try:
+    from transformers.trainer_callback import ExportableState
+except ImportError:  # transformers before 4.41: no callback state in checkpoints
+    class ExportableState:  # type: ignore[no-redef]
+        pass
 from transformers.utils import logging as _hf_logging
 
 from ._guard import StepGuard
@@ -53,7 +77,7 @@ def _scaler_and_optimizer(optimizer):
     return scaler, inner
 
 
-class NanguardCallback(TrainerCallback):
+class NanguardCallback(TrainerCallback, ExportableState):
     """Watch + fused gradient guard for ``transformers.Trainer``.
 
     Args:
@@ -63,22 +87,50 @@ class NanguardCallback(TrainerCallback):
         watch_kwargs: more arguments for :func:`nanguard.watch`.
 
     After training, ``callback.guard.skipped`` lists the skipped steps
-    (:class:`nanguard.integrations.SkippedStep`) and
-    ``callback.guard.summary()`` the counts.
+    (:class:`nanguard.amp.SkippedStep`, numbered as the Trainer numbers
+    them) and ``callback.guard.summary()`` the counts; both continue across
+    a resume from a checkpoint.
     """
 
     def __init__(self, max_grad_norm: Optional[float] = None, watch: bool = True,
                  watch_kwargs: Optional[dict] = None):
+        StepGuard.validate_args(max_grad_norm, watch=watch, watch_kwargs=watch_kwargs)
         self._own_norm = max_grad_norm
-        StepGuard(max_grad_norm, watch=watch, watch_kwargs=watch_kwargs)  # validate the arguments now
         self._watch, self._watch_kwargs = watch, watch_kwargs
         self.guard: Optional[StepGuard] = None
         self._saved_norm = None
         self._args = None
 
+    # ---- checkpoints: TrainerState.stateful_callbacks ---------------------------------
+
+    def state(self) -> dict:
+        """What the Trainer writes into each checkpoint's ``trainer_state.json``
+        (``ExportableState``): the constructor's arguments and the guard's
+        :meth:`~nanguard.integrations.StepGuard.state_dict`."""
+        args = {"max_grad_norm": self._own_norm, "watch": self._watch}
+        if self._watch_kwargs is not None and _json_safe(self._watch_kwargs):
+            args["watch_kwargs"] = self._watch_kwargs
+        return {"args": args, "attributes": {"guard_state": self.guard.state_dict() if self.guard else None}}
+
+    def _resumed_state(self, state) -> Optional[dict]:
+        """The guard state of the checkpoint this run resumed from: the
+        Trainer loads ``trainer_state.json`` (its ``global_step`` > 0) before
+        ``on_train_begin``; a fresh run starts at 0."""
+        if state.global_step <= 0:
+            return None
+        saved = (getattr(state, "stateful_callbacks", None) or {}).get(type(self).__name__)
+        if not isinstance(saved, dict):  # absent, or several callbacks of this class
+            return None
+        return (saved.get("attributes") or {}).get("guard_state")
+
+    # ---- events ------------------------------------------------------------------------
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         norm = self._own_norm if self._own_norm is not None else args.max_grad_norm
         self.guard = StepGuard(norm, watch=self._watch, watch_kwargs=self._watch_kwargs)
+        resumed = self._resumed_state(state)
+        if resumed:
+            self.guard.load_state_dict(resumed)
         # one clipping, by nanguard: the Trainer's is off for the run
         self._args, self._saved_norm = args, args.max_grad_norm
         args.max_grad_norm = 0.0
@@ -88,13 +140,14 @@ class NanguardCallback(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         scaler, inner = _scaler_and_optimizer(optimizer)
         params = [p for g in inner.param_groups for p in g["params"]]
-        ok = self.guard.guard(params, optimizer=inner, scaler=scaler, step=state.global_step)
-        if not ok:
+        # the Trainer counts this step once it is done: it is global_step + 1 in its logs
+        step = state.global_step + 1
+        if not self.guard.guard(params, optimizer=inner, scaler=scaler, step=step):
             rec = self.guard.skipped[-1]
-            _logger.warning(str(rec) + (f"\n{rec.report}" if rec.report else ""))
+            _logger.warning(StepGuard.skip_message(rec))
             state.log_history.append({
-                "step": state.global_step,
-                "nanguard_skipped_step": state.global_step,
+                "step": step,
+                "nanguard_skipped_step": step,
                 "nanguard_cause": rec.cause,
                 "nanguard_first_nonfinite": rec.module if rec.module_class else "",
                 "nanguard_first_nonfinite_class": rec.module_class,
@@ -119,8 +172,14 @@ class NanguardCallback(TrainerCallback):
             self._args = None
         if self.guard is not None:
             self.guard.detach()
-            s = self.guard.summary()
-            if s["skipped"]:
-                _logger.warning(f"nanguard: {s['skipped']} of {s['steps']} optimizer steps skipped "
-                                f"({s['skipped_nan']} NaN, {s['skipped_inf']} Inf, "
-                                f"{s['skipped_norm_overflow']} norm overflow)")
+            line = self.guard.summary_line()
+            if line:
+                _logger.warning(line)
+
+
+def _json_safe(value) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
