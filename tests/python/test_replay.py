@@ -253,3 +253,87 @@ def test_result_serialises_to_json(tmp_path):
     text = str(res)
     assert "first non-finite: `aten::log` (forward) outside the model" in text
     assert text.splitlines()[-1] == "verdict: " + res.verdict
+
+
+def test_flight_recorder_writes_the_first_nonfinite_step_only(tmp_path):
+    from nanguard.diagnostics._recorder import FlightRecorder
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rec = FlightRecorder(model, tmp_path / "rec")
+    loss_fn = lambda out, _: out.float().mean()  # noqa: E731
+    seen = []
+    for step in range(6):
+        x = torch.randn(4, 8)
+        if step in (3, 4):
+            x[1, 2] = math.inf  # an Inf in the batch: the step's loss is non-finite
+        out = model(x)
+        assert rec._args[0] is x  # held by reference, not copied
+        loss = loss_fn(out, None)
+        opt.zero_grad()
+        loss.backward()
+        bad = not bool(torch.isfinite(loss))
+        before = [p.detach().clone() for p in model.parameters()]
+        path = rec.step_done(step=step, nonfinite=bad, report="report text" if bad else None)
+        seen.append(path)
+        if not bad:
+            opt.step()
+        assert rec._args is None  # references dropped at the step's end
+        if step == 3:
+            params_at_failure = before
+    assert seen[:3] == [None] * 3 and seen[4:] == [None, None]  # the first non-finite step only
+    assert seen[3] == str(tmp_path / "rec" / "nanguard-step3.pt") == rec.path
+    assert os.listdir(tmp_path / "rec") == ["nanguard-step3.pt"]
+    saved = load_record(seen[3])
+    assert saved["report"] == "report text" and saved["training"] is True
+    for p, q in zip(saved["state"].values(), params_at_failure):
+        assert torch.equal(p, q)
+    rec.remove()
+    res = replay(seen[3], model=nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 1)), loss_fn=loss_fn)
+    assert res.reproduced and res.batch == ["`args[0]` holds Inf (first at args[0][1, 2])"]
+
+
+def test_flight_recorder_restores_the_steps_dropout(tmp_path):
+    from nanguard.diagnostics._recorder import FlightRecorder
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+    rec = FlightRecorder(model, tmp_path)
+    torch.manual_seed(5)
+    x = torch.randn(3, 8)
+    out = model(x)
+    path = rec.step_done(step=0, nonfinite=True)
+    step_model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+    from nanguard.diagnostics._record import build_model, restore_rng
+
+    saved = load_record(path)
+    build_model(saved, step_model)
+    restore_rng(saved["rng"])
+    assert torch.equal(step_model(saved["args"][0]), out)  # the same dropout mask
+
+
+def test_flight_recorder_bad_arguments(tmp_path):
+    from nanguard.diagnostics._recorder import FlightRecorder
+
+    with pytest.raises(TypeError, match="record_dir must be a path"):
+        FlightRecorder(nn.Linear(2, 2), 3)
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        FlightRecorder("model", tmp_path)
+
+
+def test_cli_prints_the_report_or_json(tmp_path, capsys):
+    from nanguard.diagnostics._replay import cli
+
+    model = _gpt2()
+    emb = torch.randn(2, 8, 32)
+    emb[1, 3, 0] = math.nan
+    path = _record(tmp_path, model, kwargs={"inputs_embeds": emb, "labels": torch.zeros(2, 8, dtype=torch.long)})
+    assert cli([path]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "verdict: the batch is bad: `inputs_embeds` holds NaN (first at inputs_embeds[1, 3, 0])"
+    assert cli([path, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["reproduced"] is True and d["step"] == 7 and d["triage"] is None
+    assert cli([str(tmp_path / "nope.pt")]) == 2
+    assert "no flight record" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import sys
 from contextlib import nullcontext
 from typing import Any, Callable, List, Optional
 
@@ -249,3 +250,27 @@ def _notes(rec: dict, step: Step, outcome: StepOutcome) -> List[str]:
     if outcome.error:
         notes.append(f"the replay raised {outcome.error}")
     return notes
+
+
+def cli(argv: Optional[List[str]] = None) -> int:
+    """``python -m nanguard replay PATH [--triage] [--json]``."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m nanguard replay",
+        description="Run a recorded failing step again (a nanguard flight record, nanguard-step<N>.pt), "
+                    "name the first op that made a non-finite value from finite inputs, and with --triage "
+                    "rerun it under the standard checklist to say what fixes it. The record must hold a "
+                    "Hugging Face model's class and config; other models are replayed from Python with "
+                    "nanguard.replay(path, model=...).")
+    p.add_argument("path", help="the flight record")
+    p.add_argument("--triage", action="store_true", help="rerun the step under each variant of the checklist")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = p.parse_args(argv)
+    try:
+        res = replay(args.path, triage=args.triage)
+    except (OSError, ValueError, NotImplementedError) as e:
+        print(f"nanguard replay: {e}", file=sys.stderr)
+        return 2
+    print(res.to_json(indent=2) if args.json else res)
+    return 0 if res.reproduced else 1
