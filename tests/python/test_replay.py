@@ -1,0 +1,339 @@
+"""nanguard.replay: a recorded failing step run again under the op-level
+checker, and the triage checklist's verdict.
+
+Each case records one real step (inputs, RNG, weights, autocast, loss scale)
+with the flight-record writer, replays it from the file, and checks the
+first op that made a non-finite value from finite inputs and the verdict:
+fp16 attention-score overflow in a GPT-2, NaN in the input batch, log(0) in
+the user's loss, fp16 gradient overflow in a linear layer's backward at a
+high loss scale (and one that persists at scale 1), and a hand-written fp16
+LayerNorm over a constant row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from nanguard.diagnostics._record import RecordError, StepStart, load_record, record_name, write_record
+from nanguard.diagnostics._replay import replay
+from nanguard.diagnostics._triage import EPS_FLOOR, MAX_SCORE
+
+
+def _record(tmp_path, model, *, args=(), kwargs=None, loss_fn=None, autocast=None, loss_scale=None, step=7):
+    """Run one step as a training loop would and write its flight record."""
+    kwargs = kwargs or {}
+    start = StepStart.capture()
+    ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else torch.autocast("cpu", enabled=False)
+    with ctx:
+        start.autocast = {"device_type": "cpu", "dtype": str(autocast).removeprefix("torch.")} if autocast else None
+        out = model(*args, **kwargs)
+        loss = loss_fn(out, {"args": args, **kwargs}) if loss_fn else out.loss
+    (loss.float() * (loss_scale or 1.0)).backward()
+    bad = not bool(torch.isfinite(loss).all()) or any(
+        not bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+    model.zero_grad(set_to_none=True)
+    return write_record(str(tmp_path), model=model, args=args, kwargs=kwargs, start=start, step=step,
+                        loss_scale=loss_scale, recorded_nonfinite=bad)
+
+
+def _gpt2(seed=0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    return transformers.GPT2LMHeadModel(cfg).train()
+
+
+def test_fp16_attention_score_overflow(tmp_path):
+    model = _gpt2()
+    with torch.no_grad():  # large q and k projections: q . k passes fp16's 65504, each of q and k does not
+        w = model.transformer.h[1].attn.c_attn.weight
+        w[:, :64] *= 1000.0
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    path = _record(tmp_path, model, kwargs={"input_ids": ids, "labels": ids}, autocast=torch.float16,
+                   loss_scale=2.0**16)
+    assert os.path.basename(path) == record_name(7) == "nanguard-step7.pt"
+    res = replay(path, triage=True)  # the model is rebuilt from the record's class and config
+    assert res.reproduced and res.recorded_nonfinite and not res.outcome.finite
+    assert res.first_op in ("aten::bmm", "aten::mm", "aten::matmul")
+    assert res.pass_ == "forward" and res.module == "transformer.h.1.attn"
+    assert res.inputs and all(s["dtype"] == "float16" for s in res.inputs)
+    assert all(s["max_abs"] < 65504 for s in res.inputs)
+    assert res.outcome.first.output["inf"] > 0
+    t = res.triage
+    for name in ("float32", "bfloat16", "nanguard.patch", "max_score"):
+        assert t[name].finite, name
+    for name in ("norm eps", "dropout off"):
+        assert not t[name].finite, name
+    assert res.verdict.startswith("fp16 overflow in attention scores in `transformer.h.1.attn`")
+    assert "finite in fp32, in bf16, with nanguard.patch" in res.verdict
+    assert f"clamped to ±{MAX_SCORE:g}" in res.verdict
+    assert "eps and dropout do not matter" in res.verdict
+
+
+def test_nan_in_the_batch(tmp_path):
+    model = _gpt2()
+    emb = torch.randn(3, 20, 32)
+    emb[2, 17, 5] = math.nan
+    ids = torch.randint(0, 64, (3, 20))
+    path = _record(tmp_path, model, kwargs={"inputs_embeds": emb, "labels": ids})
+    res = replay(path, triage=True)
+    assert res.reproduced
+    assert res.first_op is None  # no op made it: it came in with the batch
+    assert res.batch == ["`inputs_embeds` holds NaN (first at inputs_embeds[2, 17, 5])"]
+    assert res.verdict.startswith("the batch is bad: `inputs_embeds` holds NaN (first at inputs_embeds[2, 17, 5])")
+    assert res.verdict.endswith("(no variant is finite)")
+
+
+def test_log_zero_in_the_users_loss(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+    def loss_fn(out, inputs):
+        return -torch.log(out).mean()  # ReLU's zeros: log(0) = -inf, outside the model
+
+    x = torch.randn(4, 8)
+    path = _record(tmp_path, model, args=(x,), loss_fn=loss_fn)
+    with pytest.raises(ValueError, match="model"):  # not a Hugging Face model: replay needs it
+        replay(path, loss_fn=loss_fn)
+    res = replay(path, model=nn.Sequential(nn.Linear(8, 8), nn.ReLU()), loss_fn=loss_fn, triage=True)
+    assert res.reproduced
+    assert res.first_op == "aten::log" and res.pass_ == "forward" and res.module is None
+    assert res.verdict.startswith("the loss function, outside the model, made the first non-finite value: "
+                                  "`aten::log` gave Inf from finite inputs")
+    assert "no variant is finite" in res.verdict
+
+
+def _two_linears(w2):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    with torch.no_grad():
+        model[1].weight.fill_(w2)
+    return model
+
+
+@pytest.mark.parametrize("w2, persists", [(2.0, False), (2000.0, True)])
+def test_fp16_gradient_overflow_at_a_high_loss_scale(tmp_path, w2, persists):
+    # the loss gradient reaching the second linear is loss_scale per element
+    # (fits fp16); its input gradient sums 64 of them times w2: 1024 * 64 * 2
+    # = 131072 overflows fp16, and stays under 65504 from scale 256 down.
+    # With w2 = 2000 even scale 1 gives 64 * 2000 = 128000.
+    x = torch.randn(1, 64) * 0.01  # one row and small values: the first linear's gradients stay in range
+    path = _record(tmp_path, _two_linears(w2), args=(x,), loss_fn=lambda out, _: out.float().sum(),
+                   autocast=torch.float16, loss_scale=1024.0)
+    res = replay(path, model=_two_linears(0.0), loss_fn=lambda out, _: out.float().sum(), triage=True)
+    assert res.reproduced
+    assert res.pass_ == "backward" and res.node in ("AddmmBackward0", "MmBackward0")
+    assert res.first_op == "aten::mm" and res.module == "1"
+    ls = res.triage["loss scale"]
+    if persists:
+        assert not ls.finite and ls.setting.startswith("loss scale 1 ")
+        assert "persists at loss scale 1" in res.verdict
+    else:
+        assert ls.finite and ls.setting == "loss scale 256 (recorded 1024 / 2^2)"
+        assert res.verdict.startswith("gradient overflow in the backward of `1` (first node `AddmmBackward0`")
+        assert res.verdict.endswith("The GradScaler's backoff handles this: it skips the step and lowers the scale")
+
+
+class HandLayerNorm(nn.Module):
+    """A LayerNorm written by hand, as users write them."""
+
+    def __init__(self, d, eps=1e-12):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+        self.eps = eps
+
+    def forward(self, x):
+        mean = x.mean(-1, keepdim=True)
+        var = ((x - mean) ** 2).mean(-1, keepdim=True)
+        return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
+def _hand_ln_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), HandLayerNorm(16)).half()
+
+
+def test_hand_written_fp16_layernorm_over_a_constant_row(tmp_path):
+    model = _hand_ln_model()
+    with torch.no_grad():  # the linear's output is the same in every column: var = 0, eps = 1e-12 is 0 in fp16
+        model[0].weight.zero_()
+        model[0].bias.fill_(0.5)
+    x = torch.randn(4, 16, dtype=torch.float16)
+    path = _record(tmp_path, model, args=(x,), loss_fn=lambda out, _: out.float().pow(2).mean())
+    res = replay(path, model=_hand_ln_model(), loss_fn=lambda out, _: out.float().pow(2).mean(), triage=True)
+    assert res.reproduced
+    assert res.first_op == "aten::div" and res.module == "1" and res.pass_ == "forward"  # 0 / sqrt(0 + 0)
+    t = res.triage
+    assert t["norm eps"].finite and t["float32"].finite and not t["dropout off"].finite
+    assert res.verdict.startswith("NaN made from finite inputs (float16) in `1` (first op `aten::div`, forward)")
+    assert f"with norm eps raised to {EPS_FLOOR:g}" in res.verdict
+    assert "dropout does not matter" in res.verdict
+
+
+def test_a_finite_replay_says_it_is_not_reproduced(tmp_path):
+    model = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    start = StepStart.capture()
+    path = write_record(str(tmp_path), model=model, args=(x,), kwargs={}, start=start, step=3,
+                        recorded_nonfinite=True)
+    res = replay(path, model=nn.Linear(4, 4), loss_fn=lambda out, _: out.sum())
+    assert not res.reproduced and res.outcome.finite and res.first_op is None
+    assert res.verdict.startswith("the replayed step is finite, so the failure is not reproduced here")
+    assert any("not deterministic" in n for n in res.notes)
+
+
+def test_record_round_trip_restores_rng_and_inputs(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    x = torch.randn(3, 4)
+    torch.manual_seed(11)
+    start = StepStart.capture()
+    expect = model(x)  # dropout draws from the RNG captured above
+    path = write_record(str(tmp_path), model=model, args=(x,), kwargs={"extra": {"k": [1, 2.5, None]}},
+                        start=start, step=5, rank=2)
+    assert os.path.basename(path) == "nanguard-step5-rank2.pt"
+    rec = load_record(path)  # weights_only: tensors and plain values only
+    assert rec["step"] == 5 and rec["rank"] == 2 and rec["kwargs"] == {"extra": {"k": [1, 2.5, None]}}
+    assert torch.equal(rec["args"][0], x)
+    from nanguard.diagnostics._record import restore_rng
+
+    torch.manual_seed(999)
+    restore_rng(rec["rng"])
+    assert torch.equal(model(x), expect)
+
+
+def test_bad_records_and_arguments_raise_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="path"):
+        replay(str(tmp_path / "missing.pt"))
+    junk = tmp_path / "junk.pt"
+    torch.save({"format": "something else"}, junk)
+    with pytest.raises(RecordError, match="not a nanguard flight record"):
+        replay(str(junk))
+    old = tmp_path / "old.pt"
+    torch.save({"format": "nanguard.flight-record", "version": 99}, old)
+    with pytest.raises(RecordError, match="version 99"):
+        replay(str(old))
+    text = tmp_path / "text.pt"
+    text.write_text("not a pickle")
+    with pytest.raises(RecordError, match="not a readable"):
+        replay(str(text))
+    with pytest.raises(TypeError, match="a flight record holds tensors and plain values; kwargs\\['f'\\]"):
+        write_record(str(tmp_path), model=nn.Linear(2, 2), args=(), kwargs={"f": object()},
+                     start=StepStart.capture(), step=1)
+    model = nn.Linear(2, 2)
+    path = write_record(str(tmp_path), model=model, args=(torch.ones(1, 2),), kwargs={},
+                        start=StepStart.capture(), step=1)
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        replay(path, model=model, loss_fn=3)
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        replay(path, model="linear")
+    with pytest.raises(ValueError, match="model: its parameters and buffers do not match"):
+        replay(path, model=nn.Linear(3, 3), loss_fn=lambda o, _: o.sum())
+    with pytest.raises(ValueError, match="loss_fn: the model's output has no .loss"):
+        replay(path, model=nn.Linear(2, 2))
+
+
+def test_result_serialises_to_json(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    loss_fn = lambda out, _: -torch.log(out).mean()  # noqa: E731
+    path = _record(tmp_path, model, args=(torch.randn(4, 8),), loss_fn=loss_fn)
+    res = replay(path, model=nn.Sequential(nn.Linear(8, 8), nn.ReLU()), loss_fn=loss_fn, triage=True)
+    d = json.loads(res.to_json())
+    assert d["first_op"] == "aten::log" and d["verdict"] == res.verdict
+    assert set(d["triage"]) >= {"float32", "nanguard.patch", "norm eps", "dropout off"}
+    text = str(res)
+    assert "first non-finite: `aten::log` (forward) outside the model" in text
+    assert text.splitlines()[-1] == "verdict: " + res.verdict
+
+
+def test_flight_recorder_writes_the_first_nonfinite_step_only(tmp_path):
+    from nanguard.diagnostics._recorder import FlightRecorder
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rec = FlightRecorder(model, tmp_path / "rec")
+    loss_fn = lambda out, _: out.float().mean()  # noqa: E731
+    seen = []
+    for step in range(6):
+        x = torch.randn(4, 8)
+        if step in (3, 4):
+            x[1, 2] = math.inf  # an Inf in the batch: the step's loss is non-finite
+        out = model(x)
+        assert rec._args[0] is x  # held by reference, not copied
+        loss = loss_fn(out, None)
+        opt.zero_grad()
+        loss.backward()
+        bad = not bool(torch.isfinite(loss))
+        before = [p.detach().clone() for p in model.parameters()]
+        path = rec.step_done(step=step, nonfinite=bad, report="report text" if bad else None)
+        seen.append(path)
+        if not bad:
+            opt.step()
+        assert rec._args is None  # references dropped at the step's end
+        if step == 3:
+            params_at_failure = before
+    assert seen[:3] == [None] * 3 and seen[4:] == [None, None]  # the first non-finite step only
+    assert seen[3] == str(tmp_path / "rec" / "nanguard-step3.pt") == rec.path
+    assert os.listdir(tmp_path / "rec") == ["nanguard-step3.pt"]
+    saved = load_record(seen[3])
+    assert saved["report"] == "report text" and saved["training"] is True
+    for p, q in zip(saved["state"].values(), params_at_failure):
+        assert torch.equal(p, q)
+    rec.remove()
+    res = replay(seen[3], model=nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 1)), loss_fn=loss_fn)
+    assert res.reproduced and res.batch == ["`args[0]` holds Inf (first at args[0][1, 2])"]
+
+
+def test_flight_recorder_restores_the_steps_dropout(tmp_path):
+    from nanguard.diagnostics._recorder import FlightRecorder
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+    rec = FlightRecorder(model, tmp_path)
+    torch.manual_seed(5)
+    x = torch.randn(3, 8)
+    out = model(x)
+    path = rec.step_done(step=0, nonfinite=True)
+    step_model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+    from nanguard.diagnostics._record import build_model, restore_rng
+
+    saved = load_record(path)
+    build_model(saved, step_model)
+    restore_rng(saved["rng"])
+    assert torch.equal(step_model(saved["args"][0]), out)  # the same dropout mask
+
+
+def test_flight_recorder_bad_arguments(tmp_path):
+    from nanguard.diagnostics._recorder import FlightRecorder
+
+    with pytest.raises(TypeError, match="record_dir must be a path"):
+        FlightRecorder(nn.Linear(2, 2), 3)
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        FlightRecorder("model", tmp_path)
+
+
+def test_cli_prints_the_report_or_json(tmp_path, capsys):
+    from nanguard.diagnostics._replay import cli
+
+    model = _gpt2()
+    emb = torch.randn(2, 8, 32)
+    emb[1, 3, 0] = math.nan
+    path = _record(tmp_path, model, kwargs={"inputs_embeds": emb, "labels": torch.zeros(2, 8, dtype=torch.long)})
+    assert cli([path]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "verdict: the batch is bad: `inputs_embeds` holds NaN (first at inputs_embeds[1, 3, 0])"
+    assert cli([path, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["reproduced"] is True and d["step"] == 7 and d["triage"] is None
+    assert cli([str(tmp_path / "nope.pt")]) == 2
+    assert "no flight record" in capsys.readouterr().err
