@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import nanguard
-from nanguard.tensor_stats import new_stats_buffers, tensor_stats_
-from nanguard.watch import BACKWARD, FORWARD, PARAM_GRAD, NonFiniteError
+from nanguard import new_stats_buffers, tensor_stats_
+from nanguard.diagnostics import BACKWARD, FORWARD, PARAM_GRAD, NonFiniteError
 
 from conftest import DEVICES, requires_cuda
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from .. import amp as _amp
 from .. import grad_guard as _gg
-from ..watch import watch as _watch
+from ..diagnostics import watch as _watch
 
 __all__ = ["StepGuard", "SkippedStep"]
 

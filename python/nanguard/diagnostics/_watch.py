@@ -47,8 +47,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from . import distributed as _dist
-from .tensor_stats import COUNT_FIELDS, VALUE_FIELDS
+from .. import distributed as _dist
+from .._tensor_stats import COUNT_FIELDS, VALUE_FIELDS
 
 __all__ = ["watch", "Watch", "Report", "TensorStats", "NonFiniteError"]
 
