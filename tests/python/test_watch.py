@@ -637,6 +637,92 @@ def test_optimizer_step_checks_first():
     w.remove()
 
 
+def _sgd_steps(m, opt, n, x, w=None):
+    """n training steps; w.step() after each when w is given."""
+    for _ in range(n):
+        opt.zero_grad(set_to_none=True)
+        loss_of(m, x).backward()
+        if w is not None:
+            w.step()
+        opt.step()
+
+
+def test_forgotten_step_warns_once_and_memory_stays_bounded(recwarn):
+    """Training with no w.step() at all: one warning, at the second forward
+    after an optimizer step, naming what to call; the records and the
+    buffer stay at about one step's (they grew with every step)."""
+    torch.manual_seed(0)
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(4, 8)
+    w = nanguard.watch(m, capacity=4)  # the buffer doubles as records come
+    _sgd_steps(m, opt, 1, x)
+    one_step = w.num_recorded
+    assert one_step > 50
+    assert not [r for r in recwarn if "w.step()" in str(r.message)]
+    _sgd_steps(m, opt, 30, x)
+    forgot = [r for r in recwarn if "w.step()" in str(r.message)]
+    assert len(forgot) == 1 and issubclass(forgot[0].category, RuntimeWarning)
+    assert "once per training step" in str(forgot[0].message)
+    assert w.num_recorded == one_step  # the current step's records only
+    assert w.capacity[torch.device("cpu")] < 2 * one_step
+    assert w.check() is None  # every step was finite
+    w.remove()
+
+
+def test_forgotten_step_keeps_the_first_report_for_check():
+    """The automatic checks of a forgotten step() lose nothing: the first
+    non-finite tensor (step 3 of 8) is reported at the next check, with the
+    count of every non-finite tensor since."""
+    torch.manual_seed(0)
+    m = Net()
+    m.layers[2].act = NaNAfter()
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)  # lr 0: NaN grads leave the weights finite
+    x = torch.randn(4, 8)
+    w = nanguard.watch(m, policy="record")
+    with pytest.warns(RuntimeWarning, match="w.step"):
+        _sgd_steps(m, opt, 3, x)
+        m.layers[2].act.armed = True
+        _sgd_steps(m, opt, 1, x)
+        m.layers[2].act.armed = False
+        with torch.no_grad():  # a parameter update without a step(): the detection
+            m.out.bias.add_(0.0)
+        _sgd_steps(m, opt, 4, x)
+    assert w.num_recorded < 200
+    r = w.check()
+    assert r is not None and r.module == "layers.2.act" and r.pass_ == FORWARD
+    assert r.n_nonfinite > 1
+    assert w.check() is None
+    w.remove()
+
+
+def test_gradient_accumulation_and_eval_do_not_warn(recwarn):
+    """Many forwards per step without a parameter change (gradient
+    accumulation, an evaluation loop under no_grad) are no forgotten step:
+    no warning; the records of a long evaluation loop are checked by the
+    watcher itself, so they stay bounded too."""
+    torch.manual_seed(0)
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(4, 8)
+    w = nanguard.watch(m, optimizer=opt)
+    for _ in range(3):
+        opt.zero_grad()
+        for _ in range(8):  # 8 micro-batches per optimizer step
+            loss_of(m, x).backward()
+        opt.step()  # calls w.step() first
+    per_forward = 0
+    with torch.no_grad():
+        for i in range(300):
+            m(x)
+            if i == 0:
+                per_forward = w.num_recorded
+            assert w.num_recorded <= 70 * per_forward
+    assert not [r for r in recwarn if "w.step()" in str(r.message)]
+    assert w.step() is None
+    w.remove()
+
+
 # ---- Hugging Face -------------------------------------------------------------------------
 
 

@@ -13,7 +13,8 @@ also at the top level (``nanguard.watch``, ...).
 
 from __future__ import annotations
 
-from ._watch import BACKWARD, FORWARD, PARAM_GRAD, NonFiniteError, Report, TensorStats, Watch, watch
+from ._report import BACKWARD, FORWARD, PARAM_GRAD, NonFiniteError, Report, TensorStats
+from ._watch import Watch, watch
 
 __all__ = ["watch", "Watch", "Report", "TensorStats", "NonFiniteError", "FORWARD", "BACKWARD",
            "PARAM_GRAD"]

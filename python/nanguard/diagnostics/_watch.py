@@ -37,227 +37,118 @@ offence.
 
 from __future__ import annotations
 
-import fnmatch
-import math
+import inspect
 import warnings
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .. import distributed as _dist
 from .._tensor_stats import COUNT_FIELDS, VALUE_FIELDS
+from ._records import (Kind, _Call, _flatten, _is_ancestor, _Owner, _positive_int, _Rec,
+                       _recordable, _selected, _version)
+from ._report import BACKWARD, FORWARD, PARAM_GRAD, NonFiniteError, Report, TensorStats
 
-__all__ = ["watch", "Watch", "Report", "TensorStats", "NonFiniteError"]
+__all__ = ["watch", "Watch"]
 
 _op = torch.ops.nanguard.tensor_stats_.default
-_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_DEVICES = ("cpu", "cuda")
-
-FORWARD = "forward"
-BACKWARD = "backward"
-PARAM_GRAD = "parameter grad"
+# The watcher's buffers are its own: calling the op below ADInplaceOrView
+# skips the Python kernel that bumps their version counters (no autograd
+# graph holds them), which was a third of the cost of a record.
+_below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 _POLICIES = ("raise", "warn", "record")
 #: a buffer this large means step() / check() is probably never called
 _MANY_SLOTS = 1 << 20
-
-# record kinds
-_OUT = 0  # output of a module call (forward)
-_IN = 1  # input of a module call not produced by a watched module (forward)
-_GRAD = 2  # gradient arriving at an output of a module call
-_PGRAD = 3  # accumulated parameter gradient
-
-
-@dataclass
-class TensorStats:
-    """The census of one recorded tensor."""
-
-    which: str
-    shape: Tuple[int, ...]
-    dtype: torch.dtype
-    nan: int
-    posinf: int
-    neginf: int
-    max_abs: float  #: over finite values; 0 when there is none
-    min_nonzero_abs: float  #: over finite values; inf when there is none
-
-    @property
-    def finite(self) -> bool:
-        return self.nan == 0 and self.posinf == 0 and self.neginf == 0
-
-    def __str__(self) -> str:
-        dt = str(self.dtype).replace("torch.", "")
-        head = f"{self.which}: shape {tuple(self.shape)} {dt}: "
-        if self.finite:
-            bad = "all finite"
-        else:
-            bad = f"{self.nan} NaN, {self.posinf} +Inf, {self.neginf} -Inf"
-        mn = "none" if math.isinf(self.min_nonzero_abs) else f"{self.min_nonzero_abs:.3g}"
-        return head + f"{bad}; finite max|x| {self.max_abs:.3g}, min non-zero |x| {mn}"
-
-
-@dataclass
-class Report:
-    """The first non-finite tensor of a checked step."""
-
-    module: str  #: qualified name ("" is the watched model itself)
-    cls: str  #: class name of the module
-    pass_: str  #: "forward", "backward" or "parameter grad"; "" when another rank saw it
-    step: int
-    #: None when this rank saw only finite values and another rank did not
-    tensor: Optional[TensorStats] = None
-    inputs: List[TensorStats] = field(default_factory=list)
-    note: str = ""
-    #: how many recorded tensors of the step were non-finite in all
-    n_nonfinite: int = 1
-    #: this process's rank in the default group (None without torch.distributed)
-    rank: Optional[int] = None
-    #: under rank agreement: every rank (global ranks) that saw a non-finite value this step
-    bad_ranks: List[int] = field(default_factory=list)
-
-    @property
-    def name(self) -> str:
-        return self.module or "<root>"
-
-    @property
-    def local(self) -> bool:
-        """Did this rank see the non-finite value itself?"""
-        return self.tensor is not None
-
-    def __str__(self) -> str:
-        on = "" if self.rank is None else f" on rank {self.rank}"
-        if self.tensor is None:
-            return (f"non-finite value at step {self.step} on rank(s) {self.bad_ranks} (their "
-                    f"reports name the module); rank {self.rank} saw only finite values")
-        lines = [
-            f"first non-finite value at step {self.step}, {self.pass_} pass, in module "
-            f"'{self.name}' ({self.cls}){on}",
-            f"  {self.tensor}",
-        ]
-        others = [r for r in self.bad_ranks if r != self.rank]
-        if others:
-            lines.append(f"  also non-finite this step on rank(s) {others}")
-        if self.note:
-            lines.append(f"  note: {self.note}")
-        if self.inputs:
-            lines.append("  computed from:")
-            lines.extend(f"    {s}" for s in self.inputs)
-        if self.n_nonfinite > 1:
-            lines.append(f"  ({self.n_nonfinite} recorded tensors of this step were non-finite; "
-                         "this is the first in execution order)")
-        return "\n".join(lines)
-
-
-class NonFiniteError(RuntimeError):
-    """Raised by :meth:`Watch.check` under ``policy="raise"``; ``.report``
-    holds the :class:`Report`."""
-
-    def __init__(self, report: Report):
-        self.report = report
-        super().__init__(str(report))
-
-
-def _flatten(obj, label: str, out: List[Tuple[str, torch.Tensor]], depth: int = 0) -> None:
-    """(label, tensor) for every tensor inside obj (tuples, lists, dicts,
-    ModelOutput), at most 4 levels deep."""
-    if isinstance(obj, torch.Tensor):
-        out.append((label, obj))
-    elif depth >= 4 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
-        return
-    elif isinstance(obj, (tuple, list)):
-        for i, v in enumerate(obj):
-            _flatten(v, f"{label}[{i}]", out, depth + 1)
-    elif isinstance(obj, dict):  # ModelOutput is an OrderedDict
-        for k, v in obj.items():
-            _flatten(v, f"{label}[{k!r}]", out, depth + 1)
-
-
-def _version(t: torch.Tensor):
-    """The in-place version counter; None for inference tensors, which have
-    none (their records are then never reused)."""
-    return None if t.is_inference() else t._version
-
-
-def _unchanged(hit, t: torch.Tensor) -> bool:
-    """hit = (weakref, record, version) or None: is it a record of t, and t
-    not modified in place since?"""
-    return hit is not None and hit[0]() is t and hit[2] is not None and hit[2] == _version(t)
-
-
-def _recordable(t: torch.Tensor) -> bool:
-    return (
-        t.dtype in _FLOAT
-        and t.layout == torch.strided
-        and t.device.type in _DEVICES
-        and (type(t) is torch.Tensor or type(t) is nn.Parameter or _dist.is_dtensor(t))
-    )
-
-
-class _Call:
-    """One invocation of a watched module."""
-
-    __slots__ = ("name", "cls", "step", "inputs", "outputs", "grads")
-
-    def __init__(self, name: str, cls: str, step: int):
-        self.name = name
-        self.cls = cls
-        self.step = step
-        self.inputs: List[Tuple[str, int]] = []  # (label, record)
-        self.outputs: List[Tuple[str, int]] = []
-        self.grads: List[int] = []  # records of gradients at its outputs
-
-
-def _is_ancestor(a: str, b: str) -> bool:
-    """Is module name a a strict ancestor of module name b?"""
-    return a != b and (a == "" or b.startswith(a + "."))
+#: without a check, the watcher checks its records itself at a forward of the
+#: model once this many forwards or records have piled up (memory stays bounded)
+_AUTO_CHECK_FORWARDS = 64
+_AUTO_CHECK_RECORDS = 1 << 16
 
 
 class Watch:
-    """Handle returned by :func:`watch`: a context manager, and
-    :meth:`check` / :meth:`step` / :meth:`remove`."""
+    """Watch ``model`` for the first NaN / Inf.
 
-    def __init__(self, model: nn.Module, modules=None, every: int = 1, policy: str = "raise",
+    Args:
+        model: the module to watch (its submodules are watched too).
+        modules: restrict to modules whose qualified name matches a pattern
+            (``fnmatch``: ``"layers.*.self_attn"``) or that are instances of
+            a type; a list mixes both. None watches every module.
+        every: record on every N-th step only (steps are counted by
+            :meth:`Watch.step`); the hooks return at once on other steps.
+        policy: ``"raise"`` (:class:`NonFiniteError`), ``"warn"`` or
+            ``"record"`` (reports collected in ``.records``, up to
+            ``max_records``).
+        max_records: reports kept in ``.records`` under ``"warn"`` / ``"record"``.
+        inputs: also record the inputs of each module (for the report).
+        backward: record the gradient arriving at each module output.
+        parameters: record each parameter's gradient once accumulated.
+        capacity: initial slots of the stats buffer (it doubles when a step
+            records more; that is the only time it allocates).
+        optimizer: when given, ``optimizer.step()`` first calls
+            :meth:`Watch.step`, so a non-finite step raises before it is
+            applied.
+        process_group: under torch.distributed, the ranks that agree at each
+            :meth:`Watch.check` (default: the default group). Reports carry
+            the rank; when any rank saw a non-finite value every rank acts in
+            the same step (raises under ``policy="raise"``), the others with
+            a report naming the ranks that saw it. Every rank of the group
+            must call ``step()`` / ``check()`` at the same steps.
+        agree: False turns the agreement (one all-reduce per check) off.
+
+    Use as ``with nanguard.watch(model) as w: ...`` (checked and removed on
+    exit) or keep the handle: ``w = nanguard.watch(model)``, ``w.step()`` once
+    per training step, ``w.remove()`` at the end. When the model's parameters
+    change between two forward passes with no ``step()`` / ``check()`` in
+    between, a warning says so once, and from then on the watcher checks its
+    records itself at each forward, keeping the first non-finite report for
+    the next ``check()`` (memory stays bounded either way).
+    """
+
+    def __init__(self, model: nn.Module, *, modules=None, every: int = 1, policy: str = "raise",
                  max_records: int = 100, inputs: bool = True, backward: bool = True,
                  parameters: bool = True, capacity: int = 256, optimizer=None,
                  process_group=None, agree: bool = True):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive int, got {every!r}")
+        _positive_int("every", every)
         if policy not in _POLICIES:
             raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        _positive_int("capacity", capacity)
+        if not isinstance(agree, bool):
+            raise TypeError(f"agree must be a bool, got {type(agree).__name__}")
         self.model = model
         self.every = every
         self.policy = policy
         self.max_records = max_records
         self.records: List[Report] = []  #: reports kept under policy "record" (and "warn")
+        self.watched: List[str] = []  #: qualified names of the watched modules
         self._inputs = inputs
         self._capacity = capacity
+        self._agree = agree
+        self._group = process_group
         self._step = 0
         self._gen = 0  # bumped at every reset: hooks of older graphs stop recording
         self._on = True
         self._bufs: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._used: Dict[torch.device, int] = {}
-        # per record: (device, slot, kind, call or None, label, shape, dtype, extra)
-        self._meta: List[tuple] = []
-        self._calls: List[_Call] = []
-        self._produced: Dict[int, Tuple[Any, int, int]] = {}  # id -> (weakref, record, version)
+        self._recs: List[_Rec] = []
+        self._produced: Dict[int, Tuple[weakref.ref, int, Optional[int]]] = {}  # id -> (ref, record, version)
         self._consumers: Dict[int, List[_Call]] = {}  # record -> calls that took it as input
-        self._stack: Dict[int, List[_Call]] = {}  # id(module) -> calls in flight
+        self._stacks: List[List[_Call]] = []  # per watched module: its calls in flight
         self._handles: list = []
-        self.watched: List[str] = []  #: qualified names of the watched modules
         # DTensor parameters (FSDP2, tensor parallel): their gradients are
         # read at check time (FSDP2 accumulates into an unsharded copy, so no
         # hook on the sharded parameter fires)
-        self._dparams: List[Tuple[str, str, str, nn.Parameter]] = []
-        if not isinstance(agree, bool):
-            raise TypeError(f"agree must be a bool, got {type(agree).__name__}")
-        self._agree = agree
-        self._group = process_group
+        self._dparams: List[Tuple[_Owner, str, nn.Parameter]] = []
+        # a forgotten step(): forwards of the model since the last check, and
+        # the version of one trainable parameter at the first of them
+        self._forwards = 0
+        self._probe_version: Optional[int] = None
+        self._pending: Optional[Report] = None  # found by an automatic check
+        self._warned = False
+        self._handles.append(model.register_forward_pre_hook(self._make_root(model)))
         self._attach(model, modules, backward, parameters)
         if optimizer is not None:
             def before_step(opt, args, kwargs):
@@ -268,48 +159,37 @@ class Watch:
 
     # ---- hooks ---------------------------------------------------------------------
 
-    def _select(self, name: str, mod: nn.Module, modules) -> bool:
-        if modules is None:
-            return True
-        if isinstance(modules, (str, type)):
-            modules = [modules]
-        for m in modules:
-            if isinstance(m, type) and isinstance(mod, m):
-                return True
-            if isinstance(m, str) and (fnmatch.fnmatchcase(name, m) or name == m):
-                return True
-        return False
-
     def _attach(self, model, modules, backward: bool, parameters: bool) -> None:
         seen_params = set()
         for name, mod in model.named_modules():
-            if not self._select(name, mod, modules):
+            if not _selected(name, mod, modules):
                 continue
             self.watched.append(name)
             cls = type(mod).__name__
-            self._handles.append(mod.register_forward_pre_hook(self._make_pre(name, cls),
+            stack: List[_Call] = []
+            self._stacks.append(stack)
+            self._handles.append(mod.register_forward_pre_hook(self._make_pre(name, cls, stack),
                                                                with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(self._make_post(backward),
-                                                           with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(self._make_post(stack, backward)))
             if not parameters:
                 continue
+            owner = _Owner(name, cls)
             for pname, p in mod.named_parameters(recurse=False):
                 if id(p) in seen_params or not p.requires_grad:
                     continue
                 seen_params.add(id(p))
                 if _dist.is_dtensor(p):
-                    self._dparams.append((name, cls, pname, p))
+                    self._dparams.append((owner, pname, p))
                     continue
                 self._handles.append(
-                    p.register_post_accumulate_grad_hook(self._make_pgrad(name, cls, pname)))
+                    p.register_post_accumulate_grad_hook(self._make_pgrad(owner, pname)))
 
-    def _make_pre(self, name: str, cls: str):
+    def _make_pre(self, name: str, cls: str, stack: List[_Call]):
         def pre(mod, args, kwargs):
             if not self._on:
                 return None
             call = _Call(name, cls, self._step)
-            self._calls.append(call)
-            self._stack.setdefault(id(mod), []).append(call)
+            stack.append(call)
             if self._inputs:
                 found: List[Tuple[str, torch.Tensor]] = []
                 _flatten(args, "input", found)
@@ -317,21 +197,17 @@ class Watch:
                     for k, v in kwargs.items():
                         _flatten(v, k, found)
                 for label, t in found:
-                    if not _recordable(t):
-                        continue
-                    r, _ = self._record_once(t, _IN, call, label)
-                    call.inputs.append((label, r))
-                    self._consumers.setdefault(r, []).append(call)
+                    if _recordable(t):
+                        r, _ = self._record_once(t, Kind.IN, call, label)
+                        call.inputs.append((label, r))
+                        self._consumers.setdefault(r, []).append(call)
             return None
 
         return pre
 
-    def _make_post(self, backward: bool):
-        def post(mod, args, kwargs, output):
-            if not self._on:
-                return None
-            stack = self._stack.get(id(mod))
-            if not stack:  # hooks attached while this call was running
+    def _make_post(self, stack: List[_Call], backward: bool):
+        def post(mod, args, output):
+            if not self._on or not stack:  # empty: hooks attached while this call ran
                 return None
             call = stack.pop()
             found: List[Tuple[str, torch.Tensor]] = []
@@ -342,41 +218,78 @@ class Watch:
                 # an unchanged tensor already recorded (the output of an inner
                 # module passed through, or an input returned as is) is not
                 # read again, nor hooked twice
-                r, new = self._record_once(t, _OUT, call, label)
-                call.outputs.append((label, r))
+                r, new = self._record_once(t, Kind.OUT, call, label)
                 if new and backward and t.requires_grad:
                     t.register_hook(self._make_grad(call, label, r))
             return None
 
         return post
 
-    def _record_once(self, t: torch.Tensor, kind: int, call: _Call, label: str):
+    def _record_once(self, t: torch.Tensor, kind: Kind, call: _Call, label: str):
         """(record index, newly recorded?): reuse the record of a tensor
         already recorded and unchanged since (same object, same version)."""
         hit = self._produced.get(id(t))
-        if _unchanged(hit, t):
+        version = _version(t)
+        if hit is not None and hit[0]() is t and version is not None and hit[2] == version:
             return hit[1], False
         r = self._record(t, kind, call, label)
-        self._produced[id(t)] = (weakref.ref(t), r, _version(t))
+        self._produced[id(t)] = (weakref.ref(t), r, version)
         return r, True
 
     def _make_grad(self, call: _Call, label: str, fwd_record: int):
         gen = self._gen
+        label = "grad of " + label
 
         def on_grad(g):
             if self._on and self._gen == gen and g is not None and _recordable(g):
-                r = self._record(g, _GRAD, call, "grad of " + label, fwd_record)
-                call.grads.append(r)
+                call.grads.append(self._record(g, Kind.GRAD, call, label, fwd_record))
             return None
 
         return on_grad
 
-    def _make_pgrad(self, name: str, cls: str, pname: str):
+    def _make_pgrad(self, owner: _Owner, pname: str):
+        label = pname + ".grad"
+
         def on_pgrad(p):
             if self._on and p.grad is not None and _recordable(p.grad):
-                self._record(p.grad, _PGRAD, (name, cls), pname + ".grad")
+                self._record(p.grad, Kind.PGRAD, owner, label)
 
         return on_pgrad
+
+    def _make_root(self, model: nn.Module):
+        """The pre-hook of the model itself, first of its hooks: notices a
+        forgotten step() (a parameter changed since the first forward after
+        the last check: an optimizer step happened without one) and bounds
+        the records kept without a check."""
+        probe = next((p for p in model.parameters() if p.requires_grad), None)
+
+        def root(mod, args):
+            if not self._on:
+                return None
+            version = None if probe is None else _version(probe)
+            self._forwards += 1
+            if self._forwards == 1:
+                self._probe_version = version
+            elif version != self._probe_version:
+                self._warn_forgotten()
+                self._auto_check(version)
+            elif self._forwards > _AUTO_CHECK_FORWARDS or len(self._recs) >= _AUTO_CHECK_RECORDS:
+                self._auto_check(version)
+            return None
+
+        return root
+
+    def _warn_forgotten(self) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            "nanguard.watch: the model's parameters changed between two forward passes with no "
+            "w.step() in between, so the records of every step would pile up: call w.step() once "
+            "per training step, after backward (or pass optimizer= to nanguard.watch so that "
+            "optimizer.step() calls it). Until then the watcher checks its records at each "
+            "forward and keeps the first non-finite report for the next w.check() / w.step().",
+            RuntimeWarning, stacklevel=3)
 
     # ---- the buffer ------------------------------------------------------------------
 
@@ -398,17 +311,19 @@ class Watch:
         self._bufs[dev] = (counts, values)
         return counts, values
 
-    def _record(self, t: torch.Tensor, kind: int, call, label: str, extra: int = -1) -> int:
-        t = _dist.local(t)  # a DTensor's census is its local shard's
+    def _record(self, t: torch.Tensor, kind: Kind, call, label: str, fwd_record: int = -1) -> int:
+        if type(t) is not torch.Tensor and type(t) is not nn.Parameter:
+            t = _dist.local(t)  # a DTensor's census is its local shard's
         dev = t.device
         slot = self._used.get(dev, 0)
         buf = self._bufs.get(dev)
         if buf is None or slot >= buf[0].shape[0]:
             buf = self._grow(dev, slot + 1)
-        _op(t, buf[0], buf[1], slot)
+        with _below_autograd():
+            _op(t, buf[0], buf[1], slot)
         self._used[dev] = slot + 1
-        self._meta.append((dev, slot, kind, call, label, t.shape, t.dtype, extra))
-        return len(self._meta) - 1
+        self._recs.append(_Rec(dev, slot, kind, call, label, t.shape, t.dtype, fwd_record))
+        return len(self._recs) - 1
 
     @property
     def capacity(self) -> Dict[torch.device, int]:
@@ -418,18 +333,19 @@ class Watch:
     @property
     def num_recorded(self) -> int:
         """Tensors recorded since the last check."""
-        return len(self._meta)
+        return len(self._recs)
 
     # ---- reading ---------------------------------------------------------------------
 
     def _reset(self) -> None:
         self._gen += 1
-        self._meta.clear()
-        self._calls.clear()
+        self._recs.clear()
         self._produced.clear()
         self._consumers.clear()
-        self._stack.clear()
+        for stack in self._stacks:
+            stack.clear()
         self._used.clear()
+        self._forwards = 0
 
     def _read(self) -> Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]]:
         """Counts and values of the step on the host: on CUDA both are copied
@@ -455,7 +371,7 @@ class Watch:
         first, total = -1, 0
         for dev, (c, _) in host.items():
             lenient = torch.zeros(c.shape[0], dtype=torch.bool)
-            idx = [m[1] for m in self._meta if m[0] == dev and m[2] == _IN]
+            idx = [m.slot for m in self._recs if m.dev == dev and m.kind == Kind.IN]
             if idx:
                 lenient[idx] = True
             strict = c.sum(1) > 0
@@ -465,46 +381,53 @@ class Watch:
             total += int(nz.numel())
             if nz.numel():
                 slot = int(nz[0])
-                g = next(i for i, m in enumerate(self._meta) if m[0] == dev and m[1] == slot)
+                g = next(i for i, m in enumerate(self._recs) if m.dev == dev and m.slot == slot)
                 if first < 0 or g < first:
                     first = g
         return first, total, host
 
     def _stats(self, r: int, host, which: Optional[str] = None) -> TensorStats:
-        dev, slot, kind, call, label, shape, dtype, extra = self._meta[r]
-        c = host[dev][0][slot].tolist()
-        v = host[dev][1][slot].tolist()
-        return TensorStats(which or label, tuple(shape), dtype, int(c[0]), int(c[1]), int(c[2]),
-                           float(v[0]), float(v[1]))
+        m = self._recs[r]
+        c = host[m.dev][0][m.slot].tolist()
+        v = host[m.dev][1][m.slot].tolist()
+        return TensorStats(which or m.label, tuple(m.shape), m.dtype, int(c[0]), int(c[1]),
+                           int(c[2]), float(v[0]), float(v[1]))
 
     def _finite(self, r: int, host) -> bool:
-        dev, slot = self._meta[r][0], self._meta[r][1]
-        return int(host[dev][0][slot].sum()) == 0
+        m = self._recs[r]
+        return int(host[m.dev][0][m.slot].sum()) == 0
 
     def _report(self, first: int, total: int, host) -> Report:
-        dev, slot, kind, call, label, shape, dtype, extra = self._meta[first]
-        st = lambda r, which=None: self._stats(r, host, which)  # noqa: E731
-        if kind == _PGRAD:
-            name, cls = call
-            return Report(name, cls, PARAM_GRAD, self._step, st(first), [], n_nonfinite=total)
-        if kind == _OUT:
-            ins = [st(r, lab) for lab, r in call.inputs]
-            return Report(call.name, call.cls, FORWARD, call.step, st(first), ins,
+        m = self._recs[first]
+        call = m.call
+        if m.kind == Kind.PGRAD:
+            return Report(call.name, call.cls, PARAM_GRAD, self._step, self._stats(first, host),
+                          [], n_nonfinite=total)
+        if m.kind == Kind.OUT:
+            ins = [self._stats(r, host, lab) for lab, r in call.inputs]
+            return Report(call.name, call.cls, FORWARD, call.step, self._stats(first, host), ins,
                           n_nonfinite=total)
-        if kind == _IN:
+        if m.kind == Kind.IN:
             if call.name == "":
                 where = "it came in with the model's inputs (check the batch: nanguard.check_batch)"
             else:
                 parent = call.name.rpartition(".")[0]
                 where = (f"it was computed by the forward of '{parent or '(the model)'}' itself, "
                          "outside its submodules (or passed in from the model's inputs)")
-            return Report(call.name, call.cls, FORWARD, call.step, st(first), [],
+            return Report(call.name, call.cls, FORWARD, call.step, self._stats(first, host), [],
                           note="this input entered the module already non-finite and no watched "
                                "module produced it: " + where,
                           n_nonfinite=total)
-        # a gradient arriving at an output of `call`: made by a consumer of that output
+        return self._report_grad(first, total, host)
+
+    def _report_grad(self, first: int, total: int, host) -> Report:
+        """A gradient arriving at an output of a call: made by a consumer of
+        that output in the forward pass, the innermost one whose own output
+        gradients were still finite."""
+        m = self._recs[first]
+        call = m.call
         cands = []
-        for c in self._consumers.get(extra, []):
+        for c in self._consumers.get(m.fwd_record, []):
             if c is call:
                 continue
             earlier = [g for g in c.grads if g < first]
@@ -513,43 +436,45 @@ class Watch:
         cands = [c for c in cands if not any(_is_ancestor(c.name, o.name) for o in cands)]
         if cands:
             c = cands[0]
-            lab = next((lab for lab, r in c.inputs if r == extra), "input")
-            ins = [st(g) for g in c.grads if g < first]
+            lab = next((lab for lab, r in c.inputs if r == m.fwd_record), "input")
+            ins = [self._stats(g, host) for g in c.grads if g < first]
             note = ""
             if len(cands) > 1:
                 note = "other consumers of the same tensor: " + ", ".join(
                     f"'{o.name or '<root>'}'" for o in cands[1:])
-            return Report(c.name, c.cls, BACKWARD, c.step, st(first, "grad of " + lab), ins,
-                          note=note, n_nonfinite=total)
-        return Report(call.name, call.cls, BACKWARD, call.step, st(first), [],
+            return Report(c.name, c.cls, BACKWARD, c.step, self._stats(first, host, "grad of " + lab),
+                          ins, note=note, n_nonfinite=total)
+        return Report(call.name, call.cls, BACKWARD, call.step, self._stats(first, host), [],
                       note="the gradient arriving at this output was made by code outside the "
                            "watched modules that consumed it (the loss, or arithmetic in a "
                            "parent's forward)",
                       n_nonfinite=total)
 
-    def _agree_group(self):
-        """The process group whose ranks agree at each check, or None."""
-        if not self._agree or not torch.distributed.is_available():
+    def _collect(self) -> Optional[Report]:
+        """Read and drop the records: the report of the first non-finite one, or None."""
+        if not self._recs:
             return None
-        import torch.distributed as dist
+        try:
+            for owner, pname, p in self._dparams:
+                if p.grad is not None and _recordable(p.grad):
+                    self._record(p.grad, Kind.PGRAD, owner, pname + ".grad")
+            first, total, host = self._first_bad()
+            return self._report(first, total, host) if first >= 0 else None
+        finally:
+            self._reset()
 
-        if not dist.is_initialized():
-            return None
-        group = self._group if self._group is not None else dist.group.WORLD
-        return group if dist.get_world_size(group) > 1 else None
-
-    def _ranks_bad(self, group, bad: bool) -> List[int]:
-        """One all-reduce: the global ranks of the group that saw a non-finite value."""
-        import torch.distributed as dist
-
-        dev = torch.device("cpu")
-        if "nccl" in str(dist.get_backend(group)).lower():
-            dev = torch.device("cuda", torch.cuda.current_device())
-        flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=dev)
-        flags[dist.get_rank(group)] = int(bad)
-        dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
-        ranks = dist.get_process_group_ranks(group)
-        return [ranks[i] for i in flags.cpu().nonzero().flatten().tolist()]
+    def _auto_check(self, version: Optional[int]) -> None:
+        """A check with no action, at a forward of the model: the first
+        non-finite report waits for the next check(); the current forward is
+        the first of the new window."""
+        report = self._collect()
+        if report is not None:
+            if self._pending is None:
+                self._pending = report
+            else:
+                self._pending.n_nonfinite += report.n_nonfinite
+        self._forwards = 1
+        self._probe_version = version
 
     def check(self) -> Optional[Report]:
         """Read what was recorded since the last check (one synchronisation
@@ -560,25 +485,20 @@ class Watch:
         group) every rank must call it at the same steps: one all-reduce of a
         flag per rank makes every rank act when any rank saw a non-finite
         value, so none of them is left waiting in the next collective."""
-        group = self._agree_group() if self._on else None
-        if not self._meta and group is None:
+        group = _dist.agreement_group(self._group) if self._on and self._agree else None
+        if not self._recs and self._pending is None and group is None:
             return None
-        report = None
-        try:
-            if self._meta:
-                for name, cls, pname, p in self._dparams:
-                    if p.grad is not None and _recordable(p.grad):
-                        self._record(p.grad, _PGRAD, (name, cls), pname + ".grad")
-                first, total, host = self._first_bad()
-                report = self._report(first, total, host) if first >= 0 else None
-        finally:
-            self._reset()
+        report = self._collect()
+        if self._pending is not None:
+            if report is not None:
+                self._pending.n_nonfinite += report.n_nonfinite
+            report, self._pending = self._pending, None
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             rank = torch.distributed.get_rank()
             if report is not None:
                 report.rank = rank
             if group is not None:
-                bad = self._ranks_bad(group, report is not None)
+                bad = _dist.ranks_flagged(group, report is not None)
                 if report is not None:
                     report.bad_ranks = bad
                 elif bad:
@@ -615,6 +535,7 @@ class Watch:
         self._handles.clear()
         self._on = False
         self._reset()
+        self._pending = None
         self._bufs.clear()
 
     def __enter__(self) -> "Watch":
@@ -628,42 +549,10 @@ class Watch:
             self.remove()
 
 
-def watch(model: nn.Module, *, modules: Union[None, str, type, Sequence[Union[str, type]]] = None,
-          every: int = 1, policy: str = "raise", max_records: int = 100, inputs: bool = True,
-          backward: bool = True, parameters: bool = True, optimizer=None,
-          capacity: int = 256, process_group=None, agree: bool = True) -> Watch:
-    """Watch ``model`` for the first NaN / Inf.
+def watch(model: nn.Module, **options) -> Watch:
+    return Watch(model, **options)
 
-    Args:
-        model: the module to watch (its submodules are watched too).
-        modules: restrict to modules whose qualified name matches a pattern
-            (``fnmatch``: ``"layers.*.self_attn"``) or that are instances of
-            a type; a list mixes both. None watches every module.
-        every: record on every N-th step only (steps are counted by
-            :meth:`Watch.step`); the hooks return at once on other steps.
-        policy: ``"raise"`` (:class:`NonFiniteError`), ``"warn"`` or
-            ``"record"`` (reports collected in ``.records``, up to
-            ``max_records``).
-        inputs: also record the inputs of each module (for the report).
-        backward: record the gradient arriving at each module output.
-        parameters: record each parameter's gradient once accumulated.
-        optimizer: when given, ``optimizer.step()`` first calls
-            :meth:`Watch.step`, so a non-finite step raises before it is
-            applied.
-        capacity: initial slots of the stats buffer (it doubles when a step
-            records more; that is the only time it allocates).
-        process_group: under torch.distributed, the ranks that agree at each
-            :meth:`Watch.check` (default: the default group). Reports carry
-            the rank; when any rank saw a non-finite value every rank acts in
-            the same step (raises under ``policy="raise"``), the others with
-            a report naming the ranks that saw it. Every rank of the group
-            must call ``step()`` / ``check()`` at the same steps.
-        agree: False turns the agreement (one all-reduce per check) off.
 
-    Use as ``with nanguard.watch(model) as w: ...`` (checked and removed on
-    exit) or keep the handle: ``w = nanguard.watch(model)``, ``w.step()`` once
-    per training step, ``w.remove()`` at the end.
-    """
-    return Watch(model, modules=modules, every=every, policy=policy, max_records=max_records,
-                 inputs=inputs, backward=backward, parameters=parameters, capacity=capacity,
-                 optimizer=optimizer, process_group=process_group, agree=agree)
+# one documentation and one signature for both: help(nanguard.watch) lists the arguments
+watch.__doc__ = Watch.__doc__
+watch.__signature__ = inspect.signature(Watch)
