@@ -182,7 +182,7 @@ def size_row(hidden: int, args) -> dict:
 
         return step
 
-    repeats = args.repeats_llama or max(6, min(40, int(40 * 64 / hidden)))
+    repeats = args.repeats_llama or max(8, min(40, int(40 * 128 / hidden)))
     cpu: Dict[str, List[float]] = {"guard": [], "watch": []}
     warmup = 2
     (tg, tw), ratio = _common.paired_times(cpu_timed(cpu["guard"], make_step("guard")),
@@ -237,7 +237,7 @@ def main():
     p.add_argument("--seq-llama", type=int, default=64)
     p.add_argument("--batch-llama", type=int, default=4)
     p.add_argument("--repeats-llama", type=int, default=5 if _common.quick() else 0,
-                   help="paired repeats per size (0: from 40 at hidden 64 down to 6)")
+                   help="paired repeats per size (0: 40 at hidden 64, 20 at 256, 8 at 1024)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
