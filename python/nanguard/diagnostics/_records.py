@@ -25,7 +25,7 @@ class Kind(IntEnum):
     PGRAD = 3  #: a parameter's accumulated gradient
 
 
-class _Call:
+class Call:
     """One invocation of a watched module."""
 
     __slots__ = ("name", "cls", "step", "inputs", "grads")
@@ -38,7 +38,7 @@ class _Call:
         self.grads: List[int] = []  # records of gradients at its outputs
 
 
-class _Owner(NamedTuple):
+class Owner(NamedTuple):
     """The module a parameter belongs to (the "call" of a parameter gradient)."""
 
     name: str
@@ -46,13 +46,13 @@ class _Owner(NamedTuple):
 
 
 @dataclass(slots=True)
-class _Rec:
+class Rec:
     """One recorded tensor: its census is row ``slot`` of the buffers of ``dev``."""
 
     dev: torch.device
     slot: int
     kind: Kind
-    call: Union[_Call, _Owner]
+    call: Union[Call, Owner]
     label: str
     shape: torch.Size
     dtype: torch.dtype
@@ -60,7 +60,7 @@ class _Rec:
     fwd_record: int = -1
 
 
-def _flatten(obj, label: str, out: List[Tuple[str, torch.Tensor]], depth: int = 0) -> None:
+def flatten(obj, label: str, out: List[Tuple[str, torch.Tensor]], depth: int = 0) -> None:
     """(label, tensor) for every tensor inside obj (tuples, lists, dicts,
     ModelOutput), at most 4 levels deep."""
     if isinstance(obj, torch.Tensor):
@@ -69,19 +69,19 @@ def _flatten(obj, label: str, out: List[Tuple[str, torch.Tensor]], depth: int = 
         return
     elif isinstance(obj, (tuple, list)):
         for i, v in enumerate(obj):
-            _flatten(v, f"{label}[{i}]", out, depth + 1)
+            flatten(v, f"{label}[{i}]", out, depth + 1)
     elif isinstance(obj, dict):  # ModelOutput is an OrderedDict
         for k, v in obj.items():
-            _flatten(v, f"{label}[{k!r}]", out, depth + 1)
+            flatten(v, f"{label}[{k!r}]", out, depth + 1)
 
 
-def _version(t: torch.Tensor):
+def version_of(t: torch.Tensor):
     """The in-place version counter; None for inference tensors, which have
     none (their records are then never reused)."""
     return None if t.is_inference() else t._version
 
 
-def _recordable(t: torch.Tensor) -> bool:
+def recordable(t: torch.Tensor) -> bool:
     return (
         t.dtype in _FLOAT
         and (t.is_cpu or t.is_cuda)
@@ -90,12 +90,12 @@ def _recordable(t: torch.Tensor) -> bool:
     )
 
 
-def _is_ancestor(a: str, b: str) -> bool:
+def is_ancestor(a: str, b: str) -> bool:
     """Is module name a a strict ancestor of module name b?"""
     return a != b and (a == "" or b.startswith(a + "."))
 
 
-def _selected(name: str, mod: nn.Module, modules) -> bool:
+def selected(name: str, mod: nn.Module, modules) -> bool:
     if modules is None:
         return True
     if isinstance(modules, (str, type)):
@@ -108,6 +108,6 @@ def _selected(name: str, mod: nn.Module, modules) -> bool:
     return False
 
 
-def _positive_int(name: str, v) -> None:
+def positive_int(name: str, v) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name} must be a positive int, got {v!r}")

@@ -47,8 +47,8 @@ from torch import nn
 
 from .. import distributed as _dist
 from .._tensor_stats import COUNT_FIELDS, VALUE_FIELDS
-from ._records import (Kind, _Call, _flatten, _is_ancestor, _Owner, _positive_int, _Rec,
-                       _recordable, _selected, _version)
+from ._records import (Call, Kind, Owner, Rec, flatten, is_ancestor, positive_int, recordable,
+                       selected, version_of)
 from ._report import BACKWARD, FORWARD, PARAM_GRAD, NonFiniteError, Report, TensorStats
 
 __all__ = ["watch", "Watch"]
@@ -56,7 +56,8 @@ __all__ = ["watch", "Watch"]
 _op = torch.ops.nanguard.tensor_stats_.default
 # The watcher's buffers are its own: calling the op below ADInplaceOrView
 # skips the Python kernel that bumps their version counters (no autograd
-# graph holds them), which was a third of the cost of a record.
+# graph holds them), which cost more than the census of a small tensor
+# (about 39 us a call with it, 11 us without, on one Xeon core).
 _below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 _POLICIES = ("raise", "warn", "record")
 #: a buffer this large means step() / check() is probably never called
@@ -112,10 +113,10 @@ class Watch:
                  process_group=None, agree: bool = True):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        _positive_int("every", every)
+        positive_int("every", every)
         if policy not in _POLICIES:
             raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
-        _positive_int("capacity", capacity)
+        positive_int("capacity", capacity)
         if not isinstance(agree, bool):
             raise TypeError(f"agree must be a bool, got {type(agree).__name__}")
         self.model = model
@@ -133,15 +134,15 @@ class Watch:
         self._on = True
         self._bufs: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._used: Dict[torch.device, int] = {}
-        self._recs: List[_Rec] = []
+        self._recs: List[Rec] = []
         self._produced: Dict[int, Tuple[weakref.ref, int, Optional[int]]] = {}  # id -> (ref, record, version)
-        self._consumers: Dict[int, List[_Call]] = {}  # record -> calls that took it as input
-        self._stacks: List[List[_Call]] = []  # per watched module: its calls in flight
+        self._consumers: Dict[int, List[Call]] = {}  # record -> calls that took it as input
+        self._stacks: List[List[Call]] = []  # per watched module: its calls in flight
         self._handles: list = []
         # DTensor parameters (FSDP2, tensor parallel): their gradients are
         # read at check time (FSDP2 accumulates into an unsharded copy, so no
         # hook on the sharded parameter fires)
-        self._dparams: List[Tuple[_Owner, str, nn.Parameter]] = []
+        self._dparams: List[Tuple[Owner, str, nn.Parameter]] = []
         # a forgotten step(): forwards of the model since the last check, and
         # the version of one trainable parameter at the first of them
         self._forwards = 0
@@ -162,18 +163,18 @@ class Watch:
     def _attach(self, model, modules, backward: bool, parameters: bool) -> None:
         seen_params = set()
         for name, mod in model.named_modules():
-            if not _selected(name, mod, modules):
+            if not selected(name, mod, modules):
                 continue
             self.watched.append(name)
             cls = type(mod).__name__
-            stack: List[_Call] = []
+            stack: List[Call] = []
             self._stacks.append(stack)
             self._handles.append(mod.register_forward_pre_hook(self._make_pre(name, cls, stack),
                                                                with_kwargs=True))
             self._handles.append(mod.register_forward_hook(self._make_post(stack, backward)))
             if not parameters:
                 continue
-            owner = _Owner(name, cls)
+            owner = Owner(name, cls)
             for pname, p in mod.named_parameters(recurse=False):
                 if id(p) in seen_params or not p.requires_grad:
                     continue
@@ -184,20 +185,20 @@ class Watch:
                 self._handles.append(
                     p.register_post_accumulate_grad_hook(self._make_pgrad(owner, pname)))
 
-    def _make_pre(self, name: str, cls: str, stack: List[_Call]):
+    def _make_pre(self, name: str, cls: str, stack: List[Call]):
         def pre(mod, args, kwargs):
             if not self._on:
                 return None
-            call = _Call(name, cls, self._step)
+            call = Call(name, cls, self._step)
             stack.append(call)
             if self._inputs:
                 found: List[Tuple[str, torch.Tensor]] = []
-                _flatten(args, "input", found)
+                flatten(args, "input", found)
                 if kwargs:
                     for k, v in kwargs.items():
-                        _flatten(v, k, found)
+                        flatten(v, k, found)
                 for label, t in found:
-                    if _recordable(t):
+                    if recordable(t):
                         r, _ = self._record_once(t, Kind.IN, call, label)
                         call.inputs.append((label, r))
                         self._consumers.setdefault(r, []).append(call)
@@ -205,15 +206,15 @@ class Watch:
 
         return pre
 
-    def _make_post(self, stack: List[_Call], backward: bool):
+    def _make_post(self, stack: List[Call], backward: bool):
         def post(mod, args, output):
             if not self._on or not stack:  # empty: hooks attached while this call ran
                 return None
             call = stack.pop()
             found: List[Tuple[str, torch.Tensor]] = []
-            _flatten(output, "output", found)
+            flatten(output, "output", found)
             for label, t in found:
-                if not _recordable(t):
+                if not recordable(t):
                     continue
                 # an unchanged tensor already recorded (the output of an inner
                 # module passed through, or an input returned as is) is not
@@ -225,33 +226,33 @@ class Watch:
 
         return post
 
-    def _record_once(self, t: torch.Tensor, kind: Kind, call: _Call, label: str):
+    def _record_once(self, t: torch.Tensor, kind: Kind, call: Call, label: str):
         """(record index, newly recorded?): reuse the record of a tensor
         already recorded and unchanged since (same object, same version)."""
         hit = self._produced.get(id(t))
-        version = _version(t)
+        version = version_of(t)
         if hit is not None and hit[0]() is t and version is not None and hit[2] == version:
             return hit[1], False
         r = self._record(t, kind, call, label)
         self._produced[id(t)] = (weakref.ref(t), r, version)
         return r, True
 
-    def _make_grad(self, call: _Call, label: str, fwd_record: int):
+    def _make_grad(self, call: Call, label: str, fwd_record: int):
         gen = self._gen
         label = "grad of " + label
 
         def on_grad(g):
-            if self._on and self._gen == gen and g is not None and _recordable(g):
+            if self._on and self._gen == gen and g is not None and recordable(g):
                 call.grads.append(self._record(g, Kind.GRAD, call, label, fwd_record))
             return None
 
         return on_grad
 
-    def _make_pgrad(self, owner: _Owner, pname: str):
+    def _make_pgrad(self, owner: Owner, pname: str):
         label = pname + ".grad"
 
         def on_pgrad(p):
-            if self._on and p.grad is not None and _recordable(p.grad):
+            if self._on and p.grad is not None and recordable(p.grad):
                 self._record(p.grad, Kind.PGRAD, owner, label)
 
         return on_pgrad
@@ -266,7 +267,7 @@ class Watch:
         def root(mod, args):
             if not self._on:
                 return None
-            version = None if probe is None else _version(probe)
+            version = None if probe is None else version_of(probe)
             self._forwards += 1
             if self._forwards == 1:
                 self._probe_version = version
@@ -322,7 +323,7 @@ class Watch:
         with _below_autograd():
             _op(t, buf[0], buf[1], slot)
         self._used[dev] = slot + 1
-        self._recs.append(_Rec(dev, slot, kind, call, label, t.shape, t.dtype, fwd_record))
+        self._recs.append(Rec(dev, slot, kind, call, label, t.shape, t.dtype, fwd_record))
         return len(self._recs) - 1
 
     @property
@@ -433,7 +434,7 @@ class Watch:
             earlier = [g for g in c.grads if g < first]
             if earlier and all(self._finite(g, host) for g in earlier):
                 cands.append(c)
-        cands = [c for c in cands if not any(_is_ancestor(c.name, o.name) for o in cands)]
+        cands = [c for c in cands if not any(is_ancestor(c.name, o.name) for o in cands)]
         if cands:
             c = cands[0]
             lab = next((lab for lab, r in c.inputs if r == m.fwd_record), "input")
@@ -456,7 +457,7 @@ class Watch:
             return None
         try:
             for owner, pname, p in self._dparams:
-                if p.grad is not None and _recordable(p.grad):
+                if p.grad is not None and recordable(p.grad):
                     self._record(p.grad, Kind.PGRAD, owner, pname + ".grad")
             first, total, host = self._first_bad()
             return self._report(first, total, host) if first >= 0 else None
