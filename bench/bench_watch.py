@@ -1,5 +1,19 @@
 """Cost of finding the first NaN: nanguard.watch against what people use
-instead, on a small transformer training step.
+instead, on a small transformer training step, and across model sizes.
+
+Default (``--sizes``): a Hugging Face Llama training step (2 decoder layers,
+hidden 64, 256 and 1024, eager attention; forward, cross-entropy, backward,
+nanguard.clip_grad_norm_, AdamW step) with the gradient guard alone against
+the same step with nanguard.watch(model) on every module and w.step(). Each
+size times both in alternating order per repeat, and reports the medians and
+the median of the paired ratios (watch / guard), for wall clock and for the
+process's CPU time (which other processes on a shared machine do not
+stretch). Written to bench/results/watch_cpu_sizes.{json,md}.
+
+    python bench/bench_watch.py [--hidden 64,256,1024] [--seq 64] [--batch 4]
+
+``--compare``: the older comparison on a TransformerEncoder LM, written to
+bench/results/watch_cpu.{json,md}:
 
 One step = zero_grad, forward (token embedding, nn.TransformerEncoder, LM
 head), cross-entropy, backward, AdamW step. Variants, each on its own copy of
@@ -14,21 +28,24 @@ the same model, timed interleaved in the same process:
   anomaly    torch.autograd.set_detect_anomaly(True) around forward+backward
              (backward only, traces every op)
 
-Reports the median step time of each (wall clock, and the process's CPU
-time of the same calls, which other processes on a shared machine do not
-stretch) and its ratio to plain (the target for watch is <= 1.10).
+Reports the median step time of each (wall clock and CPU time) and its
+ratio to plain.
 
-    python bench/bench_watch.py [--layers 4] [--d-model 256] [--seq 128] [--batch 8]
+    python bench/bench_watch.py --compare [--layers 4] [--d-model 256] [--seq 128] [--batch 8]
+
+Both run on one thread unless --threads says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import pathlib
 import statistics
 import sys
 import time
+from typing import Callable, Dict, List
 
 import torch
 from torch import nn
@@ -68,19 +85,20 @@ def isnan_hooks(model):
     return [m.register_forward_hook(hook) for m in model.modules()]
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=2000)
-    p.add_argument("--repeats", type=int, default=5 if _common.quick() else 40)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def cpu_timed(samples: List[float], fn: Callable[[], object]) -> Callable[[], None]:
+    """fn, appending the process CPU time of each call to samples."""
+    def g():
+        c0 = time.process_time()
+        fn()
+        samples.append(time.process_time() - c0)
+
+    return g
+
+
+# ---- the comparison with isnan hooks and detect_anomaly -------------------------------------
+
+
+def compare(args) -> None:
     torch.manual_seed(0)
     base = TinyLM(args.vocab, args.d_model, args.heads, args.layers, 4 * args.d_model)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))
@@ -92,18 +110,13 @@ def main():
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     w = nanguard.watch(models["watch"])
     isnan_hooks(models["isnan"])
-    n_modules = sum(1 for _ in base.modules())
 
     def make_step(k):
         m, opt = models[k], opts[k]
 
         def step():
             opt.zero_grad(set_to_none=True)
-            if k == "anomaly":
-                with torch.autograd.set_detect_anomaly(True):
-                    loss = loss_fn(m(ids, mask).flatten(0, 1), labels.flatten())
-                    loss.backward()
-            else:
+            with torch.autograd.set_detect_anomaly(k == "anomaly"):
                 loss = loss_fn(m(ids, mask).flatten(0, 1), labels.flatten())
                 loss.backward()
             if k == "watch":
@@ -112,48 +125,131 @@ def main():
 
         return step
 
-    fns = {k: make_step(k) for k in models}
-    # Wall-clock medians from _common, and the process's CPU time of the same
-    # calls: on a shared machine other processes stretch wall time, not this
-    # process's CPU time (with one thread the two agree on an idle machine).
-    cpu: dict[str, list[float]] = {k: [] for k in fns}
-
-    def cpu_timed(k, f):
-        def g():
-            c0 = time.process_time()
-            f()
-            cpu[k].append(time.process_time() - c0)
-
-        return g
-
+    cpu: Dict[str, List[float]] = {k: [] for k in models}
     warmup = 3
-    t = _common.time_fns({k: cpu_timed(k, f) for k, f in fns.items()}, repeats=args.repeats,
-                         warmup=warmup)
+    t = _common.time_fns({k: cpu_timed(cpu[k], make_step(k)) for k in models},
+                         repeats=args.repeats, warmup=warmup)
     tc = {k: statistics.median(v[warmup:]) for k, v in cpu.items()}
-    # count what one step records (w.step() resets, so stop before it)
-    models["watch"].zero_grad()
+    models["watch"].zero_grad()  # count what one step records (w.step() resets)
     loss_fn(models["watch"](ids, mask).flatten(0, 1), labels.flatten()).backward()
     recorded = w.num_recorded
     w.step()
-    rows = []
-    for k in models:
-        rows.append({
-            "variant": k,
-            "step_ms": t[k] * 1e3,
-            "ratio_vs_plain": t[k] / t["plain"],
-            "cpu_ms": tc[k] * 1e3,
-            "cpu_ratio_vs_plain": tc[k] / tc["plain"],
-        })
+    rows = [{"variant": k, "step_ms": t[k] * 1e3, "ratio_vs_plain": t[k] / t["plain"],
+             "cpu_ms": tc[k] * 1e3, "cpu_ratio_vs_plain": tc[k] / tc["plain"]} for k in models]
     config = {
         "layers": args.layers, "d_model": args.d_model, "heads": args.heads, "seq": args.seq,
-        "batch": args.batch, "vocab": args.vocab, "modules": n_modules,
-        "threads": torch.get_num_threads(),
-        "tensors_recorded_per_step": recorded, "repeats": args.repeats,
+        "batch": args.batch, "vocab": args.vocab, "modules": sum(1 for _ in base.modules()),
+        "threads": torch.get_num_threads(), "tensors_recorded_per_step": recorded,
+        "repeats": args.repeats,
     }
     print(config)
     _common.write_results("watch_cpu", rows, ["variant", "step_ms", "ratio_vs_plain", "cpu_ms",
-                                              "cpu_ratio_vs_plain"],
+                                              "cpu_ratio_vs_plain"], {"config": config})
+
+
+# ---- watch against the guard alone, across model sizes --------------------------------------
+
+
+def tiny_llama(hidden: int, layers: int, vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                      num_hidden_layers=layers, num_attention_heads=max(2, hidden // 64),
+                      max_position_embeddings=1024)
+    cfg._attn_implementation = "eager"
+    return LlamaForCausalLM(cfg)
+
+
+def size_row(hidden: int, args) -> dict:
+    """Paired, alternating timing of the guarded step with and without watch."""
+    torch.manual_seed(0)
+    base = tiny_llama(hidden, args.layers_llama, args.vocab)
+    ids = torch.randint(0, args.vocab, (args.batch_llama, args.seq_llama))
+    models = {k: copy.deepcopy(base) for k in ("guard", "watch")}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    w = nanguard.watch(models["watch"])
+
+    def make_step(k):
+        m, opt = models[k], opts[k]
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            m(input_ids=ids, labels=ids).loss.backward()
+            nanguard.clip_grad_norm_(m.parameters(), 1.0)
+            if k == "watch":
+                w.step()
+            opt.step()
+
+        return step
+
+    repeats = args.repeats_llama or max(8, min(40, int(40 * 128 / hidden)))
+    cpu: Dict[str, List[float]] = {"guard": [], "watch": []}
+    warmup = 2
+    (tg, tw), ratio = _common.paired_times(cpu_timed(cpu["guard"], make_step("guard")),
+                                           cpu_timed(cpu["watch"], make_step("watch")),
+                                           repeats=repeats, warmup=warmup)
+    cg, cw = cpu["guard"][warmup:], cpu["watch"][warmup:]
+    models["watch"].zero_grad()  # count what one step records (w.step() resets)
+    models["watch"](input_ids=ids, labels=ids).loss.backward()
+    recorded = w.num_recorded
+    w.remove()
+    return {
+        "hidden": hidden, "params_M": sum(p.numel() for p in base.parameters()) / 1e6,
+        "modules": len(w.watched), "records": recorded, "repeats": repeats,
+        "guard_ms": tg * 1e3, "watch_ms": tw * 1e3, "ratio": ratio,
+        "guard_cpu_ms": statistics.median(cg) * 1e3, "watch_cpu_ms": statistics.median(cw) * 1e3,
+        "cpu_ratio": statistics.median(b / a for a, b in zip(cg, cw)),
+    }
+
+
+def sizes(args) -> None:
+    rows = []
+    for h in (int(v) for v in args.hidden.split(",")):
+        rows.append(size_row(h, args))
+        print(rows[-1], flush=True)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    config = {"layers": args.layers_llama, "seq": args.seq_llama, "batch": args.batch_llama,
+              "vocab": args.vocab, "threads": torch.get_num_threads(), "cpu_model": cpu_model(),
+              "load_average_after": load}
+    print(config)
+    _common.write_results("watch_cpu_sizes", rows,
+                          ["hidden", "params_M", "modules", "records", "repeats", "guard_ms",
+                           "watch_ms", "ratio", "guard_cpu_ms", "watch_cpu_ms", "cpu_ratio"],
                           {"config": config})
+
+
+def cpu_model() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--compare", action="store_true",
+                   help="the TransformerEncoder comparison with isnan hooks and detect_anomaly")
+    p.add_argument("--hidden", default="64,256,1024", help="Llama hidden sizes (default mode)")
+    p.add_argument("--layers-llama", type=int, default=2)
+    p.add_argument("--seq-llama", type=int, default=64)
+    p.add_argument("--batch-llama", type=int, default=4)
+    p.add_argument("--repeats-llama", type=int, default=5 if _common.quick() else 0,
+                   help="paired repeats per size (0: 40 at hidden 64, 20 at 256, 8 at 1024)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=2000)
+    p.add_argument("--repeats", type=int, default=5 if _common.quick() else 40)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    compare(args) if args.compare else sizes(args)
 
 
 if __name__ == "__main__":

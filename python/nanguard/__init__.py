@@ -3,6 +3,11 @@
 The kernels are C and CUDA C registered as ``torch.ops.nanguard.*`` through
 PyTorch's stable C ABI. Importing this package loads them and registers their
 autograd formulas and fake (meta) kernels.
+
+Every public name is either a function or class, or the module of the same
+name, never both: the diagnostic tools' code is in ``nanguard.diagnostics``
+(re-exported here: ``nanguard.watch(model)``, ``nanguard.Report``, ...) and
+the op ``tensor_stats_``'s in the private ``nanguard._tensor_stats``.
 """
 
 from __future__ import annotations
@@ -17,14 +22,15 @@ from . import amp, grad_guard  # noqa: E402
 from .grad_guard import clip_grad_norm_  # noqa: E402
 from . import functional, nn  # noqa: E402
 from ._info import info  # noqa: E402
-from .tensor_stats import tensor_stats, tensor_stats_  # noqa: E402
-from .watch import NonFiniteError, watch  # noqa: E402
-from .diagnostics._batch import check_batch  # noqa: E402
-from .diagnostics._doctor import doctor  # noqa: E402
+from ._tensor_stats import new_stats_buffers, tensor_stats, tensor_stats_  # noqa: E402
+from .amp import SkippedStep  # noqa: E402
+from . import diagnostics  # noqa: E402
+from .diagnostics import *  # noqa: E402,F401,F403  (watch, Watch, Report, NonFiniteError, ...)
 from .hf import patch, unpatch  # noqa: E402  (transformers is imported on first use)
 
 __version__ = "0.1.0"
 
 __all__ = ["functional", "nn", "info", "__version__", "amp", "clip_grad_norm_"]
-__all__ += ["tensor_stats", "tensor_stats_", "watch", "NonFiniteError", "check_batch", "doctor"]
+__all__ += ["tensor_stats", "tensor_stats_", "new_stats_buffers", "SkippedStep", "diagnostics"]
+__all__ += diagnostics.__all__  # the diagnostic tools and the classes they raise or return
 __all__ += ["patch", "unpatch"]

@@ -394,3 +394,36 @@ def sdpa_args(query, key, value, attn_mask, dropout_p, rng):
     if attn_mask is not None and not isinstance(attn_mask, mod.DTensor):
         attn_mask = mod.DTensor.from_local(attn_mask, mesh, rep, run_check=False)
     return attn_mask, rng
+
+
+# ---- rank agreement ----------------------------------------------------------------
+
+
+def agreement_group(process_group=None):
+    """The process group whose ranks agree on a per-rank flag
+    (``process_group``, default: the default group), or None when
+    torch.distributed is not initialised or the group has a single rank."""
+    if not torch.distributed.is_available():
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    group = process_group if process_group is not None else dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def ranks_flagged(group, flag: bool) -> List[int]:
+    """One all-reduce over ``group``: the global ranks that passed ``flag=True``.
+    Every rank of the group must call it (on the current CUDA device under
+    NCCL, on the CPU otherwise)."""
+    import torch.distributed as dist
+
+    dev = torch.device("cpu")
+    if "nccl" in str(dist.get_backend(group)).lower():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=dev)
+    flags[dist.get_rank(group)] = int(flag)
+    dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    return [ranks[i] for i in flags.cpu().nonzero().flatten().tolist()]

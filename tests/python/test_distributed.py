@@ -1051,7 +1051,7 @@ def test_without_dtensors_nothing_changes():
     assert nd.local(torch.ones(2)).shape == (2,)
     with pytest.raises(TypeError, match="agree"):
         nanguard.watch(torch.nn.Linear(2, 2), agree=1)
-    from nanguard.watch import Report
+    from nanguard.diagnostics import Report
 
     rep = Report("", "", "", 3, rank=0, bad_ranks=[1])
     assert not rep.local and "rank(s) [1]" in str(rep) and "step 3" in str(rep)

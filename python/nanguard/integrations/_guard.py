@@ -27,7 +27,7 @@ from torch import nn
 from .. import _scaler_state
 from .. import grad_guard as _gg
 from ..amp import SkippedStep
-from ..watch import watch as _watch
+from ..diagnostics import watch as _watch
 
 __all__ = ["StepGuard"]
 

@@ -1,0 +1,108 @@
+"""What :func:`nanguard.watch` reports: the census of a recorded tensor
+(:class:`TensorStats`), the first non-finite tensor of a checked step
+(:class:`Report`) and the error raised under ``policy="raise"``
+(:class:`NonFiniteError`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+
+__all__ = ["TensorStats", "Report", "NonFiniteError", "FORWARD", "BACKWARD", "PARAM_GRAD"]
+
+#: the values of :attr:`Report.pass_`
+FORWARD = "forward"
+BACKWARD = "backward"
+PARAM_GRAD = "parameter grad"
+
+
+@dataclass
+class TensorStats:
+    """The census of one recorded tensor."""
+
+    which: str
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    nan: int
+    posinf: int
+    neginf: int
+    max_abs: float  #: over finite values; 0 when there is none
+    min_nonzero_abs: float  #: over finite values; inf when there is none
+
+    @property
+    def finite(self) -> bool:
+        return self.nan == 0 and self.posinf == 0 and self.neginf == 0
+
+    def __str__(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        head = f"{self.which}: shape {tuple(self.shape)} {dt}: "
+        if self.finite:
+            bad = "all finite"
+        else:
+            bad = f"{self.nan} NaN, {self.posinf} +Inf, {self.neginf} -Inf"
+        mn = "none" if math.isinf(self.min_nonzero_abs) else f"{self.min_nonzero_abs:.3g}"
+        return head + f"{bad}; finite max|x| {self.max_abs:.3g}, min non-zero |x| {mn}"
+
+
+@dataclass
+class Report:
+    """The first non-finite tensor of a checked step."""
+
+    module: str  #: qualified name ("" is the watched model itself)
+    cls: str  #: class name of the module
+    pass_: str  #: "forward", "backward" or "parameter grad"; "" when another rank saw it
+    step: int
+    #: None when this rank saw only finite values and another rank did not
+    tensor: Optional[TensorStats] = None
+    inputs: List[TensorStats] = field(default_factory=list)
+    note: str = ""
+    #: how many recorded tensors of the step were non-finite in all
+    n_nonfinite: int = 1
+    #: this process's rank in the default group (None without torch.distributed)
+    rank: Optional[int] = None
+    #: under rank agreement: every rank (global ranks) that saw a non-finite value this step
+    bad_ranks: List[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.module or "<root>"
+
+    @property
+    def local(self) -> bool:
+        """Did this rank see the non-finite value itself?"""
+        return self.tensor is not None
+
+    def __str__(self) -> str:
+        on = "" if self.rank is None else f" on rank {self.rank}"
+        if self.tensor is None:
+            return (f"non-finite value at step {self.step} on rank(s) {self.bad_ranks} (their "
+                    f"reports name the module); rank {self.rank} saw only finite values")
+        lines = [
+            f"first non-finite value at step {self.step}, {self.pass_} pass, in module "
+            f"'{self.name}' ({self.cls}){on}",
+            f"  {self.tensor}",
+        ]
+        others = [r for r in self.bad_ranks if r != self.rank]
+        if others:
+            lines.append(f"  also non-finite this step on rank(s) {others}")
+        if self.note:
+            lines.append(f"  note: {self.note}")
+        if self.inputs:
+            lines.append("  computed from:")
+            lines.extend(f"    {s}" for s in self.inputs)
+        if self.n_nonfinite > 1:
+            lines.append(f"  ({self.n_nonfinite} recorded tensors of this step were non-finite; "
+                         "this is the first in execution order)")
+        return "\n".join(lines)
+
+
+class NonFiniteError(RuntimeError):
+    """Raised by :meth:`Watch.check` under ``policy="raise"``; ``.report``
+    holds the :class:`Report`."""
+
+    def __init__(self, report: Report):
+        self.report = report
+        super().__init__(str(report))
