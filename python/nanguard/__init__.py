@@ -20,7 +20,7 @@ from ._info import info  # noqa: E402
 from .tensor_stats import tensor_stats, tensor_stats_  # noqa: E402
 from .watch import NonFiniteError, watch  # noqa: E402
 from .doctor import check_batch, doctor  # noqa: E402
-from .hf import patch, unpatch  # noqa: E402  (transformers is imported on first use)
+from .patching import patch, unpatch  # noqa: E402  (transformers is imported on first use)
 
 __version__ = "0.1.0"
 

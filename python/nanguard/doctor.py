@@ -201,7 +201,7 @@ def _model_config(model: nn.Module):
 def _is_hf(model: nn.Module) -> bool:
     """A Hugging Face transformers model (inside any wrapper nanguard.patch
     sees through): nanguard.patch(model) is then the one-line fix."""
-    from .hf import _hf_pretrained_base, unwrap
+    from .patching._wrappers import _hf_pretrained_base, unwrap
 
     base = _hf_pretrained_base()
     return base is not None and isinstance(unwrap(model)[0], base)
