@@ -53,6 +53,10 @@ modules are the model itself. A failure part-way rolls everything back.
 every instance built afterwards, including by ``from_pretrained``, is patched
 at the end of its construction. ``unpatch(cls)`` stops that.
 
+Patching again with the same options does nothing and returns the same
+summary; with other options (another ``max_score``) it re-patches, as if
+``unpatch`` had been called first.
+
 The package's parts: ``_wrappers`` (:func:`unwrap`), ``_norm_forms``
 (:data:`NORM_FORMS`, recognising and probing norms, the generated
 ``Stable<Orig>`` classes), ``_activations``, ``_hf_attention`` (the
@@ -107,7 +111,9 @@ def patch(model_or_class, *, attention: bool = True, norm: bool = True, max_scor
             is always kept).
 
     The model's ``state_dict`` keys and values are unchanged. Patching a
-    patched model raises; :func:`unpatch` undoes it exactly.
+    patched model again with the same options does nothing and returns the
+    same summary; with other options it re-patches, as if :func:`unpatch`
+    had been called first. :func:`unpatch` undoes it exactly.
     """
     for name, v in (("attention", attention), ("norm", norm), ("activation", activation)):
         if not isinstance(v, bool):

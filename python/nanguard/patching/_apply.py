@@ -55,7 +55,8 @@ class PatchSummary:
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
-    """The options of one :func:`nanguard.patch` call (validated)."""
+    """The options of one :func:`nanguard.patch` call (validated): a second
+    call with equal options is a no-op, one with other options re-patches."""
 
     attention: bool = True
     norm: bool = True
@@ -160,12 +161,16 @@ def _is_ours(m: nn.Module) -> bool:
 
 
 def _patch_model(wrapped: nn.Module, opts: _Options) -> PatchSummary:
-    """:func:`nanguard.patch` of a model (``opts`` validated). A failure
-    part-way undoes every change made."""
+    """:func:`nanguard.patch` of a model (``opts`` validated). A model
+    patched with the same options is left as it is and its summary returned;
+    one patched with other options is unpatched first. A failure part-way
+    undoes every change made."""
     model, chain = unwrap(wrapped)
     record = getattr(model, _PATCH_ATTR, None)
     if record is not None:
-        raise RuntimeError("this model is already patched by nanguard; call nanguard.unpatch(model) first")
+        if record.opts == opts:
+            return record.summary
+        _unpatch_model(model)
     base = _hf_pretrained_base()
     is_hf = base is not None and isinstance(model, base)
     if is_hf:
@@ -259,12 +264,16 @@ _CLASS_PATCHES: "weakref.WeakKeyDictionary[type, _ClassPatch]" = weakref.WeakKey
 def _patch_class(cls: type, opts: _Options) -> PatchSummary:
     """Wrap ``cls.post_init`` (which every transformers model calls at the end
     of ``__init__``) so each new instance is patched; ``unpatch(cls)`` removes
-    the wrapper."""
+    the wrapper. A class patched with the same options is left as it is;
+    with other options its wrapper is replaced."""
     base = _hf_pretrained_base()
     if base is None or not issubclass(cls, base):
         raise TypeError(f"patch(cls) supports transformers PreTrainedModel subclasses, got {cls.__name__}")
-    if cls in _CLASS_PATCHES:
-        raise RuntimeError(f"{cls.__name__} is already patched by nanguard; call nanguard.unpatch({cls.__name__}) first")
+    entry = _CLASS_PATCHES.get(cls)
+    if entry is not None:
+        if entry.opts == opts:
+            return entry.summary
+        _unpatch_class(cls)
     mtype = getattr(getattr(cls, "config_class", None), "model_type", "?")
     summary = PatchSummary(model_type=f"{mtype} ({cls.__name__}, class)")
     own = cls.__dict__.get("post_init")
