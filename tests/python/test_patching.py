@@ -1,4 +1,4 @@
-"""``nanguard.patch`` called again.
+"""``nanguard.patch`` called again, and deploying a patched model.
 
 - Patching a patched model with the same options changes nothing and
   returns the same summary (re-running a notebook cell); with other options
@@ -6,10 +6,18 @@
   restores the original. Both hold for a bare model, inside peft, inside
   ``torch.compile``'s ``OptimizedModule`` and inside ``nn.DataParallel``
   (the ``.module`` wrappers: DDP, FSDP1), and for a model class.
+- A ``torch.export``-ed patched model holds nanguard's ops: it loads in a
+  process that imported nanguard and in no other; exported after
+  ``unpatch`` it loads anywhere.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,12 +26,15 @@ from torch import nn
 import nanguard
 from nanguard.patching import _apply, _hf_attention, unwrap
 
-T = pytest.importorskip("transformers")
-
 VOCAB = 64
 
 
+def _transformers():
+    return pytest.importorskip("transformers", reason="pip install transformers (scripts/setup.sh installs it for CI)")
+
+
 def build():
+    T = _transformers()
     torch.manual_seed(0)
     return T.LlamaForCausalLM(T.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -109,7 +120,7 @@ def test_multihead_attention_repatched_with_another_max_score():
 
 
 def test_class_patch_again():
-    cls = T.LlamaForCausalLM
+    cls = _transformers().LlamaForCausalLM
     orig = cls.post_init
     try:
         s = nanguard.patch(cls)
@@ -122,3 +133,59 @@ def test_class_patch_again():
     finally:
         nanguard.unpatch(cls)
     assert "post_init" not in cls.__dict__
+
+
+# ---- torch.export ---------------------------------------------------------------------------------
+
+_CHILD = """
+import json, sys, torch
+
+def load(name):
+    try:
+        ep = torch.export.load(sys.argv[1] + "/" + name + ".pt2")
+    except Exception as e:
+        return "error: " + type(e).__name__
+    x = torch.load(sys.argv[1] + "/x.pt")
+    return torch.equal(ep.module()(x), torch.load(sys.argv[1] + "/" + name + "_y.pt"))
+
+out = {"nanguard imported": "nanguard" in sys.modules}
+out["without nanguard"] = {name: load(name) for name in ("patched", "unpatched")}
+import nanguard
+out["with nanguard"] = {name: load(name) for name in ("patched", "unpatched")}
+print(json.dumps(out))
+"""
+
+
+def test_exported_patched_model_needs_nanguard_unpatched_does_not(tmp_path):
+    """docs/hf.md "Deployment": a patched model exported with torch.export
+    loads where nanguard is imported; unpatched before export, anywhere. One
+    fresh process loads both exports before and after ``import nanguard``."""
+    torch.manual_seed(0)
+    m = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    torch.save(x, tmp_path / "x.pt")
+    nanguard.patch(m)
+    ep = torch.export.export(m, (x,))
+    assert any("nanguard" in str(n.target) for n in ep.graph.nodes)
+    torch.export.save(ep, tmp_path / "patched.pt2")
+    torch.save(m(x), tmp_path / "patched_y.pt")
+    nanguard.unpatch(m)
+    ep = torch.export.export(m, (x,))
+    assert not any("nanguard" in str(n.target) for n in ep.graph.nodes)
+    torch.export.save(ep, tmp_path / "unpatched.pt2")
+    torch.save(m(x), tmp_path / "unpatched_y.pt")
+
+    env = dict(os.environ)
+    root = pathlib.Path(nanguard.__file__).resolve().parent.parent
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    if env.get("NANGUARD_LIB_DIR"):
+        env["NANGUARD_LIB_DIR"] = str(pathlib.Path(env["NANGUARD_LIB_DIR"]).resolve())
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["nanguard imported"] is False
+    assert got["without nanguard"]["unpatched"] is True, got
+    assert str(got["without nanguard"]["patched"]).startswith("error"), got
+    assert "torch.ops.nanguard" in r.stderr  # torch.export.load's warning names the op it could not resolve
+    assert got["with nanguard"] == {"patched": True, "unpatched": True}, got
