@@ -180,7 +180,7 @@ def _patch_model(wrapped: nn.Module, opts: _Options) -> PatchSummary:
     record = _Record(opts, PatchSummary(model_type=mtype, wrappers=chain))
     try:
         for change in _plan(model, record.summary, opts):
-            _apply(change, record)
+            _apply_change(change, record)
         if opts.attention:
             _patch_attention(model, record, base, is_hf)
     except Exception:
@@ -190,7 +190,7 @@ def _patch_model(wrapped: nn.Module, opts: _Options) -> PatchSummary:
     return record.summary
 
 
-def _apply(change: _Change, record: _Record) -> None:
+def _apply_change(change: _Change, record: _Record) -> None:
     m, old, new = change.module, type(change.module), change.new
     record.classes.append((m, old, list(change.attrs)))
     m.__dict__.update(change.attrs)

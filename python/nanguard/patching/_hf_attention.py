@@ -155,6 +155,8 @@ def _attention_blocker(model: nn.Module) -> Optional[str]:
 
 
 def _hf_configs(model):
+    """The configs of ``model`` and of every transformers model inside it,
+    each once."""
     base = _hf_pretrained_base()
     seen, out = set(), []
     for m in model.modules():
@@ -175,6 +177,10 @@ def _outermost_hf(model: nn.Module, base: type) -> List[Tuple[str, nn.Module]]:
 
 
 def _patch_hf_attention(model, record, summary, max_score, softcap, where: str = ""):
+    """Switch transformers model ``model`` (at ``where`` inside the patched
+    model) to nanguard's attention, with the options on its attention
+    modules, noting in ``record`` how to undo it; or, when the rule excludes
+    its attention, say why in ``summary.skipped``."""
     key = f"{where} attention" if where else "attention"
     why = _attention_blocker(model)
     if why is not None:
