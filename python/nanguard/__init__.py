@@ -26,11 +26,12 @@ from ._tensor_stats import new_stats_buffers, tensor_stats, tensor_stats_  # noq
 from .amp import SkippedStep  # noqa: E402
 from . import diagnostics  # noqa: E402
 from .diagnostics import *  # noqa: E402,F401,F403  (watch, Watch, Report, NonFiniteError, ...)
-from .hf import patch, unpatch  # noqa: E402  (transformers is imported on first use)
+from . import patching  # noqa: E402
+from .patching import PatchSummary, UnsupportedModuleError, patch, unpatch  # noqa: E402  (transformers is imported on first use)
 
 __version__ = "0.1.0"
 
 __all__ = ["functional", "nn", "info", "__version__", "amp", "clip_grad_norm_"]
 __all__ += ["tensor_stats", "tensor_stats_", "new_stats_buffers", "SkippedStep", "diagnostics"]
 __all__ += diagnostics.__all__  # the diagnostic tools and the classes they raise or return
-__all__ += ["patch", "unpatch"]
+__all__ += ["patching", "patch", "unpatch", "PatchSummary", "UnsupportedModuleError"]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import nanguard
-from nanguard import hf
+from nanguard.patching import _hf_attention
 
 from conftest import TOLERANCES
 
@@ -142,8 +142,7 @@ def test_round_trip_is_exact(family):
     params_before = {n: p for n, p in before_mods[""].named_parameters()}
     for n, p in m.named_parameters():
         assert p is params_before[n], n
-    with pytest.raises(RuntimeError, match="already patched"):
-        nanguard.patch(m)
+    assert nanguard.patch(m) is summary  # patching again with the same options changes nothing
     nanguard.unpatch(m)
     assert m.config._attn_implementation == impl
     after = dict(m.named_modules())
@@ -370,7 +369,7 @@ def test_gemma2_softcap_and_max_score_options():
     clamped = g(input_ids=ids, attention_mask=am).logits
     assert (clamped - ref).abs().max() > 1e-4
     nanguard.unpatch(g)
-    assert not any(hasattr(mod, hf._OPTS_ATTR) for mod in g.modules())
+    assert not any(hasattr(mod, _hf_attention._OPTS_ATTR) for mod in g.modules())
     torch.testing.assert_close(g(input_ids=ids, attention_mask=am).logits, ref)
 
 
@@ -443,7 +442,7 @@ def test_multihead_attention_fully_masked_row_is_zero_not_nan():
     kpm = torch.zeros(2, 5, dtype=torch.bool)
     kpm[0] = True
     stock, _ = mha(x, x, x, key_padding_mask=kpm, need_weights=False)
-    safe = hf.SafeMultiheadAttention.from_module(mha)
+    safe = nanguard.nn.SafeMultiheadAttention.from_module(mha)
     out, w = safe(x, x, x, key_padding_mask=kpm, need_weights=False)
     assert w is None and torch.isfinite(out).all()
     torch.testing.assert_close(out[1], stock[1], atol=1e-6, rtol=1e-5)
@@ -462,7 +461,7 @@ def test_multihead_attention_variants():
     kpm = torch.zeros(2, 6)
     kpm[1, 4:] = float("-inf")
     ref, _ = mha(q, k, v, attn_mask=am, key_padding_mask=kpm, need_weights=False)
-    safe = hf.SafeMultiheadAttention.from_module(mha)
+    safe = nanguard.nn.SafeMultiheadAttention.from_module(mha)
     out, _ = safe(q, k, v, attn_mask=am, key_padding_mask=kpm, need_weights=False)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
     assert list(safe.state_dict()) == list(mha.state_dict())
@@ -472,15 +471,41 @@ def test_multihead_attention_variants():
     m3[..., 0] = False
     mha2 = nn.MultiheadAttention(16, 4)
     ref, _ = mha2(x, x, x, attn_mask=m3, need_weights=False)
-    out, _ = hf.SafeMultiheadAttention.from_module(mha2)(x, x, x, attn_mask=m3, need_weights=False)
+    out, _ = nanguard.nn.SafeMultiheadAttention.from_module(mha2)(x, x, x, attn_mask=m3, need_weights=False)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
     # need_weights=True runs the stock code and returns the weights
-    out, w = hf.SafeMultiheadAttention.from_module(mha2)(x, x, x)
+    out, w = nanguard.nn.SafeMultiheadAttention.from_module(mha2)(x, x, x)
     assert w is not None and w.shape == (5, 5)
     # add_bias_kv is not supported: left untouched and listed
     holder = nn.Sequential(nn.MultiheadAttention(16, 4, add_bias_kv=True))
     s = nanguard.patch(holder)
     assert s.total == 0 and "0" in s.skipped and type(holder[0]) is nn.MultiheadAttention
+
+
+def test_multihead_attention_from_module_shares_or_refuses():
+    """from_module shares the original's parameters and out_proj (no copy);
+    a module it cannot convert exactly raises the public
+    UnsupportedModuleError, a TypeError."""
+    for kw in ({}, {"kdim": 12, "vdim": 8}, {"bias": False, "batch_first": True}):
+        mha = nn.MultiheadAttention(16, 4, **kw).train(False)
+        safe = nanguard.nn.SafeMultiheadAttention.from_module(mha, max_score=30.0)
+        assert list(safe.state_dict()) == list(mha.state_dict()), kw
+        for (n, a), (m, b) in zip(mha.named_parameters(), safe.named_parameters()):
+            assert n == m and a is b, (kw, n)
+        assert safe.out_proj is mha.out_proj and not safe.training and safe.max_score == 30.0
+        assert safe.batch_first == mha.batch_first and safe._qkv_same_embed_dim == mha._qkv_same_embed_dim
+
+    class OwnForward(nn.MultiheadAttention):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    Error = nanguard.patching.UnsupportedModuleError
+    assert issubclass(Error, TypeError)
+    for bad, why in ((nn.MultiheadAttention(16, 4, add_bias_kv=True), "add_bias_kv"),
+                     (nn.MultiheadAttention(16, 4, add_zero_attn=True), "add_zero_attn"),
+                     (OwnForward(16, 4), "subclass"), (nn.Linear(4, 4), "not an nn.MultiheadAttention")):
+        with pytest.raises(Error, match=why):
+            nanguard.nn.SafeMultiheadAttention.from_module(bad)
 
 
 # ---- the pretrained MiniLM (BERT) sentence-embedding model -------------------------------------
@@ -630,7 +655,7 @@ def test_attention_function_position_bias_and_refusals():
     bias = (slopes[:, None, None] * dist)[None].expand(2, 4, 5, 5)
     mod = nn.Module()
     mod.is_causal = True
-    out, w = hf._hf_attention(mod, q, k, v, None, scaling=0.3, position_bias=bias)
+    out, w = _hf_attention._hf_attention(mod, q, k, v, None, scaling=0.3, position_bias=bias)
     causal = torch.ones(5, 5, dtype=torch.bool).tril()
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(~causal, float("-inf")),
                                                            scale=0.3)
@@ -638,15 +663,15 @@ def test_attention_function_position_bias_and_refusals():
     torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-10, rtol=1e-9)
     pad = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
     pad[1, :, :, 0] = False
-    out, _ = hf._hf_attention(mod, q, k, v, pad, scaling=0.3, position_bias=bias)
+    out, _ = _hf_attention._hf_attention(mod, q, k, v, pad, scaling=0.3, position_bias=bias)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(~pad, float("-inf")),
                                                            scale=0.3)
     torch.testing.assert_close(out[:, 1:], ref.transpose(1, 2)[:, 1:], atol=1e-10, rtol=1e-9)
     with pytest.raises(NotImplementedError, match="position_bias"):
-        hf._hf_attention(mod, q, k, v, None, position_bias=bias.clone().requires_grad_())
+        _hf_attention._hf_attention(mod, q, k, v, None, position_bias=bias.clone().requires_grad_())
     for kw in ("s_aux", "sinks", "indices"):
         with pytest.raises(NotImplementedError, match=kw):
-            hf._hf_attention(mod, q, k, v, None, **{kw: torch.zeros(4)})
+            _hf_attention._hf_attention(mod, q, k, v, None, **{kw: torch.zeros(4)})
 
 
 def test_accelerate_device_hooks_are_kept():

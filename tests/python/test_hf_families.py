@@ -197,17 +197,17 @@ def attention_calls(monkeypatch):
     transformers' registry: a patched family must really run it."""
     from transformers import AttentionInterface
 
-    from nanguard import hf
+    from nanguard.patching import _hf_attention
 
-    hf._register()
+    _hf_attention._register()
     calls = []
-    registered = AttentionInterface._global_mapping[hf.ATTN_IMPLEMENTATION]
+    registered = AttentionInterface._global_mapping[_hf_attention.ATTN_IMPLEMENTATION]
 
     def counting(*args, **kwargs):
         calls.append(1)
         return registered(*args, **kwargs)
 
-    monkeypatch.setitem(AttentionInterface._global_mapping, hf.ATTN_IMPLEMENTATION, counting)
+    monkeypatch.setitem(AttentionInterface._global_mapping, _hf_attention.ATTN_IMPLEMENTATION, counting)
     return calls
 
 
