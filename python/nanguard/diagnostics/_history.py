@@ -120,13 +120,15 @@ class History:
     raised (also issued with ``warnings.warn`` and kept in ``warnings``)."""
 
     def __init__(self, steps: int, *, warn_bits: float = 2.0, warn_steps: int = 5, window: int = 4,
-                 scores: Optional[Dict[str, Tuple[List[str], int]]] = None):
+                 predict_bits: float = 4.0, scores: Optional[Dict[str, Tuple[List[str], int]]] = None):
         for name, v, lo in (("history", steps, 1), ("window", window, 2), ("warn_steps", warn_steps, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-        if isinstance(warn_bits, bool) or not isinstance(warn_bits, (int, float)) or not warn_bits >= 0:
-            raise ValueError(f"warn_bits must be a number >= 0, got {warn_bits!r}")
+        for name, v in (("warn_bits", warn_bits), ("predict_bits", predict_bits)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
         self.steps, self.warn_bits, self.warn_steps, self.window = steps, float(warn_bits), warn_steps, window
+        self.predict_bits = float(predict_bits)
         self.scores = scores or {}
         self._series: Dict[Key, Deque[Row]] = collections.defaultdict(lambda: collections.deque(maxlen=steps))
         self._warned: set = set()
@@ -179,7 +181,7 @@ class History:
         predicted = None
         pts = [(r.step, math.log2(r.max_abs)) for r in list(series)[-self.window:] if r.max_abs > 0 and
                not r.nonfinite]
-        if len(pts) >= self.window:
+        if len(pts) >= self.window and bits < self.predict_bits:
             slope = _slope(pts)
             if slope > 0 and bits / slope <= self.warn_steps:
                 predicted = last.step + max(1, math.ceil(bits / slope))
