@@ -452,7 +452,7 @@ static void par_trampoline(int64_t begin, int64_t end, void *ctx) {
  * kernel returns. The flag is per thread: the op's own thread calls this;
  * a nested call inside the pool runs serially and cannot fail this way. */
 void ng_torch_parallel(int64_t n, int64_t grain, ng_range_fn fn, void *ctx) {
-    par_ctx p = {fn, ctx};
+    par_ctx p = {.fn = fn, .ctx = ctx};
     if (torch_parallel_for(0, n, grain < 1 ? 1 : grain, par_trampoline, &p) != 0)
         ng_par_failed = true;
 }
