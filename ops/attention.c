@@ -2,7 +2,7 @@
  * ops/attention.c - torch.ops.nanguard.safe_sdpa and its backward
  * (kernels/attention.h).
  *
- * Schemas (no `Tensor?`: the mask is an overload):
+ * Schemas (ops/ops.h, NG_ATTENTION_SCHEMAS; no `Tensor?`: the mask is an overload):
  *   safe_sdpa(Tensor query, Tensor key, Tensor value, float dropout_p, bool is_causal,
  *             float scale, float max_score, float softcap, Tensor rng)
  *       -> (Tensor out, Tensor lse)
@@ -48,16 +48,16 @@ typedef struct sdpa_params {
     int64_t seed, offset;
 } sdpa_params;
 
-/* The scalars at stack[i .. i+4] and the rng tensor at stack[i+5]. */
-static sdpa_params read_params(ng_frame *f, const StableIValue *stack, uint64_t i) {
+/* The scalars and the rng tensor, common to the four schemas. */
+static sdpa_params read_params(ng_frame *f) {
     sdpa_params p;
     int64_t rng[2];
-    p.dropout_p = ng_arg_double(stack, i);
-    p.is_causal = ng_arg_bool(stack, i + 1);
-    p.scale = ng_arg_double(stack, i + 2);
-    p.max_score = ng_arg_double(stack, i + 3);
-    p.softcap = ng_arg_double(stack, i + 4);
-    ng_host_int64s(f, ng_arg(f, i + 5), "rng", 2, rng);
+    p.dropout_p = ng_arg_float(f, "dropout_p");
+    p.is_causal = ng_arg_bool(f, "is_causal");
+    p.scale = ng_arg_float(f, "scale");
+    p.max_score = ng_arg_float(f, "max_score");
+    p.softcap = ng_arg_float(f, "softcap");
+    ng_host_int64s(f, ng_arg_tensor(f, "rng"), "rng", 2, rng);
     p.seed = rng[0];
     p.offset = rng[1];
     return p;
@@ -163,18 +163,19 @@ static void fill_args(ng_frame *f, ng_attention_args *a, const ng_tensor *q, con
 
 static ng_dtype lse_dtype(ng_dtype t) { return t == NG_F64 ? NG_F64 : NG_F32; }
 
-static void sdpa_forward(StableIValue *stack, uint64_t na, uint64_t no, int has_mask) {
+/* `name`: the overload's schema name; the masked ones have attn_mask. */
+static void sdpa_forward(StableIValue *stack, uint64_t na, uint64_t no, const char *name) {
     ng_frame f;
     ng_frame_init(&f, SDPA_OP);
-    ng_take_args(&f, stack, na, no, has_mask ? "TTTT-----T" : "TTT-----T", 2);
-    uint64_t i = 0;
+    ng_take_args(&f, name, stack, na, no);
+    const bool has_mask = ng_has_arg(&f, "attn_mask");
     ng_tensor q, k, v, m = {0};
     ng_mask_kind kind = NG_MASK_NONE;
-    ng_view(&f, ng_arg(&f, i++), "query", &q);
-    ng_view(&f, ng_arg(&f, i++), "key", &k);
-    ng_view(&f, ng_arg(&f, i++), "value", &v);
-    if (has_mask) view_mask(&f, ng_arg(&f, i++), &m, &kind);
-    sdpa_params p = read_params(&f, stack, i);
+    ng_view(&f, ng_arg_tensor(&f, "query"), "query", &q);
+    ng_view(&f, ng_arg_tensor(&f, "key"), "key", &k);
+    ng_view(&f, ng_arg_tensor(&f, "value"), "value", &v);
+    if (has_mask) view_mask(&f, ng_arg_tensor(&f, "attn_mask"), &m, &kind);
+    sdpa_params p = read_params(&f);
     check_params(&f, &p);
     check_qkv(&f, &q, "query", NULL);
     check_qkv(&f, &k, "key", &q);
@@ -205,24 +206,28 @@ static void sdpa_forward(StableIValue *stack, uint64_t na, uint64_t no, int has_
     ng_frame_release(&f);
 }
 
-static void sdpa_fwd_plain(StableIValue *s, uint64_t na, uint64_t no) { sdpa_forward(s, na, no, 0); }
-static void sdpa_fwd_masked(StableIValue *s, uint64_t na, uint64_t no) { sdpa_forward(s, na, no, 1); }
+static void sdpa_fwd_plain(StableIValue *s, uint64_t na, uint64_t no) {
+    sdpa_forward(s, na, no, "safe_sdpa");
+}
+static void sdpa_fwd_masked(StableIValue *s, uint64_t na, uint64_t no) {
+    sdpa_forward(s, na, no, "safe_sdpa.masked");
+}
 
-static void sdpa_backward(StableIValue *stack, uint64_t na, uint64_t no, int has_mask) {
+static void sdpa_backward(StableIValue *stack, uint64_t na, uint64_t no, const char *name) {
     ng_frame f;
     ng_frame_init(&f, SDPA_BWD_OP);
-    ng_take_args(&f, stack, na, no, has_mask ? "TTTTTTT-----T" : "TTTTTT-----T", 3);
-    uint64_t i = 0;
+    ng_take_args(&f, name, stack, na, no);
+    const bool has_mask = ng_has_arg(&f, "attn_mask");
     ng_tensor g, q, k, v, m = {0}, o, lse;
     ng_mask_kind kind = NG_MASK_NONE;
-    ng_view(&f, ng_arg(&f, i++), "grad_out", &g);
-    ng_view(&f, ng_arg(&f, i++), "query", &q);
-    ng_view(&f, ng_arg(&f, i++), "key", &k);
-    ng_view(&f, ng_arg(&f, i++), "value", &v);
-    if (has_mask) view_mask(&f, ng_arg(&f, i++), &m, &kind);
-    ng_view(&f, ng_arg(&f, i++), "out", &o);
-    ng_view(&f, ng_arg(&f, i++), "lse", &lse);
-    sdpa_params p = read_params(&f, stack, i);
+    ng_view(&f, ng_arg_tensor(&f, "grad_out"), "grad_out", &g);
+    ng_view(&f, ng_arg_tensor(&f, "query"), "query", &q);
+    ng_view(&f, ng_arg_tensor(&f, "key"), "key", &k);
+    ng_view(&f, ng_arg_tensor(&f, "value"), "value", &v);
+    if (has_mask) view_mask(&f, ng_arg_tensor(&f, "attn_mask"), &m, &kind);
+    ng_view(&f, ng_arg_tensor(&f, "out"), "out", &o);
+    ng_view(&f, ng_arg_tensor(&f, "lse"), "lse", &lse);
+    sdpa_params p = read_params(&f);
     check_params(&f, &p);
     check_qkv(&f, &q, "query", NULL);
     check_qkv(&f, &k, "key", &q);
@@ -277,19 +282,15 @@ static void sdpa_backward(StableIValue *stack, uint64_t na, uint64_t no, int has
     ng_frame_release(&f);
 }
 
-static void sdpa_bwd_plain(StableIValue *s, uint64_t na, uint64_t no) { sdpa_backward(s, na, no, 0); }
-static void sdpa_bwd_masked(StableIValue *s, uint64_t na, uint64_t no) { sdpa_backward(s, na, no, 1); }
-
-#define SDPA_ARGS "float dropout_p, bool is_causal, float scale, float max_score, float softcap, Tensor rng"
+static void sdpa_bwd_plain(StableIValue *s, uint64_t na, uint64_t no) {
+    sdpa_backward(s, na, no, "safe_sdpa_backward");
+}
+static void sdpa_bwd_masked(StableIValue *s, uint64_t na, uint64_t no) {
+    sdpa_backward(s, na, no, "safe_sdpa_backward.masked");
+}
 
 void ng_register_attention(ng_registrar *r) {
-    ng_def(r, "safe_sdpa(Tensor query, Tensor key, Tensor value, " SDPA_ARGS ") -> (Tensor, Tensor)");
-    ng_def(r, "safe_sdpa.masked(Tensor query, Tensor key, Tensor value, Tensor attn_mask, " SDPA_ARGS
-              ") -> (Tensor, Tensor)");
-    ng_def(r, "safe_sdpa_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
-              "Tensor lse, " SDPA_ARGS ") -> (Tensor, Tensor, Tensor)");
-    ng_def(r, "safe_sdpa_backward.masked(Tensor grad_out, Tensor query, Tensor key, Tensor value, "
-              "Tensor attn_mask, Tensor out, Tensor lse, " SDPA_ARGS ") -> (Tensor, Tensor, Tensor)");
+    NG_ATTENTION_SCHEMAS(NG_DEF_EACH)
     ng_impl(r, "safe_sdpa", sdpa_fwd_plain);
     ng_impl(r, "safe_sdpa.masked", sdpa_fwd_masked);
     ng_impl(r, "safe_sdpa_backward", sdpa_bwd_plain);

@@ -2,7 +2,7 @@
  * ops/grad_guard.c - torch.ops.nanguard gradient guard: fused unscale,
  * NaN/Inf check, global norm and clip (kernels/grad_guard.h).
  *
- * Schemas:
+ * Schemas (ops/ops.h, NG_GRAD_GUARD_SCHEMAS):
  *   grad_guard_reduce(Tensor[] grads, Tensor inv_scale, float norm_type) -> Tensor stats
  *   grad_guard_apply_(Tensor(a!)[] grads, Tensor inv_scale, Tensor stats,
  *                     Tensor(b!) found_inf, float max_norm, float norm_type) -> Tensor total_norm
@@ -63,8 +63,8 @@ static void gg_check_scalar(ng_frame *f, const ng_tensor *ref, const ng_tensor *
     if (ref) ng_check_same_device(f, ref, "inv_scale", t, name);
 }
 
-/* The Tensor[] argument (stack[0]) into l, validated against inv_scale
- * (stack[1]). `mut`: the op writes the gradients. */
+/* The Tensor[] argument `grads` into l, validated against `inv_scale`.
+ * `mut`: the op writes the gradients. */
 static void gg_read_list(ng_frame *f, gg_list *l, bool mut) {
     size_t len = ng_arg_list(f, &l->h);
     l->t = (ng_tensor *)ng_frame_calloc(f, len, sizeof *l->t);
@@ -73,7 +73,7 @@ static void gg_read_list(ng_frame *f, gg_list *l, bool mut) {
     l->numels = (int64_t *)ng_frame_calloc(f, len, sizeof *l->numels);
     l->n = len;
 
-    const int32_t sdt = ng_view_raw(f, ng_arg(f, 1), "inv_scale", &l->scale);
+    const int32_t sdt = ng_view_raw(f, ng_arg_tensor(f, "inv_scale"), "inv_scale", &l->scale);
     gg_check_scalar(f, NULL, &l->scale, sdt, "inv_scale");
     l->dtype = NG_F32;
     for (size_t k = 0; k < len; k++) {
@@ -164,10 +164,10 @@ static void gg_check_max_norm(ng_frame *f, double max_norm) {
 static void gg_reduce_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
     ng_frame f;
     ng_frame_init(&f, GG_REDUCE_OP);
-    ng_take_args(&f, stack, na, no, "LT-", 1);
+    ng_take_args(&f, "grad_guard_reduce", stack, na, no);
     gg_list l = {0};
     gg_read_list(&f, &l, false);
-    ng_gg_norm norm = gg_norm_arg(&f, ng_arg_double(stack, 2));
+    ng_gg_norm norm = gg_norm_arg(&f, ng_arg_float(&f, "norm_type"));
     AtenTensorHandle st = gg_reduce(&f, &l, norm);
     ng_ret_tensor(&f, stack, 0, st);
     ng_frame_release(&f);
@@ -177,14 +177,14 @@ static void gg_reduce_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
 static void gg_apply_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
     ng_frame f;
     ng_frame_init(&f, GG_APPLY_OP);
-    ng_take_args(&f, stack, na, no, "LTTT--", 1);
+    ng_take_args(&f, "grad_guard_apply_", stack, na, no);
     gg_list l = {0};
     gg_read_list(&f, &l, true);
     ng_tensor st, fi;
-    ng_view(&f, ng_arg(&f, 2), "stats", &st);
-    const int32_t fdt = ng_view_raw_mut(&f, ng_arg(&f, 3), "found_inf", &fi);
-    double max_norm = ng_arg_double(stack, 4);
-    ng_gg_norm norm = gg_norm_arg(&f, ng_arg_double(stack, 5));
+    ng_view(&f, ng_arg_tensor(&f, "stats"), "stats", &st);
+    const int32_t fdt = ng_view_raw_mut(&f, ng_arg_tensor(&f, "found_inf"), "found_inf", &fi);
+    double max_norm = ng_arg_float(&f, "max_norm");
+    ng_gg_norm norm = gg_norm_arg(&f, ng_arg_float(&f, "norm_type"));
     gg_check_stats(&f, &l, &st);
     gg_check_scalar(&f, &l.scale, &fi, fdt, "found_inf");
     gg_check_max_norm(&f, max_norm);
@@ -197,13 +197,13 @@ static void gg_apply_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
 static void gg_fused_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
     ng_frame f;
     ng_frame_init(&f, GG_OP);
-    ng_take_args(&f, stack, na, no, "LTT--", 2);
+    ng_take_args(&f, "fused_unscale_clip_", stack, na, no);
     gg_list l = {0};
     gg_read_list(&f, &l, true);
     ng_tensor fi;
-    const int32_t fdt = ng_view_raw_mut(&f, ng_arg(&f, 2), "found_inf", &fi);
-    double max_norm = ng_arg_double(stack, 3);
-    ng_gg_norm norm = gg_norm_arg(&f, ng_arg_double(stack, 4));
+    const int32_t fdt = ng_view_raw_mut(&f, ng_arg_tensor(&f, "found_inf"), "found_inf", &fi);
+    double max_norm = ng_arg_float(&f, "max_norm");
+    ng_gg_norm norm = gg_norm_arg(&f, ng_arg_float(&f, "norm_type"));
     gg_check_scalar(&f, &l.scale, &fi, fdt, "found_inf");
     gg_check_max_norm(&f, max_norm);
     AtenTensorHandle st = gg_reduce(&f, &l, norm);
@@ -216,11 +216,7 @@ static void gg_fused_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
 }
 
 void ng_register_grad_guard(ng_registrar *r) {
-    ng_def(r, "grad_guard_reduce(Tensor[] grads, Tensor inv_scale, float norm_type) -> Tensor");
-    ng_def(r, "grad_guard_apply_(Tensor(a!)[] grads, Tensor inv_scale, Tensor stats, "
-              "Tensor(b!) found_inf, float max_norm, float norm_type) -> Tensor");
-    ng_def(r, "fused_unscale_clip_(Tensor(a!)[] grads, Tensor inv_scale, Tensor(b!) found_inf, "
-              "float max_norm, float norm_type) -> (Tensor, Tensor)");
+    NG_GRAD_GUARD_SCHEMAS(NG_DEF_EACH)
     ng_impl(r, "grad_guard_reduce", gg_reduce_boxed);
     ng_impl(r, "grad_guard_apply_", gg_apply_boxed);
     ng_impl(r, "fused_unscale_clip_", gg_fused_boxed);

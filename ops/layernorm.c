@@ -1,7 +1,8 @@
 /*
  * ops/layernorm.c - torch.ops.nanguard.stable_layernorm and its backward.
  *
- * Schemas (no `Tensor?`: optional weight / bias are overloads):
+ * Schemas (ops/ops.h, NG_LAYERNORM_SCHEMAS; no `Tensor?`: optional weight /
+ * bias are overloads):
  *   stable_layernorm(Tensor input, float eps, bool rms) -> (Tensor out, Tensor mean, Tensor rstd)
  *   stable_layernorm.weight(input, weight, eps, rms)
  *   stable_layernorm.bias(input, bias, eps, rms)            LayerNorm only
@@ -50,19 +51,19 @@ static int64_t leading_rows(const ng_tensor *x) {
     return rows;
 }
 
-/* Shared body of the four forward overloads. */
-static void ln_forward(StableIValue *stack, uint64_t na, uint64_t no, int has_w, int has_b) {
-    static const char *kinds[2][2] = {{"T--", "TT--"}, {"TT--", "TTT--"}};
+/* Shared body of the four forward overloads; `name` is the overload's
+ * schema name, whose arguments say whether there is a weight and a bias. */
+static void ln_forward(StableIValue *stack, uint64_t na, uint64_t no, const char *name) {
     ng_frame f;
     ng_frame_init(&f, LN_OP);
-    ng_take_args(&f, stack, na, no, kinds[has_w][has_b], 3);
-    uint64_t i = 0;
+    ng_take_args(&f, name, stack, na, no);
+    const int has_w = ng_has_arg(&f, "weight"), has_b = ng_has_arg(&f, "bias");
     ng_tensor x, w = {0}, b = {0};
-    ng_view(&f, ng_arg(&f, i++), "input", &x);
-    if (has_w) ng_view(&f, ng_arg(&f, i++), "weight", &w);
-    if (has_b) ng_view(&f, ng_arg(&f, i++), "bias", &b);
-    double eps = ng_arg_double(stack, i++);
-    int rms = ng_arg_bool(stack, i++);
+    ng_view(&f, ng_arg_tensor(&f, "input"), "input", &x);
+    if (has_w) ng_view(&f, ng_arg_tensor(&f, "weight"), "weight", &w);
+    if (has_b) ng_view(&f, ng_arg_tensor(&f, "bias"), "bias", &b);
+    double eps = ng_arg_float(&f, "eps");
+    int rms = ng_arg_bool(&f, "rms");
     check_input(&f, &x, eps);
     if (has_w) check_param(&f, &x, &w, "weight");
     if (has_b) {
@@ -87,9 +88,19 @@ static void ln_forward(StableIValue *stack, uint64_t na, uint64_t no, int has_w,
     ng_view_mut(&f, rstd, "rstd", &rv);
     if (rms) NG_SHIM_CHECK(&f, aoti_torch_zero_(mean));
 
-    ng_layernorm_args a = {x.dtype, rows, cols, rms, eps, x.data, has_w ? w.data : NULL,
-                           has_b ? b.data : NULL, mv.mut, rv.mut, yv.mut,
-                           NULL, NULL, NULL, NULL};
+    ng_layernorm_args a = {
+        .dtype = x.dtype,
+        .rows = rows,
+        .cols = cols,
+        .rms = rms,
+        .eps = eps,
+        .x = x.data,
+        .weight = has_w ? w.data : NULL,
+        .bias = has_b ? b.data : NULL,
+        .mean = mv.mut,
+        .rstd = rv.mut,
+        .y = yv.mut,
+    };
 #ifdef NG_BUILD_CUDA
     NG_KERNEL_CHECK(&f, ng_layernorm_fwd_cuda(&a, ng_cuda_current_stream(&f, x.device_index)));
 #else
@@ -101,25 +112,33 @@ static void ln_forward(StableIValue *stack, uint64_t na, uint64_t no, int has_w,
     ng_frame_release(&f);
 }
 
-static void ln_fwd_plain(StableIValue *s, uint64_t na, uint64_t no) { ln_forward(s, na, no, 0, 0); }
-static void ln_fwd_w(StableIValue *s, uint64_t na, uint64_t no) { ln_forward(s, na, no, 1, 0); }
-static void ln_fwd_b(StableIValue *s, uint64_t na, uint64_t no) { ln_forward(s, na, no, 0, 1); }
-static void ln_fwd_wb(StableIValue *s, uint64_t na, uint64_t no) { ln_forward(s, na, no, 1, 1); }
+static void ln_fwd_plain(StableIValue *s, uint64_t na, uint64_t no) {
+    ln_forward(s, na, no, "stable_layernorm");
+}
+static void ln_fwd_w(StableIValue *s, uint64_t na, uint64_t no) {
+    ln_forward(s, na, no, "stable_layernorm.weight");
+}
+static void ln_fwd_b(StableIValue *s, uint64_t na, uint64_t no) {
+    ln_forward(s, na, no, "stable_layernorm.bias");
+}
+static void ln_fwd_wb(StableIValue *s, uint64_t na, uint64_t no) {
+    ln_forward(s, na, no, "stable_layernorm.weight_bias");
+}
 
 /* Shared body of the two backward overloads. */
-static void ln_backward(StableIValue *stack, uint64_t na, uint64_t no, int has_w) {
+static void ln_backward(StableIValue *stack, uint64_t na, uint64_t no, const char *name) {
     ng_frame f;
     ng_frame_init(&f, LN_BWD_OP);
-    ng_take_args(&f, stack, na, no, has_w ? "TTTTT--" : "TTTT--", has_w ? 3 : 2);
-    uint64_t i = 0;
+    ng_take_args(&f, name, stack, na, no);
+    const int has_w = ng_has_arg(&f, "weight");
     ng_tensor dy, x, w = {0}, mean, rstd;
-    ng_view(&f, ng_arg(&f, i++), "grad_out", &dy);
-    ng_view(&f, ng_arg(&f, i++), "input", &x);
-    if (has_w) ng_view(&f, ng_arg(&f, i++), "weight", &w);
-    ng_view(&f, ng_arg(&f, i++), "mean", &mean);
-    ng_view(&f, ng_arg(&f, i++), "rstd", &rstd);
-    int rms = ng_arg_bool(stack, i++);
-    int with_bias = ng_arg_bool(stack, i++);
+    ng_view(&f, ng_arg_tensor(&f, "grad_out"), "grad_out", &dy);
+    ng_view(&f, ng_arg_tensor(&f, "input"), "input", &x);
+    if (has_w) ng_view(&f, ng_arg_tensor(&f, "weight"), "weight", &w);
+    ng_view(&f, ng_arg_tensor(&f, "mean"), "mean", &mean);
+    ng_view(&f, ng_arg_tensor(&f, "rstd"), "rstd", &rstd);
+    int rms = ng_arg_bool(&f, "rms");
+    int with_bias = ng_arg_bool(&f, "with_bias");
     check_input(&f, &x, 0.0);
     ng_check_same_device(&f, &x, "input", &dy, "grad_out");
     ng_check_same_dtype(&f, &x, "input", &dy, "grad_out");
@@ -160,9 +179,20 @@ static void ln_backward(StableIValue *stack, uint64_t na, uint64_t no, int has_w
     if (with_bias && rms) ng_fail(&f, "with_bias is not supported with rms=True");
     /* mean and rstd are only read; the kernel's struct has one mutable field
      * for both directions. */
-    ng_layernorm_args a = {x.dtype, rows, cols, rms, 0.0, x.data, has_w ? w.data : NULL, NULL,
-                           (void *)(uintptr_t)mean.data, (void *)(uintptr_t)rstd.data, NULL,
-                           dy.data, dxv.mut, has_w ? dwv.mut : NULL, with_bias ? dbv.mut : NULL};
+    ng_layernorm_args a = {
+        .dtype = x.dtype,
+        .rows = rows,
+        .cols = cols,
+        .rms = rms,
+        .x = x.data,
+        .weight = has_w ? w.data : NULL,
+        .mean = (void *)(uintptr_t)mean.data,
+        .rstd = (void *)(uintptr_t)rstd.data,
+        .dy = dy.data,
+        .dx = dxv.mut,
+        .dweight = has_w ? dwv.mut : NULL,
+        .dbias = with_bias ? dbv.mut : NULL,
+    };
 #ifdef NG_BUILD_CUDA
     /* the dweight / dbias partial sums over chunks of rows */
     const int64_t wsb = ng_layernorm_bwd_cuda_workspace_bytes(&a);
@@ -178,16 +208,15 @@ static void ln_backward(StableIValue *stack, uint64_t na, uint64_t no, int has_w
     ng_frame_release(&f);
 }
 
-static void ln_bwd_plain(StableIValue *s, uint64_t na, uint64_t no) { ln_backward(s, na, no, 0); }
-static void ln_bwd_w(StableIValue *s, uint64_t na, uint64_t no) { ln_backward(s, na, no, 1); }
+static void ln_bwd_plain(StableIValue *s, uint64_t na, uint64_t no) {
+    ln_backward(s, na, no, "stable_layernorm_backward");
+}
+static void ln_bwd_w(StableIValue *s, uint64_t na, uint64_t no) {
+    ln_backward(s, na, no, "stable_layernorm_backward.weight");
+}
 
 void ng_register_layernorm(ng_registrar *r) {
-    ng_def(r, "stable_layernorm(Tensor input, float eps, bool rms) -> (Tensor, Tensor, Tensor)");
-    ng_def(r, "stable_layernorm.weight(Tensor input, Tensor weight, float eps, bool rms) -> (Tensor, Tensor, Tensor)");
-    ng_def(r, "stable_layernorm.bias(Tensor input, Tensor bias, float eps, bool rms) -> (Tensor, Tensor, Tensor)");
-    ng_def(r, "stable_layernorm.weight_bias(Tensor input, Tensor weight, Tensor bias, float eps, bool rms) -> (Tensor, Tensor, Tensor)");
-    ng_def(r, "stable_layernorm_backward(Tensor grad_out, Tensor input, Tensor mean, Tensor rstd, bool rms, bool with_bias) -> (Tensor, Tensor)");
-    ng_def(r, "stable_layernorm_backward.weight(Tensor grad_out, Tensor input, Tensor weight, Tensor mean, Tensor rstd, bool rms, bool with_bias) -> (Tensor, Tensor, Tensor)");
+    NG_LAYERNORM_SCHEMAS(NG_DEF_EACH)
     ng_impl(r, "stable_layernorm", ln_fwd_plain);
     ng_impl(r, "stable_layernorm.weight", ln_fwd_w);
     ng_impl(r, "stable_layernorm.bias", ln_fwd_b);

@@ -58,7 +58,7 @@ NG_EXPORT const char *ng_load_error(void) { return ng_load_err[0] ? ng_load_err 
 NG_EXPORT const char *ng_build_id(void) { return ng_id; }
 
 static void make_build_id(void) {
-    ng_registrar dry = {NULL, NULL, 0, NG_SCHEMA_HASH_INIT, NULL, 0};
+    ng_registrar dry = {.schema_hash = NG_SCHEMA_HASH_INIT}; /* no library: fingerprint only */
     for (size_t i = 0; i < sizeof ng_ops / sizeof ng_ops[0]; i++) ng_ops[i](&dry);
     snprintf(ng_id, sizeof ng_id, "stable-abi-%d.%d/schemas-%016llx",
              (int)(NG_TORCH_TARGET_VERSION >> 56), (int)((NG_TORCH_TARGET_VERSION >> 48) & 0xff),
@@ -107,7 +107,7 @@ __attribute__((constructor)) static void ng_load(void) {
                  (int)(have >> 56), (int)((have >> 48) & 0xff));
         return;
     }
-    ng_registrar r = {NULL, NULL, 0, NG_SCHEMA_HASH_INIT, ng_load_err, sizeof ng_load_err};
+    ng_registrar r = {.schema_hash = NG_SCHEMA_HASH_INIT, .err = ng_load_err, .errlen = sizeof ng_load_err};
 #ifdef NG_BUILD_CUDA
     if (check_core_build() != 0) return;
     if (!ng_cuda_stream_available()) {

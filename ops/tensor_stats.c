@@ -3,7 +3,7 @@
  * census of one tensor, written into one slot of a preallocated buffer
  * (kernels/tensor_stats.h).
  *
- * Schema:
+ * Schema (ops/ops.h, NG_TENSOR_STATS_SCHEMAS):
  *   tensor_stats_(Tensor x, Tensor(a!) counts, Tensor(b!) values, int slot) -> ()
  *
  * Buffer layout (nanguard.watch owns one pair per device and grows it):
@@ -28,13 +28,13 @@
 static void ts_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
     ng_frame f;
     ng_frame_init(&f, TS_OP);
-    ng_take_args(&f, stack, na, no, "TTT-", 0);
+    ng_take_args(&f, "tensor_stats_", stack, na, no);
     ng_tensor x, counts, values;
-    ng_view(&f, ng_arg(&f, 0), "x", &x);
+    ng_view(&f, ng_arg_tensor(&f, "x"), "x", &x);
     /* counts is int64: the view without ng_view's floating-dtype check */
-    const int32_t counts_dtype = ng_view_raw_mut(&f, ng_arg(&f, 1), "counts", &counts);
-    ng_view_mut(&f, ng_arg(&f, 2), "values", &values);
-    const int64_t slot = ng_arg_int(stack, 3);
+    const int32_t counts_dtype = ng_view_raw_mut(&f, ng_arg_tensor(&f, "counts"), "counts", &counts);
+    ng_view_mut(&f, ng_arg_tensor(&f, "values"), "values", &values);
+    const int64_t slot = ng_arg_int(&f, "slot");
 
     /* x: this library's device; float64 is fine on CUDA for a read-only op. */
     ng_tensor probe = x;
@@ -88,6 +88,6 @@ static void ts_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
 }
 
 void ng_register_tensor_stats(ng_registrar *r) {
-    ng_def(r, "tensor_stats_(Tensor x, Tensor(a!) counts, Tensor(b!) values, int slot) -> ()");
+    NG_TENSOR_STATS_SCHEMAS(NG_DEF_EACH)
     ng_impl(r, "tensor_stats_", ts_boxed);
 }

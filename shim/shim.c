@@ -22,6 +22,9 @@ const char *ng_kernel_error_detail(void) { return ng_cuda_error_string(); }
 const char *ng_kernel_error_detail(void) { return ""; }
 #endif
 
+_Static_assert(NG_SCHEMA_MAX_ARGS <= NG_FRAME_INLINE,
+              "ng_take_args keeps every Tensor argument in the frame's inline slots");
+
 static _Thread_local bool ng_par_failed;
 
 bool ng_parallel_failed(void) { return ng_par_failed; }
@@ -34,6 +37,8 @@ void ng_frame_init(ng_frame *f, const char *op) {
     f->mem = NULL;
     f->nmem = f->capmem = 0;
     f->guard = NULL;
+    f->schema = NULL;
+    f->stack = NULL;
     memset(f->arg, 0, sizeof f->arg);
     f->list = NULL;
     f->list_len = 0;
@@ -122,23 +127,27 @@ void ng_fail(ng_frame *f, const char *fmt, ...) {
 
 /* ---- stack ------------------------------------------------------------------ */
 
-void ng_take_args(ng_frame *f, const StableIValue *stack, uint64_t num_args, uint64_t num_outputs,
-                  const char *kinds, uint64_t schema_outputs) {
-    const size_t nk = strlen(kinds);
-    if (num_args != nk || num_outputs != schema_outputs)
+void ng_take_args(ng_frame *f, const char *name, const StableIValue *stack, uint64_t num_args,
+                  uint64_t num_outputs) {
+    const ng_schema *sc = ng_schema_find(name);
+    if (!sc) ng_fail(f, "no schema was registered for %s", name);
+    const size_t nk = (size_t)sc->num_args;
+    if (num_args != nk || num_outputs != (uint64_t)sc->num_returns)
         ng_fail(f, "called with %llu arguments and %llu outputs but this library's schema has %zu "
-                   "and %llu: the loaded nanguard libraries come from different builds",
+                   "and %d: the loaded nanguard libraries come from different builds",
                 (unsigned long long)num_args, (unsigned long long)num_outputs, nk,
-                (unsigned long long)schema_outputs);
-    if (nk > NG_MAX_ARGS) ng_fail(f, "a schema of %zu arguments (at most %d)", nk, NG_MAX_ARGS);
+                sc->num_returns);
+    f->schema = sc;
+    f->stack = stack;
     int list_at = -1;
-    /* Every Tensor first: at most NG_MAX_ARGS of them, all in the frame's
-     * inline slots, so nothing can fail until the frame owns them all. */
+    /* Every Tensor first: at most NG_SCHEMA_MAX_ARGS (<= NG_FRAME_INLINE) of
+     * them, all in the frame's inline slots, so nothing can fail until the
+     * frame owns them all. */
     for (size_t i = 0; i < nk; i++) {
-        if (kinds[i] == 'T') {
+        if (sc->args[i].kind == NG_ARG_TENSOR) {
             f->arg[i] = (AtenTensorHandle)(uintptr_t)stack[i];
             f->owned[f->n++] = f->arg[i];
-        } else if (kinds[i] == 'L') {
+        } else if (sc->args[i].kind == NG_ARG_TENSOR_LIST) {
             list_at = (int)i;
         }
     }
@@ -176,22 +185,56 @@ void ng_take_args(ng_frame *f, const StableIValue *stack, uint64_t num_args, uin
         if (!h[k]) ng_fail(f, "could not read element %zu of a Tensor[] argument", k);
 }
 
-AtenTensorHandle ng_arg(const ng_frame *f, uint64_t i) { return f->arg[i]; }
+static const char *kind_name(ng_arg_kind k) {
+    switch (k) {
+    case NG_ARG_TENSOR: return "Tensor";
+    case NG_ARG_TENSOR_LIST: return "Tensor[]";
+    case NG_ARG_INT: return "int";
+    case NG_ARG_FLOAT: return "float";
+    case NG_ARG_BOOL: return "bool";
+    }
+    return "?";
+}
+
+/* The stack position of argument `name`, which must be of kind k. A miss is
+ * a mismatch between an op's code and its schema: raised on its first call. */
+static uint64_t arg_at(ng_frame *f, const char *name, ng_arg_kind k) {
+    const int i = f->schema ? ng_schema_arg_index(f->schema, name) : -1;
+    if (i < 0)
+        ng_fail(f, "internal error: the schema of %s has no argument %s",
+                f->schema ? f->schema->name : "(not taken)", name);
+    if (f->schema->args[i].kind != k)
+        ng_fail(f, "internal error: argument %s of %s is a %s, read as a %s", name,
+                f->schema->name, kind_name(f->schema->args[i].kind), kind_name(k));
+    return (uint64_t)i;
+}
+
+bool ng_has_arg(const ng_frame *f, const char *name) {
+    return f->schema && ng_schema_arg_index(f->schema, name) >= 0;
+}
+
+AtenTensorHandle ng_arg_tensor(ng_frame *f, const char *name) {
+    return f->arg[arg_at(f, name, NG_ARG_TENSOR)];
+}
 
 size_t ng_arg_list(const ng_frame *f, AtenTensorHandle **out) {
     *out = f->list;
     return f->list_len;
 }
 
-double ng_arg_double(const StableIValue *stack, uint64_t i) {
+double ng_arg_float(ng_frame *f, const char *name) {
     double d;
-    memcpy(&d, &stack[i], sizeof d);
+    memcpy(&d, &f->stack[arg_at(f, name, NG_ARG_FLOAT)], sizeof d);
     return d;
 }
 
-int64_t ng_arg_int(const StableIValue *stack, uint64_t i) { return (int64_t)stack[i]; }
+int64_t ng_arg_int(ng_frame *f, const char *name) {
+    return (int64_t)f->stack[arg_at(f, name, NG_ARG_INT)];
+}
 
-bool ng_arg_bool(const StableIValue *stack, uint64_t i) { return (stack[i] & 0xff) != 0; }
+bool ng_arg_bool(ng_frame *f, const char *name) {
+    return (f->stack[arg_at(f, name, NG_ARG_BOOL)] & 0xff) != 0;
+}
 
 void ng_ret_tensor(ng_frame *f, StableIValue *stack, uint64_t i, AtenTensorHandle h) {
     for (int k = 0; k < f->n; k++) {
@@ -409,7 +452,7 @@ static void par_trampoline(int64_t begin, int64_t end, void *ctx) {
  * kernel returns. The flag is per thread: the op's own thread calls this;
  * a nested call inside the pool runs serially and cannot fail this way. */
 void ng_torch_parallel(int64_t n, int64_t grain, ng_range_fn fn, void *ctx) {
-    par_ctx p = {fn, ctx};
+    par_ctx p = {.fn = fn, .ctx = ctx};
     if (torch_parallel_for(0, n, grain < 1 ? 1 : grain, par_trampoline, &p) != 0)
         ng_par_failed = true;
 }
@@ -463,6 +506,16 @@ void ng_def(ng_registrar *r, const char *schema) {
     for (const unsigned char *c = (const unsigned char *)schema; *c; c++)
         r->schema_hash = (r->schema_hash ^ *c) * 0x100000001b3ULL;
     r->schema_hash = (r->schema_hash ^ 0xff) * 0x100000001b3ULL; /* separator */
+    ng_schema parsed;
+    size_t at = 0;
+    ng_schema_status st = ng_schema_parse(schema, &parsed, &at);
+    if (st == NG_SCHEMA_OK) st = ng_schema_add(&parsed);
+    if (st != NG_SCHEMA_OK) {
+        if (r->err && r->errlen && !r->err[0])
+            snprintf(r->err, r->errlen, "could not read the schema \"%s\" at character %zu: %s",
+                     schema, at, ng_schema_status_str(st));
+        return;
+    }
     if (!r->def) return;
     if (aoti_torch_library_def(r->def, schema) != 0) record_failure(r, "define the schema", schema);
 }

@@ -25,6 +25,7 @@
 #include <stdint.h>
 
 #include "kernels/common.h"
+#include "shim/schema.h"
 #include "shim/version.h"
 
 #ifdef __cplusplus
@@ -127,8 +128,6 @@ typedef struct ng_tensor {
  * leak an argument. The first NG_FRAME_INLINE handles live in the frame; more
  * go to the heap. A frame refers to itself: never copy one. */
 #define NG_FRAME_INLINE 16
-/* Most arguments of any nanguard schema (safe_sdpa_backward.masked has 13). */
-#define NG_MAX_ARGS 16
 typedef struct ng_frame {
     const char *op; /* "nanguard::stable_layernorm", for messages */
     int n, cap;
@@ -137,9 +136,12 @@ typedef struct ng_frame {
     void **mem; /* scratch blocks from ng_frame_calloc */
     int nmem, capmem;
     DeviceGuardHandle guard;
-    /* arguments taken by ng_take_args: arg[i] for a Tensor at stack[i]; the
-     * elements of the (at most one) Tensor[] argument */
-    AtenTensorHandle arg[NG_MAX_ARGS];
+    /* set by ng_take_args: the op's parsed schema and its boxed stack;
+     * arg[i] for a Tensor at stack[i]; the elements of the (at most one)
+     * Tensor[] argument */
+    const ng_schema *schema;
+    const StableIValue *stack;
+    AtenTensorHandle arg[NG_SCHEMA_MAX_ARGS];
     AtenTensorHandle *list;
     size_t list_len;
 } ng_frame;
@@ -183,23 +185,28 @@ bool ng_parallel_failed(void);
 
 /* Reading the boxed stack.
  *
- * ng_take_args is the first thing every boxed kernel does. `kinds` has one
- * letter per schema argument: 'T' a Tensor, 'L' a Tensor[] (at most one),
- * anything else a scalar. It raises, touching nothing, unless num_args and
- * num_outputs are the schema's (a kernel registered against a schema of
- * another nanguard build); then the frame takes every Tensor (inline slots:
- * this cannot fail) and then the list's elements (whose only failure, out of
- * host memory, releases everything already taken). Read them back with
- * ng_arg / ng_arg_list. */
-void ng_take_args(ng_frame *f, const StableIValue *stack, uint64_t num_args, uint64_t num_outputs,
-                  const char *kinds, uint64_t schema_outputs);
-/* The Tensor argument at stack position i (taken by ng_take_args). */
-AtenTensorHandle ng_arg(const ng_frame *f, uint64_t i);
+ * ng_take_args is the first thing every boxed kernel does. `name` is the
+ * op's name as its schema gives it ("safe_sdpa.masked"); the kinds and
+ * names of its arguments come from that schema, parsed by ng_def. It
+ * raises, touching nothing, unless num_args and num_outputs are the
+ * schema's (a kernel registered against a schema of another nanguard
+ * build); then the frame takes every Tensor (inline slots: this cannot
+ * fail) and then the list's elements (whose only failure, out of host
+ * memory, releases everything already taken).
+ *
+ * The readers below find an argument by its schema name and raise when the
+ * schema has no argument of that name and kind. Read every argument before
+ * the first ng_ret_tensor: outputs are written over the stack. */
+void ng_take_args(ng_frame *f, const char *name, const StableIValue *stack, uint64_t num_args,
+                  uint64_t num_outputs);
+/* Whether the op's schema has an argument `name` (an overload's extra one). */
+bool ng_has_arg(const ng_frame *f, const char *name);
+AtenTensorHandle ng_arg_tensor(ng_frame *f, const char *name);
+double ng_arg_float(ng_frame *f, const char *name);
+int64_t ng_arg_int(ng_frame *f, const char *name);
+bool ng_arg_bool(ng_frame *f, const char *name);
 /* The Tensor[] argument's elements (frame scratch, stable for the call). */
 size_t ng_arg_list(const ng_frame *f, AtenTensorHandle **out);
-double ng_arg_double(const StableIValue *stack, uint64_t i);
-int64_t ng_arg_int(const StableIValue *stack, uint64_t i);
-bool ng_arg_bool(const StableIValue *stack, uint64_t i);
 /* A Tensor argument that carries a few int64 values for the host (a dropout
  * [seed, offset] pair): it must be a contiguous CPU int64 tensor of exactly n
  * elements, whatever device the op runs on, so that a CUDA op can read it
@@ -276,7 +283,9 @@ typedef struct ng_registrar {
 /* Define a schema (core library only) and register a kernel for it. Both
  * add the schema to r->schema_hash (also when r->def is NULL, so the CUDA
  * library computes the core's fingerprint) and record the first failure in
- * r->err, which makes the Python import fail. */
+ * r->err, which makes the Python import fail. ng_def also parses the schema
+ * into the table ng_take_args reads (in both libraries); a schema outside
+ * shim/schema.h's grammar is such a failure, and is not defined. */
 void ng_def(ng_registrar *r, const char *schema);
 void ng_impl(ng_registrar *r, const char *name, ng_boxed_fn fn);
 /* FNV-1a 64-bit offset basis: the initial schema_hash. */

@@ -85,19 +85,23 @@ def fake_host_tensor(op: str, name: str, t: torch.Tensor, ref_name: str, ref: to
 _inplace_libs: list = []  # the registrations must live as long as the process
 
 
-def register_inplace(qualname: str, mutated: dict) -> None:
+def register_inplace(qualname: str, mutated: dict = None) -> None:
     """The ADInplaceOrView kernel of an op defined in C that writes some of
     its arguments in place (``Tensor(a!)`` in its schema).
 
     Kernels registered from C have none, so without this PyTorch neither
     bumps the written tensors' version counters (autograd would then use a
     saved tensor's new values silently) nor refuses a write into a leaf that
-    requires grad. ``mutated`` maps argument positions to their names; a
-    position may hold a list of tensors.
+    requires grad. ``mutated`` maps argument positions to their names (by
+    default the arguments the schema marks written); a position may hold a
+    list of tensors.
     """
     ns, name = qualname.split("::")
     packet, _, overload = name.partition(".")
     op = getattr(getattr(getattr(torch.ops, ns), packet), overload or "default")
+    if mutated is None:
+        names = arg_names(op)
+        mutated = {names.index(n): n for n in written_arg_names(op)}
     lib = torch.library.Library(ns, "IMPL")
     _inplace_libs.append(lib)
 
@@ -158,3 +162,81 @@ def autocast_to(t, dtype: torch.dtype):
     if isinstance(t, torch.Tensor) and t.dtype in AUTOCAST_ELIGIBLE and t.dtype != dtype:
         return t.to(dtype)
     return t
+
+
+# ---- op schemas -------------------------------------------------------------------
+#
+# The schema each op registers from C (ops/ops.h) is the one description of
+# its arguments. The fake kernels, the autograd formulas and the DTensor
+# sharding strategies read arguments by their schema names through these
+# helpers, so adding an argument to an op changes its schema and its
+# implementation, and nothing that restates the argument list by position.
+
+
+def arg_names(op) -> tuple:
+    """The names of ``op``'s arguments (an ``OpOverload``), in stack order."""
+    return _schema_info(op)[0]
+
+
+def tensor_arg_names(op) -> tuple:
+    """The names of ``op``'s ``Tensor`` arguments (not ``Tensor[]``)."""
+    return _schema_info(op)[1]
+
+
+def written_arg_names(op) -> tuple:
+    """The names of the arguments ``op`` writes in place (``Tensor(a!)``)."""
+    return _schema_info(op)[2]
+
+
+_SCHEMA_INFO: dict = {}
+
+
+def _schema_info(op):
+    key = (op._schema.name, op._schema.overload_name)
+    info = _SCHEMA_INFO.get(key)
+    if info is None:
+        args = op._schema.arguments
+        info = (
+            tuple(a.name for a in args),
+            tuple(a.name for a in args if isinstance(a.type, torch.TensorType)),
+            tuple(a.name for a in args if a.alias_info is not None and a.alias_info.is_write),
+        )
+        _SCHEMA_INFO[key] = info
+    return info
+
+
+def bind(op, args, kwargs=None) -> dict:
+    """``{name: value}`` for a call of ``op`` with ``args`` (and ``kwargs``)."""
+    names = arg_names(op)
+    if len(args) > len(names):
+        raise TypeError(f"{op._schema.name} takes {len(names)} arguments, got {len(args)}")
+    bound = dict(zip(names, args))
+    if kwargs:
+        bound.update(kwargs)
+    return bound
+
+
+def call_args(op, values: dict) -> list:
+    """``op``'s positional arguments, each taken from ``values`` by name."""
+    missing = [n for n in arg_names(op) if n not in values]
+    if missing:
+        raise KeyError(f"{op._schema.name}: no value for argument(s) {missing}")
+    return [values[n] for n in arg_names(op)]
+
+
+def per_arg(op, values: dict, default=None) -> tuple:
+    """One entry per argument of ``op``: ``values[name]``, or ``default`` for
+    arguments ``values`` does not name (autograd's gradient tuple, a sharding
+    strategy's input placements)."""
+    return tuple(values.get(n, default) for n in arg_names(op))
+
+
+def tensor_placements(op, placements: dict) -> list:
+    """A DTensor sharding strategy's input placements for ``op``: the
+    placement ``placements`` gives each Tensor argument by name, None for the
+    others. Raises naming a Tensor argument that has none."""
+    missing = [n for n in tensor_arg_names(op) if n not in placements]
+    if missing:
+        raise KeyError(f"{op._schema.name}: no placement for tensor argument(s) {missing}")
+    tensors = set(tensor_arg_names(op))
+    return [placements[n] if n in tensors else None for n in arg_names(op)]

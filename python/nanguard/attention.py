@@ -41,12 +41,17 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# The four overloads, and each forward's backward. Every argument is read by
+# its schema name (ops/ops.h, NG_ATTENTION_SCHEMAS): nothing below restates
+# an argument list by position.
+_FORWARDS = (_ops.safe_sdpa.default, _ops.safe_sdpa.masked)
+_BACKWARD = {
+    _ops.safe_sdpa.default: _ops.safe_sdpa_backward.default,
+    _ops.safe_sdpa.masked: _ops.safe_sdpa_backward.masked,
+}
+
+
 # ---- fake (meta) kernels ----------------------------------------------------
-
-
-def _fake_checks(op, query, tensors, rng):
-    _checks.fake_same_device(op, "query", query, *tensors)
-    _checks.fake_host_tensor(op, "rng", rng, "query", query)
 
 
 def _fake_out(query, value):
@@ -54,18 +59,6 @@ def _fake_out(query, value):
     out = query.new_empty((B, H, L, value.shape[-1]))
     lse = query.new_empty((B, H, L), dtype=_lse_dtype(query.dtype))
     return out, lse
-
-
-@torch.library.register_fake("nanguard::safe_sdpa")
-def _fake_fwd(query, key, value, dropout_p, is_causal, scale, max_score, softcap, rng):
-    _fake_checks("nanguard::safe_sdpa", query, (("key", key), ("value", value)), rng)
-    return _fake_out(query, value)
-
-
-@torch.library.register_fake("nanguard::safe_sdpa.masked")
-def _fake_fwd_masked(query, key, value, attn_mask, dropout_p, is_causal, scale, max_score, softcap, rng):
-    _fake_checks("nanguard::safe_sdpa", query, (("key", key), ("value", value), ("attn_mask", attn_mask)), rng)
-    return _fake_out(query, value)
 
 
 def _fake_grads(query, key, value):
@@ -76,72 +69,70 @@ def _fake_grads(query, key, value):
     )
 
 
-@torch.library.register_fake("nanguard::safe_sdpa_backward")
-def _fake_bwd(grad_out, query, key, value, out, lse, dropout_p, is_causal, scale, max_score, softcap, rng):
-    named = (("grad_out", grad_out), ("key", key), ("value", value), ("out", out), ("lse", lse))
-    _fake_checks("nanguard::safe_sdpa_backward", query, named, rng)
-    return _fake_grads(query, key, value)
+def _make_fake(op, backward: bool):
+    """Shapes, dtypes and device checks of one overload: every Tensor
+    argument on query's device, rng on the host."""
+
+    def fake(*args):
+        a = _checks.bind(op, args)
+        query = a["query"]
+        named = [(n, a[n]) for n in _checks.tensor_arg_names(op) if n not in ("query", "rng")]
+        _checks.fake_same_device(op._schema.name, "query", query, *named)
+        _checks.fake_host_tensor(op._schema.name, "rng", a["rng"], "query", query)
+        if backward:
+            return _fake_grads(query, a["key"], a["value"])
+        return _fake_out(query, a["value"])
+
+    return fake
 
 
-@torch.library.register_fake("nanguard::safe_sdpa_backward.masked")
-def _fake_bwd_masked(grad_out, query, key, value, attn_mask, out, lse, dropout_p, is_causal, scale,
-                     max_score, softcap, rng):
-    named = (("grad_out", grad_out), ("key", key), ("value", value), ("attn_mask", attn_mask),
-             ("out", out), ("lse", lse))
-    _fake_checks("nanguard::safe_sdpa_backward", query, named, rng)
-    return _fake_grads(query, key, value)
+for _fwd, _bwd in _BACKWARD.items():
+    torch.library.register_fake(_fwd)(_make_fake(_fwd, False))
+    torch.library.register_fake(_bwd)(_make_fake(_bwd, True))
 
 
 # ---- autograd ---------------------------------------------------------------
 
 
-def _make_setup(masked: bool):
+def _make_setup(op):
+    tensors = _checks.tensor_arg_names(op)
+
     def setup_context(ctx, inputs, output):
-        # inputs end with (dropout_p, is_causal, scale, max_score, softcap, rng)
-        if masked:
-            query, key, value, mask, *params, rng = inputs
-            if mask.requires_grad:
-                raise RuntimeError(
-                    "nanguard.safe_sdpa: attn_mask requires grad; gradients with respect to an "
-                    "attention mask are not supported (pass attn_mask.detach())"
-                )
-        else:
-            query, key, value, *params, rng = inputs
-            mask = None
+        a = _checks.bind(op, inputs)
+        mask = a.get("attn_mask")
+        if mask is not None and mask.requires_grad:
+            raise RuntimeError(
+                "nanguard.safe_sdpa: attn_mask requires grad; gradients with respect to an "
+                "attention mask are not supported (pass attn_mask.detach())"
+            )
         out, lse = output
         # lse is the softmax's normaliser, an output for the backward only:
         # marked so, it does not claim a gradient it would never get.
         ctx.mark_non_differentiable(lse)
-        # rng is saved like any tensor: the backward regenerates the forward's
-        # dropout mask from the same [seed, offset] values.
-        ctx.save_for_backward(query, key, value, mask, out, lse, rng)
-        ctx.params = tuple(params)
+        # Every tensor argument is saved (rng too: the backward regenerates
+        # the forward's dropout mask from the same [seed, offset] values),
+        # then out and lse; the scalars are kept by name.
+        ctx.save_for_backward(*(a[n] for n in tensors), out, lse)
+        ctx.scalars = {n: v for n, v in a.items() if n not in tensors}
 
     return setup_context
 
 
-def _make_backward(masked: bool):
+def _make_backward(op):
+    tensors = _checks.tensor_arg_names(op)
+    bwd = _BACKWARD[op]
+
     def backward(ctx, grad_out, _grad_lse):
-        query, key, value, mask, out, lse, rng = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        no_grads = (None,) * (len(ctx.params) + 1)  # the scalars and rng
-        if masked:
-            dq, dk, dv = _ops.safe_sdpa_backward.masked(
-                grad_out, query, key, value, mask, out, lse, *ctx.params, rng
-            )
-            return (dq, dk, dv, None) + no_grads
-        dq, dk, dv = _ops.safe_sdpa_backward(grad_out, query, key, value, out, lse, *ctx.params, rng)
-        return (dq, dk, dv) + no_grads
+        values = dict(zip(tensors + ("out", "lse"), ctx.saved_tensors), **ctx.scalars)
+        values["grad_out"] = grad_out.contiguous()
+        dq, dk, dv = bwd(*_checks.call_args(bwd, values))
+        return _checks.per_arg(op, {"query": dq, "key": dk, "value": dv})
 
     return backward
 
 
-torch.library.register_autograd(
-    "nanguard::safe_sdpa", _make_backward(False), setup_context=_make_setup(False)
-)
-torch.library.register_autograd(
-    "nanguard::safe_sdpa.masked", _make_backward(True), setup_context=_make_setup(True)
-)
+for _fwd in _FORWARDS:
+    torch.library.register_autograd(_fwd, _make_backward(_fwd), setup_context=_make_setup(_fwd))
 
 
 def _no_double_backward(ctx, *grads):
@@ -154,8 +145,78 @@ def _no_double_backward(ctx, *grads):
     )
 
 
-for _name in ("nanguard::safe_sdpa_backward", "nanguard::safe_sdpa_backward.masked"):
-    torch.library.register_autograd(_name, _no_double_backward)
+for _bwd in _BACKWARD.values():
+    torch.library.register_autograd(_bwd, _no_double_backward)
+
+
+# ---- DTensor ----------------------------------------------------------------------
+
+
+def _make_sharding(op):
+    """safe_sdpa's DTensor strategies for one overload and mesh dimension:
+    replicated; sharded on batch (dim 0); sharded on heads (dim 1) when query
+    and key/value heads divide by the mesh size (a single key/value head
+    stays replicated, its gradient Partial). The mask follows query where its
+    dim is full-size, and is replicated where it broadcasts."""
+    backward = op in _BACKWARD.values()
+
+    def strategies(*args, **kwargs):
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        a = _checks.bind(op, args, kwargs)
+        q, k, mask = a["query"], a["key"], a.get("attn_mask")
+        B, Hq, Hkv, n = q.shape[0], q.shape[1], k.shape[1], q.mesh.size()
+        R = Replicate()
+
+        def build(qp, kvp, maskp, outp, lsep, dkvp):
+            ins = {"query": qp, "key": kvp, "value": kvp, "attn_mask": maskp, "grad_out": qp,
+                   "out": outp, "lse": lsep, "rng": R}
+            outs = [qp, dkvp, dkvp] if backward else [outp, lsep]
+            return outs, _checks.tensor_placements(op, ins)
+
+        res = [build(R, R, R, R, R, R)]
+        mb = mask is not None and mask.shape[0] == B and B > 1
+        res.append(build(Shard(0), Shard(0), Shard(0) if mb else R, Shard(0), Shard(0), Shard(0)))
+        if Hq % n == 0 and (Hkv == 1 or Hkv % n == 0):
+            kvp = R if Hkv == 1 else Shard(1)
+            dkvp = Partial() if Hkv == 1 else Shard(1)
+            mh = mask is not None and mask.shape[1] == Hq and Hq > 1
+            res.append(build(Shard(1), kvp, Shard(1) if mh else R, Shard(1), Shard(1), dkvp))
+        return res
+
+    return strategies
+
+
+for _fwd, _bwd in _BACKWARD.items():
+    _dist.sharding_strategy(_fwd, _make_sharding(_fwd))
+    _dist.sharding_strategy(_bwd, _make_sharding(_bwd))
+
+
+def _dtensor_args(query, key, value, attn_mask, dropout_p, rng):
+    """For DTensor attention inputs: register the strategies and make the
+    mask and the dropout seed replicated DTensors on query's mesh (they are
+    the same on every rank). Dropout is refused: the same seed on every
+    shard would drop the same pattern in every shard, which is not the
+    unsharded computation."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, DTensor):
+            raise TypeError(f"query is a DTensor but {name} is not: pass DTensors on one mesh")
+        if t.device_mesh != query.device_mesh:
+            raise ValueError(f"{name} is on another device mesh than query")
+    if dropout_p > 0.0:
+        raise ValueError(
+            "dropout_p > 0 is not supported with DTensor inputs (every shard would draw the same "
+            "dropout mask); pass dropout_p=0.0, or call safe_sdpa on local tensors"
+        )
+    _dist.register_sharding_strategies()
+    mesh = query.device_mesh
+    rep = [Replicate()] * mesh.ndim
+    rng = DTensor.from_local(rng, mesh, rep, run_check=False)
+    if attn_mask is not None and not isinstance(attn_mask, DTensor):
+        attn_mask = DTensor.from_local(attn_mask, mesh, rep, run_check=False)
+    return attn_mask, rng
 
 
 # ---- functional API ---------------------------------------------------------
@@ -262,7 +323,7 @@ def safe_sdpa(
 
     rng = _draw_rng(dropout_p)
     if _dist.is_dtensor(query):  # tensor / sequence parallel activations
-        attn_mask, rng = _dist.sdpa_args(query, key, value, attn_mask, dropout_p, rng)
+        attn_mask, rng = _dtensor_args(query, key, value, attn_mask, dropout_p, rng)
     q4, k4, v4, batch, Hq = _to_4d(query, key, value, enable_gqa)
     params = (dropout_p, is_causal, float(scale), max_score, softcap, rng)
     if attn_mask is None:

@@ -53,13 +53,30 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+#: each forward overload's backward (the one with the weight when it has one).
+#: Every argument is read by its schema name (ops/ops.h, NG_LAYERNORM_SCHEMAS):
+#: nothing below restates an argument list by position.
+_BACKWARD = {
+    fwd: _ops.stable_layernorm_backward.weight if has_w else _ops.stable_layernorm_backward.default
+    for (has_w, _), fwd in _FWD.items()
+}
+_BACKWARDS = (_ops.stable_layernorm_backward.default, _ops.stable_layernorm_backward.weight)
+
+
 # ---- fake (meta) kernels: shapes and dtypes for torch.compile / opcheck ----
 
 
-def _make_fake_fwd(param_names):
-    def fake(input, *rest):  # rest: the overload's parameters, then eps and rms
-        named = zip(param_names, rest[: len(param_names)])
-        _checks.fake_same_device("nanguard::stable_layernorm", "input", input, *named)
+def _fake_checks(op, a):
+    """Every Tensor argument on input's device."""
+    named = [(n, a[n]) for n in _checks.tensor_arg_names(op) if n != "input"]
+    _checks.fake_same_device(op._schema.name, "input", a["input"], *named)
+
+
+def _make_fake_fwd(op):
+    def fake(*args):
+        a = _checks.bind(op, args)
+        _fake_checks(op, a)
+        input = a["input"]
         stats = input.shape[:-1]
         sd = _stat_dtype(input.dtype)
         return (
@@ -71,76 +88,59 @@ def _make_fake_fwd(param_names):
     return fake
 
 
-for _overload, _params in (("default", ()), ("weight", ("weight",)), ("bias", ("bias",)),
-                           ("weight_bias", ("weight", "bias"))):
-    _name = "nanguard::stable_layernorm" + ("" if _overload == "default" else "." + _overload)
-    torch.library.register_fake(_name)(_make_fake_fwd(_params))
+def _make_fake_bwd(op):
+    def fake(*args):
+        a = _checks.bind(op, args)
+        _fake_checks(op, a)
+        input = a["input"]
+        grad_input = torch.empty_like(input, memory_format=torch.contiguous_format)
+        grad_bias = input.new_empty((input.shape[-1] if a["with_bias"] else 0,))
+        if "weight" not in a:
+            return grad_input, grad_bias
+        return grad_input, torch.empty_like(a["weight"], memory_format=torch.contiguous_format), grad_bias
+
+    return fake
 
 
-@torch.library.register_fake("nanguard::stable_layernorm_backward")
-def _fake_bwd(grad_out, input, mean, rstd, rms, with_bias):
-    _checks.fake_same_device("nanguard::stable_layernorm_backward", "input", input,
-                             ("grad_out", grad_out), ("mean", mean), ("rstd", rstd))
-    n = input.shape[-1] if with_bias else 0
-    return torch.empty_like(input, memory_format=torch.contiguous_format), input.new_empty((n,))
-
-
-@torch.library.register_fake("nanguard::stable_layernorm_backward.weight")
-def _fake_bwd_w(grad_out, input, weight, mean, rstd, rms, with_bias):
-    _checks.fake_same_device("nanguard::stable_layernorm_backward", "input", input,
-                             ("grad_out", grad_out), ("weight", weight), ("mean", mean), ("rstd", rstd))
-    n = input.shape[-1] if with_bias else 0
-    return (
-        torch.empty_like(input, memory_format=torch.contiguous_format),
-        torch.empty_like(weight, memory_format=torch.contiguous_format),
-        input.new_empty((n,)),
-    )
+for _op in _FWD.values():
+    torch.library.register_fake(_op)(_make_fake_fwd(_op))
+for _op in _BACKWARDS:
+    torch.library.register_fake(_op)(_make_fake_bwd(_op))
 
 
 # ---- autograd ---------------------------------------------------------------
 
 
-def _make_setup(has_w: bool, has_b: bool):
+def _make_setup(op):
     def setup_context(ctx, inputs, output):
-        input = inputs[0]
-        weight = inputs[1] if has_w else None
-        rms = inputs[-1]
+        a = _checks.bind(op, inputs)
         _, mean, rstd = output
         # The statistics are outputs for the backward only: marked so, they do
         # not claim a gradient they would never get.
         ctx.mark_non_differentiable(mean, rstd)
-        ctx.save_for_backward(input, weight, mean, rstd)
-        ctx.rms = rms
-        ctx.has_b = has_b
+        ctx.save_for_backward(a["input"], a.get("weight"), mean, rstd)
+        ctx.rms = a["rms"]
+        ctx.has_b = "bias" in a
 
     return setup_context
 
 
-def _make_backward(has_w: bool, has_b: bool):
+def _make_backward(op):
+    bwd = _BACKWARD[op]
+
     def backward(ctx, grad_out, _grad_mean, _grad_rstd):
         input, weight, mean, rstd = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        if has_w:
-            gx, gw, gb = _ops.stable_layernorm_backward.weight(
-                grad_out, input, weight, mean, rstd, ctx.rms, has_b
-            )
-        else:
-            gx, gb = _ops.stable_layernorm_backward(grad_out, input, mean, rstd, ctx.rms, has_b)
-            gw = None
-        grads = [gx]
-        if has_w:
-            grads.append(gw)
-        if has_b:
-            grads.append(gb)
-        return (*grads, None, None)  # eps, rms
+        values = {"grad_out": grad_out.contiguous(), "input": input, "weight": weight, "mean": mean,
+                  "rstd": rstd, "rms": ctx.rms, "with_bias": ctx.has_b}
+        out = bwd(*_checks.call_args(bwd, values))
+        gx, gw, gb = out if len(out) == 3 else (out[0], None, out[1])
+        return _checks.per_arg(op, {"input": gx, "weight": gw, "bias": gb})
 
     return backward
 
 
-for (_has_w, _has_b), _op in _FWD.items():
-    torch.library.register_autograd(
-        _op, _make_backward(_has_w, _has_b), setup_context=_make_setup(_has_w, _has_b)
-    )
+for _op in _FWD.values():
+    torch.library.register_autograd(_op, _make_backward(_op), setup_context=_make_setup(_op))
 
 
 # ---- double backward ----------------------------------------------------------
@@ -182,61 +182,87 @@ def backward_reference(grad_out, input, weight, mean, rstd, rms: bool, with_bias
     return gx.to(input.dtype), gw, gb.to(input.dtype)
 
 
-def _make_bwd_setup(has_w: bool):
+def _make_bwd_setup(op):
     def setup_context(ctx, inputs, output):
-        if has_w:
-            grad_out, input, weight, mean, rstd, rms, with_bias = inputs
-        else:
-            grad_out, input, mean, rstd, rms, with_bias = inputs
-            weight = None
-        if mean.requires_grad or rstd.requires_grad:
+        a = _checks.bind(op, inputs)
+        if a["mean"].requires_grad or a["rstd"].requires_grad:
             raise RuntimeError(
                 "nanguard.stable_layernorm_backward: mean and rstd require grad; they must be "
                 "the forward's statistics, which are not differentiable (its derivative treats "
                 "them as functions of input)"
             )
-        ctx.save_for_backward(grad_out, input, weight, mean, rstd)
-        ctx.rms, ctx.with_bias = rms, with_bias
+        ctx.save_for_backward(a["grad_out"], a["input"], a.get("weight"), a["mean"], a["rstd"])
+        ctx.rms, ctx.with_bias = a["rms"], a["with_bias"]
 
     return setup_context
 
 
-def _make_bwd_backward(has_w: bool):
+def _make_bwd_backward(op):
+    names = _checks.arg_names(op)
+    # the differentiable arguments (mean and rstd are the input's statistics)
+    diff = tuple(n for n in ("grad_out", "input", "weight") if n in names)
+
     def backward(ctx, *grads):
         grad_out, input, weight, mean, rstd = ctx.saved_tensors
-        ins = [grad_out, input] + ([weight] if has_w else [])
-        needed = [i for i, t in enumerate(ins) if ctx.needs_input_grad[i]]
-        result = [None] * len(ins)
+        ins = dict(zip(("grad_out", "input", "weight"), (grad_out, input, weight)))
+        needed = [n for n in diff if ctx.needs_input_grad[names.index(n)]]
+        result = {}
         if needed:
             # the saved tensors themselves when they carry a graph, so that a
             # create_graph=True call can differentiate this once more
-            leaves = [t if t.requires_grad else t.detach().requires_grad_() for t in ins]
+            leaves = {n: t if t.requires_grad else t.detach().requires_grad_()
+                      for n, t in ins.items() if n in diff}
             with torch.enable_grad():
                 outs = backward_reference(
-                    leaves[0], leaves[1], leaves[2] if has_w else None, mean, rstd, ctx.rms,
+                    leaves["grad_out"], leaves["input"], leaves.get("weight"), mean, rstd, ctx.rms,
                     ctx.with_bias,
                 )
             pairs = [(o, g) for o, g in zip([o for o in outs if o is not None], grads)
                      if g is not None and o.requires_grad]
             if pairs:
                 got = torch.autograd.grad(
-                    [o for o, _ in pairs], [leaves[i] for i in needed], [g for _, g in pairs],
+                    [o for o, _ in pairs], [leaves[n] for n in needed], [g for _, g in pairs],
                     allow_unused=True, create_graph=torch.is_grad_enabled(),
                 )
-                for i, g in zip(needed, got):
-                    result[i] = g
-        return (*result, None, None, None, None)  # mean, rstd, rms, with_bias
+                result = dict(zip(needed, got))
+        return _checks.per_arg(op, result)
 
     return backward
 
 
-torch.library.register_autograd(
-    "nanguard::stable_layernorm_backward", _make_bwd_backward(False), setup_context=_make_bwd_setup(False)
-)
-torch.library.register_autograd(
-    "nanguard::stable_layernorm_backward.weight", _make_bwd_backward(True),
-    setup_context=_make_bwd_setup(True),
-)
+for _op in _BACKWARDS:
+    torch.library.register_autograd(_op, _make_bwd_backward(_op), setup_context=_make_bwd_setup(_op))
+
+
+# ---- DTensor ----------------------------------------------------------------------
+
+
+def _make_sharding(op):
+    """stable_layernorm's DTensor strategies for one overload and mesh
+    dimension: replicated, or sharded on any dim but the normalized (last)
+    one, with weight and bias replicated and their gradients Partial."""
+    backward = op in _BACKWARDS
+
+    def strategies(*args, **kwargs):
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        a = _checks.bind(op, args, kwargs)
+        x = a["input"]
+        R = Replicate()
+        res = []
+        for p in [R] + [Shard(d) for d in range(x.ndim - 1)]:
+            pp = R if p == R else Partial()  # weight / bias gradients
+            ins = {"grad_out": p, "input": p, "weight": R, "bias": R, "mean": p, "rstd": p}
+            # forward: y, mean, rstd; backward: grad_input, [grad_weight], grad_bias
+            outs = [p] + [pp] * (1 + ("weight" in a)) if backward else [p, p, p]
+            res.append((outs, _checks.tensor_placements(op, ins)))
+        return res
+
+    return strategies
+
+
+for _op in (*_FWD.values(), *_BACKWARDS):
+    _dist.sharding_strategy(_op, _make_sharding(_op))
 
 
 # ---- functional API ---------------------------------------------------------

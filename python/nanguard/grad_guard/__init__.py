@@ -22,8 +22,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _checks
-from . import distributed as _dist
+from .. import _checks
+from .. import distributed as _dist
 
 __all__ = ["clip_grad_norm_", "guard_", "GuardStats", "MAX_LIST", "STATS_LAYOUT"]
 
@@ -70,8 +70,8 @@ def _fake_fused(grads, inv_scale, found_inf, max_norm, norm_type):
 
 
 # grads and found_inf are written in place: version counters and the leaf check
-_checks.register_inplace("nanguard::grad_guard_apply_", {0: "grads", 3: "found_inf"})
-_checks.register_inplace("nanguard::fused_unscale_clip_", {0: "grads", 2: "found_inf"})
+_checks.register_inplace("nanguard::grad_guard_apply_")
+_checks.register_inplace("nanguard::fused_unscale_clip_")
 
 
 # ---- helpers ----------------------------------------------------------------------
@@ -205,16 +205,48 @@ def _per_device(t: torch.Tensor, device: torch.device, cache: Dict[torch.device,
     return cache[device]
 
 
+def _empty_stats(device) -> torch.Tensor:
+    """The [4] stats of no gradient at all."""
+    return torch.tensor([0.0, 0.0, 0.0, -1.0], dtype=torch.float64, device=device)
+
+
+def _first_bad_of_call(first_bad: torch.Tensor, idx: List[int], device) -> torch.Tensor:
+    """One call's first bad index (its stats[3], -1 when none) as an index
+    into the caller's list, through ``idx`` (the caller's index of each
+    tensor of the call); inf when none. The table goes host to device,
+    never the other way: no sync."""
+    lut = _to(torch.tensor(idx, dtype=torch.float64), device)
+    mapped = lut.index_select(0, first_bad.clamp(min=0).long().reshape(1)).reshape(())
+    return torch.where(first_bad >= 0, mapped, torch.full_like(mapped, math.inf))
+
+
+def _combine_rows(rows: torch.Tensor, inf_norm: bool) -> torch.Tensor:
+    """[acc, nan, inf] of several [acc, nan, inf, ...] rows ([n, >=3]): the
+    accumulators summed (norm 2) or maxed (norm inf), the counts summed."""
+    acc = rows[:, 0].amax() if inf_norm else rows[:, 0].sum()
+    return torch.cat([acc.reshape(1), rows[:, 1:3].sum(0)])
+
+
+def _first_of(firsts: List[torch.Tensor]) -> torch.Tensor:
+    """[the least of the mapped first bad indices], -1 when all are inf."""
+    first = torch.stack(firsts).amin()
+    return torch.where(torch.isinf(first), torch.full_like(first, -1.0), first).reshape(1)
+
+
 def _combine(parts: List[torch.Tensor], firsts: List[torch.Tensor], inf_norm: bool, device):
     """Combine [4] stats of several calls into one [4] tensor on `device`.
     firsts hold each call's first bad index already mapped to the caller's
     list (inf when none)."""
     s = torch.stack([_to(p, device) for p in parts])
-    acc = s[:, 0].amax() if inf_norm else s[:, 0].sum()
-    counts = s[:, 1:3].sum(0)
-    first = torch.stack([_to(f, device) for f in firsts]).amin()
-    first = torch.where(torch.isinf(first), torch.full_like(first, -1.0), first)
-    return torch.cat([acc.reshape(1), counts, first.reshape(1)])
+    return torch.cat([_combine_rows(s, inf_norm), _first_of([_to(f, device) for f in firsts])])
+
+
+def _norm_from_stats(stats: torch.Tensor, inf_norm: bool) -> torch.Tensor:
+    """The float32 0-dim total norm the stats imply (NaN when any value is
+    NaN, inf when any is inf): the norm of a caller that holds no gradient."""
+    tn = stats[0] if inf_norm else stats[0].sqrt()
+    tn = torch.where(stats[2] > 0, torch.full_like(tn, math.inf), tn)
+    return torch.where(stats[1] > 0, torch.full_like(tn, math.nan), tn).float()
 
 
 def _all_reduce(stats: torch.Tensor, inf_norm: bool, process_group) -> torch.Tensor:
@@ -265,17 +297,13 @@ class _Plan:
     def reduce(self, process_group=None) -> torch.Tensor:
         """Pass 1 over every batch; the combined float64 [4] stats."""
         if not self.batches:
-            stats = torch.tensor([0.0, 0.0, 0.0, -1.0], dtype=torch.float64, device=self.main)
+            stats = _empty_stats(self.main)
         else:
             parts, firsts = [], []
             for dev, ts, idx in self.batches:
                 st = _ops.grad_guard_reduce(ts, self.scales[dev], self.norm_type)
                 parts.append(st)
-                # the call's first bad index, as an index into the caller's list
-                lut = _to(torch.tensor(idx, dtype=torch.float64), dev)
-                fb = st[3]
-                mapped = lut.index_select(0, fb.clamp(min=0).long().reshape(1)).reshape(())
-                firsts.append(torch.where(fb >= 0, mapped, torch.full_like(mapped, math.inf)))
+                firsts.append(_first_bad_of_call(st[3], idx, dev))
             stats = _combine(parts, firsts, self.inf_norm, self.main)
         if process_group is not None:
             stats = _all_reduce(stats, self.inf_norm, process_group)
@@ -284,10 +312,7 @@ class _Plan:
     def apply(self, stats: torch.Tensor, max_norm: float) -> torch.Tensor:
         """Pass 2 with the combined stats; the total norm on the main device."""
         if not self.batches:
-            tn = stats[0] if self.inf_norm else stats[0].sqrt()
-            tn = torch.where(stats[2] > 0, torch.full_like(tn, math.inf), tn)
-            tn = torch.where(stats[1] > 0, torch.full_like(tn, math.nan), tn)
-            return tn.float()
+            return _norm_from_stats(stats, self.inf_norm)
         total = None
         stats_on: Dict[torch.device, torch.Tensor] = {}
         for dev, ts, _ in self.batches:
@@ -309,9 +334,11 @@ class _Plan:
 def _make_plan(grads, inv_scale, norm_type, found_inf, process_group):
     """The plan of one guarded step: DTensor gradients (FSDP2, HSDP, tensor
     parallel) are guarded through their local shards, reduced over their
-    meshes (nanguard.distributed)."""
+    meshes (nanguard.grad_guard._dtensor)."""
     if _dist.any_dtensor(grads):
-        return _dist.DTensorPlan(grads, inv_scale, norm_type, found_inf, process_group, _Plan)
+        from ._dtensor import DTensorPlan
+
+        return DTensorPlan(grads, inv_scale, norm_type, found_inf, process_group)
     return _Plan(grads, inv_scale, norm_type, found_inf)
 
 
