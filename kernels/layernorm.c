@@ -10,7 +10,8 @@
  * order afterwards.
  *
  * fp16 / bf16 rows are widened to fp32 scratch, processed by the fp32 loops
- * and narrowed on the way out. fp64 has its own plain loops (it exists for
+ * and narrowed on the way out; their weight / bias (16-bit, or fp32 with
+ * params_f32) are used as fp32, so fp32 parameters are applied unrounded. fp64 has its own plain loops (it exists for
  * gradcheck and references, not speed). The fp32 loops are compiled for
  * baseline x86-64 and again for AVX2+FMA (+F16C), chosen at run time.
  */
@@ -163,12 +164,12 @@ static void fwd_range(int64_t r0, int64_t r1, void *vctx) {
     free(buf);
 }
 
-/* Widen weight / bias of a 16-bit call to fp32 once; fp32 passes through. */
+/* Widen 16-bit weight / bias to fp32 once; fp32 (and fp64) pass through. */
 static ng_status params_f32(const ng_layernorm_args *a, const ln_path *p, const float **w32,
                             const float **b32, float **owned) {
     *owned = NULL;
     const void *bias = a->rms ? NULL : a->bias;
-    if (a->dtype == NG_F32 || a->dtype == NG_F64) {
+    if (ng_layernorm_param_dtype(a) == NG_F32 || a->dtype == NG_F64) {
         *w32 = (const float *)a->weight;
         *b32 = (const float *)bias;
         return NG_OK;
@@ -193,6 +194,7 @@ ng_status ng_layernorm_check(const ng_layernorm_args *a, int backward) {
     if (!a || a->rows < 0 || a->cols < 0) return NG_ERR_INVALID_ARG;
     if ((unsigned)a->dtype > NG_BF16) return NG_ERR_DTYPE;
     if (!(a->eps >= 0.0)) return NG_ERR_INVALID_ARG;
+    if (a->params_f32 && a->dtype == NG_F64) return NG_ERR_DTYPE;
     if (backward && a->rms && a->dbias) return NG_ERR_INVALID_ARG;
     return NG_OK;
 }
@@ -305,9 +307,11 @@ static void reduce_cols(int64_t c0, int64_t c1, void *vctx) {
         }
         return;
     }
-    float *dst = a->dtype == NG_F32 ? (float *)out : rc->tmp;
+    /* fp32 sums, narrowed once at the end for 16-bit parameters */
+    const ng_dtype pt = ng_layernorm_param_dtype(a);
+    float *dst = pt == NG_F32 ? (float *)out : rc->tmp;
     c->path.sum_blocks((const float *)part, c->nblk, n, c0, c1, dst);
-    if (a->dtype != NG_F32) c->path.from_f32(dst + c0, (uint16_t *)out + c0, c1 - c0, a->dtype);
+    if (pt != NG_F32) c->path.from_f32(dst + c0, (uint16_t *)out + c0, c1 - c0, pt);
 }
 
 ng_status ng_layernorm_bwd(const ng_layernorm_args *a, ng_parallel_fn par) {
@@ -317,8 +321,8 @@ ng_status ng_layernorm_bwd(const ng_layernorm_args *a, ng_parallel_fn par) {
     if (a->rows == 0 || n == 0) {
         /* No rows: parameter gradients are sums over nothing. */
         for (int64_t j = 0; j < n; j++) {
-            if (a->dweight) ng_store_f64(a->dweight, a->dtype, j, 0.0);
-            if (a->dbias) ng_store_f64(a->dbias, a->dtype, j, 0.0);
+            if (a->dweight) ng_store_f64(a->dweight, ng_layernorm_param_dtype(a), j, 0.0);
+            if (a->dbias) ng_store_f64(a->dbias, ng_layernorm_param_dtype(a), j, 0.0);
         }
         return NG_OK;
     }

@@ -22,7 +22,9 @@
  *     and a second kernel sums a column's partials in chunk order. No
  *     atomics: the result is deterministic, and short fp32 sums per thread
  *     keep it as accurate as the CPU's blocked partials.
- * Element type is a run-time argument (warp-uniform switch in ng_load_f32);
+ * Element type is a run-time argument (warp-uniform switch in ng_load_f32),
+ * the parameters' too (fp32 weight / bias of 16-bit input, params_f32, are
+ * read and applied in fp32; dweight / dbias are fp32 sums stored in it);
  * the kernels are memory-bound, so the conversions are free.
  */
 #include <cuda_runtime.h>
@@ -121,6 +123,7 @@ static __global__ void __launch_bounds__(1024) ln_fwd_kernel(ng_layernorm_args a
     if (r >= a.rows) return;
     const int64_t n = a.cols, base = r * n;
     float shift, md, rstd;
+    const ng_dtype pt = ng_layernorm_param_dtype(&a);
     row_stats(a.x, a.dtype, base, n, (float)a.eps, a.rms, red, &shift, &md, &rstd);
     if (threadIdx.x == 0) {
         if (!a.rms) ((float *)a.mean)[r] = shift + md;
@@ -128,8 +131,8 @@ static __global__ void __launch_bounds__(1024) ln_fwd_kernel(ng_layernorm_args a
     }
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
         float o = ((ng_load_f32(a.x, a.dtype, base + i) - shift) - md) * rstd;
-        if (a.weight) o *= ng_load_f32(a.weight, a.dtype, i);
-        if (a.bias && !a.rms) o += ng_load_f32(a.bias, a.dtype, i);
+        if (a.weight) o *= ng_load_f32(a.weight, pt, i);
+        if (a.bias && !a.rms) o += ng_load_f32(a.bias, pt, i);
         ng_store_f32(a.y, a.dtype, base + i, o);
     }
 }
@@ -141,10 +144,11 @@ static __global__ void __launch_bounds__(1024) ln_bwd_dx_kernel(ng_layernorm_arg
     const int64_t n = a.cols, base = r * n;
     const float mean = a.rms ? 0.0f : ((const float *)a.mean)[r];
     const float rstd = ((const float *)a.rstd)[r];
+    const ng_dtype pt = ng_layernorm_param_dtype(&a);
     float sg = 0.0f, sgx = 0.0f;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
         float g = ng_load_f32(a.dy, a.dtype, base + i);
-        if (a.weight) g *= ng_load_f32(a.weight, a.dtype, i);
+        if (a.weight) g *= ng_load_f32(a.weight, pt, i);
         sg += g;
         sgx += g * ((ng_load_f32(a.x, a.dtype, base + i) - mean) * rstd);
     }
@@ -154,7 +158,7 @@ static __global__ void __launch_bounds__(1024) ln_bwd_dx_kernel(ng_layernorm_arg
     const float ca = a.rms ? 0.0f : sg * inv_n, cb = sgx * inv_n;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
         float g = ng_load_f32(a.dy, a.dtype, base + i);
-        if (a.weight) g *= ng_load_f32(a.weight, a.dtype, i);
+        if (a.weight) g *= ng_load_f32(a.weight, pt, i);
         float xhat = (ng_load_f32(a.x, a.dtype, base + i) - mean) * rstd;
         ng_store_f32(a.dx, a.dtype, base + i, ng_ln_dx_f32(g, xhat, rstd, ca, cb));
     }
@@ -193,8 +197,8 @@ static __global__ void ln_bwd_params_kernel(ng_layernorm_args a, int64_t chunks,
             b += sb[k][threadIdx.x];
         }
         if (chunks == 1) {
-            if (a.dweight) ng_store_f32(a.dweight, a.dtype, j, w);
-            if (a.dbias) ng_store_f32(a.dbias, a.dtype, j, b);
+            if (a.dweight) ng_store_f32(a.dweight, ng_layernorm_param_dtype(&a), j, w);
+            if (a.dbias) ng_store_f32(a.dbias, ng_layernorm_param_dtype(&a), j, b);
         } else {
             part_w[chunk * a.cols + j] = w;
             part_b[chunk * a.cols + j] = b;
@@ -212,8 +216,8 @@ static __global__ void ln_bwd_params_final_kernel(ng_layernorm_args a, int64_t c
         w += part_w[c * a.cols + j];
         b += part_b[c * a.cols + j];
     }
-    if (a.dweight) ng_store_f32(a.dweight, a.dtype, j, w);
-    if (a.dbias) ng_store_f32(a.dbias, a.dtype, j, b);
+    if (a.dweight) ng_store_f32(a.dweight, ng_layernorm_param_dtype(&a), j, w);
+    if (a.dbias) ng_store_f32(a.dbias, ng_layernorm_param_dtype(&a), j, b);
 }
 
 static int threads_for(int64_t cols) {

@@ -2,9 +2,12 @@
  * kernels/layernorm.h - LayerNorm / RMSNorm over the last dimension.
  *
  * The input is viewed as rows x cols with contiguous rows (the op layer makes
- * it so). weight and bias are [cols] in the input dtype, or NULL. Statistics
- * (mean, rstd; [rows]) are fp32, or fp64 for fp64 input. Math and the
- * guarantees it gives are in layernorm_math.h.
+ * it so). weight and bias are [cols] in the input dtype, or NULL; with
+ * params_f32 set they are fp32 for fp16 / bf16 input (a model that keeps its
+ * norms in fp32 while the rest runs in 16 bits), applied in fp32 and never
+ * rounded to 16 bits, and dweight / dbias are fp32 too. Statistics (mean,
+ * rstd; [rows]) are fp32, or fp64 for fp64 input. Math and the guarantees it
+ * gives are in layernorm_math.h.
  */
 #ifndef NG_KERNELS_LAYERNORM_H
 #define NG_KERNELS_LAYERNORM_H
@@ -16,7 +19,7 @@ extern "C" {
 #endif
 
 typedef struct ng_layernorm_args {
-    ng_dtype dtype;      /* of x, y, weight, bias, dy, dx, dweight, dbias */
+    ng_dtype dtype;      /* of x, y, dy, dx; and of weight, bias, dweight, dbias unless params_f32 */
     int64_t rows, cols;
     int rms;             /* 1: RMSNorm (no mean, no bias) */
     double eps;          /* >= 0 */
@@ -32,7 +35,16 @@ typedef struct ng_layernorm_args {
     void *dx;            /* [rows, cols] or NULL */
     void *dweight;       /* [cols] or NULL */
     void *dbias;         /* [cols] or NULL */
+    /* 1: weight, bias, dweight and dbias are fp32 (allowed for fp16, bf16 and
+     * fp32 input; fp64 input gives NG_ERR_DTYPE). 0: they have dtype. Last,
+     * so that an initializer that omits it means 0. */
+    int params_f32;
 } ng_layernorm_args;
+
+/* The dtype of weight, bias, dweight and dbias. */
+NG_HD ng_dtype ng_layernorm_param_dtype(const ng_layernorm_args *a) {
+    return a->params_f32 ? NG_F32 : a->dtype;
+}
 
 /* Size, dtype and flag checks shared by the CPU kernels and the CUDA
  * launchers; backward adds the backward-only rules (RMSNorm has no bias). */

@@ -15,6 +15,10 @@
  * Normalization is over the last dimension; mean / rstd have the leading
  * shape and are fp32 (fp64 for fp64 input). For RMSNorm mean is all zeros.
  * grad_bias is [cols] when with_bias is true and [0] otherwise.
+ * weight / bias have the input's dtype or, for fp16 / bf16 input, fp32 (both
+ * the same): fp32 parameters are applied in fp32, the output keeps the
+ * input's dtype (as torch.nn.functional.layer_norm), and grad_weight /
+ * grad_bias have weight's dtype (the input's in the overload without weight).
  * Non-contiguous inputs are copied to contiguous ones; outputs are contiguous.
  */
 #include <math.h>
@@ -25,10 +29,21 @@
 #define LN_OP "nanguard::stable_layernorm"
 #define LN_BWD_OP "nanguard::stable_layernorm_backward"
 
-/* Check the input and an optional [cols] parameter of the same dtype/device. */
+/* The parameters of a 16-bit input may be fp32 (applied in fp32, gradients
+ * in fp32: a model that keeps its norms in fp32); otherwise, and for fp32 /
+ * fp64 input, they have the input's dtype. */
+static int param_dtype_ok(ng_dtype x, ng_dtype p) {
+    return p == x || (p == NG_F32 && (x == NG_F16 || x == NG_BF16));
+}
+
+/* Check the input and an optional [cols] parameter on its device, in its
+ * dtype or (16-bit input) fp32. */
 static void check_param(ng_frame *f, const ng_tensor *x, const ng_tensor *p, const char *name) {
     ng_check_same_device(f, x, "input", p, name);
-    ng_check_same_dtype(f, x, "input", p, name);
+    if (!param_dtype_ok(x->dtype, p->dtype))
+        ng_fail(f, "%s must have the dtype of input (%s)%s, got %s", name, ng_dtype_name(x->dtype),
+                x->dtype == NG_F16 || x->dtype == NG_BF16 ? " or float32" : "",
+                ng_dtype_name(p->dtype));
     if (p->ndim != 1 || p->sizes[0] != x->sizes[x->ndim - 1])
         ng_fail(f, "%s must have shape [%lld] (the last dimension of input), got %s%lld%s", name,
                 (long long)x->sizes[x->ndim - 1], p->ndim == 1 ? "[" : "",
@@ -69,6 +84,9 @@ static void ln_forward(StableIValue *stack, uint64_t na, uint64_t no, const char
     if (has_b) {
         if (rms) ng_fail(&f, "bias is not supported with rms=True (RMSNorm has no bias)");
         check_param(&f, &x, &b, "bias");
+        if (has_w && b.dtype != w.dtype)
+            ng_fail(&f, "bias must have the dtype of weight (%s), got %s", ng_dtype_name(w.dtype),
+                    ng_dtype_name(b.dtype));
     }
     ng_make_contiguous(&f, &x);
     if (has_w) ng_make_contiguous(&f, &w);
@@ -100,6 +118,7 @@ static void ln_forward(StableIValue *stack, uint64_t na, uint64_t no, const char
         .mean = mv.mut,
         .rstd = rv.mut,
         .y = yv.mut,
+        .params_f32 = (has_w ? w.dtype : has_b ? b.dtype : x.dtype) != x.dtype,
     };
 #ifdef NG_BUILD_CUDA
     NG_KERNEL_CHECK(&f, ng_layernorm_fwd_cuda(&a, ng_cuda_current_stream(&f, x.device_index)));
@@ -168,12 +187,15 @@ static void ln_backward(StableIValue *stack, uint64_t na, uint64_t no, const cha
     AtenTensorHandle dx = ng_empty_like(&f, &x);
     AtenTensorHandle dw = NULL;
     int64_t bias_len = with_bias ? cols : 0;
-    AtenTensorHandle db = ng_empty(&f, 1, &bias_len, x.dtype, x.device_type, x.device_index);
+    /* the parameter gradients have the parameters' dtype: weight's (grad_bias
+     * too, forward requires bias to match it), the input's without weight */
+    const ng_dtype pdt = has_w ? w.dtype : x.dtype;
+    AtenTensorHandle db = ng_empty(&f, 1, &bias_len, pdt, x.device_type, x.device_index);
     ng_tensor dxv, dwv = {0}, dbv;
     ng_view_mut(&f, dx, "grad_input", &dxv);
     ng_view_mut(&f, db, "grad_bias", &dbv);
     if (has_w) {
-        dw = ng_empty(&f, 1, &cols, x.dtype, x.device_type, x.device_index);
+        dw = ng_empty(&f, 1, &cols, pdt, x.device_type, x.device_index);
         ng_view_mut(&f, dw, "grad_weight", &dwv);
     }
     if (with_bias && rms) ng_fail(&f, "with_bias is not supported with rms=True");
@@ -192,6 +214,7 @@ static void ln_backward(StableIValue *stack, uint64_t na, uint64_t no, const cha
         .dx = dxv.mut,
         .dweight = has_w ? dwv.mut : NULL,
         .dbias = with_bias ? dbv.mut : NULL,
+        .params_f32 = pdt != x.dtype,
     };
 #ifdef NG_BUILD_CUDA
     /* the dweight / dbias partial sums over chunks of rows */

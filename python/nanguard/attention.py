@@ -268,7 +268,7 @@ def safe_sdpa(
     ``value`` ``(..., S, Ev)`` with broadcastable leading dims; ``attn_mask``
     bool (True = attend) or float (added to the scores), broadcastable to
     ``(..., L, S)``; ``is_causal`` masks key ``j > i`` (top-left alignment, as
-    PyTorch); ``scale`` defaults to ``1/sqrt(E)``; ``enable_gqa`` lets
+    PyTorch); ``scale`` (a float or a 0-d tensor) defaults to ``1/sqrt(E)``; ``enable_gqa`` lets
     ``query`` have a multiple of ``key``'s heads (dim -3). Unlike PyTorch,
     ``attn_mask`` and ``is_causal`` may be combined (both apply).
 
@@ -280,7 +280,9 @@ def safe_sdpa(
     PyTorch's default CPU generator as a 2-element int64 tensor, so
     ``torch.manual_seed`` makes it reproducible, CPU and CUDA drop the same
     elements for the same pair, and ``torch.compile(fullgraph=True)`` traces
-    it without a graph break. Head dims up to 256; float64 on the CPU only.
+    it without a graph break. ``dropout_p=1`` gives zeros (NaN where an
+    input row is NaN), as PyTorch's does. Head dims up to 256 (PyTorch's has
+    no such limit); float64 on the CPU only.
 
     Under autocast it gets the casts PyTorch's ``scaled_dot_product_attention``
     gets (lower precision on the CPU and CUDA): float16 / bfloat16 / float32
@@ -306,18 +308,32 @@ def safe_sdpa(
     if value.shape[-2] != S:
         raise ValueError(f"value's sequence length ({value.shape[-2]}) must equal key's ({S})")
     if E > _MAX_HEAD_DIM or Ev > _MAX_HEAD_DIM or E < 1 or Ev < 1:
-        raise ValueError(f"head dims must be in [1, {_MAX_HEAD_DIM}], got query/key {E} and value {Ev}")
+        raise ValueError(
+            f"head dims must be in [1, {_MAX_HEAD_DIM}], got query/key {E} and value {Ev} "
+            f"(nanguard's attention kernels stop at {_MAX_HEAD_DIM}, unlike "
+            "torch.nn.functional.scaled_dot_product_attention)"
+        )
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     dropout_p = float(dropout_p)
-    if not (0.0 <= dropout_p < 1.0):
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if not (0.0 <= dropout_p <= 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype != torch.bool \
+            and not scale.is_complex():
+        scale = scale.item()  # a 0-d tensor, as PyTorch's takes (a host sync)
     if scale is None:
         scale = 1.0 / math.sqrt(E)
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
+        raise ValueError(f"scale must be a finite float, a 0-d tensor of one, or None, got {scale!r}")
+    if dropout_p == 1.0:
+        # Every weight dropped: PyTorch returns zeros (and zero gradients).
+        # Computed as the undropped result times 0, so a NaN in the inputs
+        # still reaches the output, as it does in PyTorch's.
+        out = safe_sdpa(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,
+                        max_score=max_score, softcap=softcap)
+        return out * 0.0
     max_score = _check_guard("max_score", max_score)
     softcap = _check_guard("softcap", softcap)
 

@@ -2,7 +2,10 @@
 ``torch.ops.nanguard.stable_layernorm``.
 
 Statistics are fp32 (fp64 for fp64 input) whatever the input dtype; outputs
-are in the input dtype. A row whose values are all equal gives exactly the
+are in the input dtype. fp16 / bf16 input may come with fp32 weight and bias
+(norms kept in fp32): they are applied in fp32 and their gradients are fp32,
+as PyTorch's own layer_norm / rms_norm do; the output is still in the input
+dtype. A row whose values are all equal gives exactly the
 bias (or 0); NaN or Inf in a row makes that row, and only that row, NaN.
 With default arguments the results match ``torch.nn.functional.layer_norm``
 and ``rms_norm`` numerically.
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -97,7 +100,9 @@ def _make_fake_bwd(op):
         grad_bias = input.new_empty((input.shape[-1] if a["with_bias"] else 0,))
         if "weight" not in a:
             return grad_input, grad_bias
-        return grad_input, torch.empty_like(a["weight"], memory_format=torch.contiguous_format), grad_bias
+        weight = a["weight"]  # the parameters' gradients in their dtype (fp32 with 16-bit input)
+        return grad_input, torch.empty_like(weight, memory_format=torch.contiguous_format), \
+            weight.new_empty(grad_bias.shape)
 
     return fake
 
@@ -121,6 +126,9 @@ def _make_setup(op):
         ctx.save_for_backward(a["input"], a.get("weight"), mean, rstd)
         ctx.rms = a["rms"]
         ctx.has_b = "bias" in a
+        # An fp32 bias of 16-bit input without a weight: the backward op gives
+        # grad_bias in the input dtype, so its fp32 sum is taken here.
+        ctx.bias_f32 = ctx.has_b and "weight" not in a and a["bias"].dtype != a["input"].dtype
 
     return setup_context
 
@@ -131,9 +139,11 @@ def _make_backward(op):
     def backward(ctx, grad_out, _grad_mean, _grad_rstd):
         input, weight, mean, rstd = ctx.saved_tensors
         values = {"grad_out": grad_out.contiguous(), "input": input, "weight": weight, "mean": mean,
-                  "rstd": rstd, "rms": ctx.rms, "with_bias": ctx.has_b}
+                  "rstd": rstd, "rms": ctx.rms, "with_bias": ctx.has_b and not ctx.bias_f32}
         out = bwd(*_checks.call_args(bwd, values))
         gx, gw, gb = out if len(out) == 3 else (out[0], None, out[1])
+        if ctx.bias_f32:
+            gb = grad_out.sum(tuple(range(grad_out.dim() - 1)), dtype=torch.float32)
         return _checks.per_arg(op, {"input": gx, "weight": gw, "bias": gb})
 
     return backward
@@ -162,7 +172,8 @@ def backward_reference(grad_out, input, weight, mean, rstd, rms: bool, with_bias
     """``stable_layernorm_backward`` in PyTorch ops, differentiable in
     ``grad_out``, ``input`` and ``weight`` (mean and rstd taken as the
     statistics of ``input``). Returns (grad_input, grad_weight or None,
-    grad_bias), in the input dtype."""
+    grad_bias): grad_input in the input dtype, the others in weight's (the
+    input's without weight)."""
     sd = _stat_dtype(input.dtype)
     x, go = input.to(sd), grad_out.to(sd)
     r0 = rstd.to(sd).unsqueeze(-1)
@@ -177,9 +188,10 @@ def backward_reference(grad_out, input, weight, mean, rstd, rms: bool, with_bias
     gxhat = (g * xhat).mean(-1, keepdim=True)
     gx = r * (g - xhat * gxhat) if rms else r * (g - g.mean(-1, keepdim=True) - xhat * gxhat)
     rows = tuple(range(input.dim() - 1))
-    gw = (go * xhat).sum(rows).to(input.dtype) if weight is not None else None
+    pdt = weight.dtype if weight is not None else input.dtype
+    gw = (go * xhat).sum(rows).to(pdt) if weight is not None else None
     gb = go.sum(rows) if with_bias else go.new_zeros((0,))
-    return gx.to(input.dtype), gw, gb.to(input.dtype)
+    return gx.to(input.dtype), gw, gb.to(pdt)
 
 
 def _make_bwd_setup(op):
@@ -328,12 +340,18 @@ def _norm(input, normalized_shape, weight, bias, eps, rms: bool, eps_floor):
             raise ValueError(
                 f"{name} must have shape {list(shape)} (normalized_shape), got {list(p.shape)}"
             )
-        # Parameters follow the input's dtype (differentiably), as autocast
-        # would; the no-op conversions are skipped (each is a dispatcher call).
-        if p.dtype != compute:
-            p = p.to(compute)
         params.append(p if k == 1 else p.reshape(-1))
-    w, b = params
+    # Parameters follow the input's dtype (differentiably), as autocast would,
+    # except fp32 parameters of fp16 / bf16 input: those are applied in fp32
+    # (PyTorch's mixed-dtype layer_norm / rms_norm; the output keeps the input
+    # dtype), and a 16-bit one beside an fp32 one is widened to fp32 (exact).
+    # The no-op conversions are skipped (each is a dispatcher call).
+    pdt = compute
+    if compute in (torch.float16, torch.bfloat16) and any(
+        p is not None and p.dtype == torch.float32 for p in params
+    ):
+        pdt = torch.float32
+    w, b = (p if p is None or p.dtype == pdt else p.to(pdt) for p in params)
     if k == 1:
         # Already [..., n]: the op normalizes the last dimension and returns
         # the input's shape.
@@ -386,6 +404,85 @@ def rms_norm(
     return _norm(input, normalized_shape, weight, None, eps, True, eps_floor)
 
 
+# ---- TorchScript ----------------------------------------------------------
+#
+# torch.jit.script(StableLayerNorm(...)) compiles the modules' forward, which
+# then calls the two functions below instead of layer_norm / rms_norm (whose
+# argument handling TorchScript cannot compile). They make the same op calls
+# with the same eps and parameter dtypes; what they leave out is autocast
+# (TorchScript has its own) and DTensor inputs.
+
+
+def _script_eps(eps: Optional[float], floor: float, dtype: torch.dtype) -> float:
+    """eps (None: the dtype's machine epsilon, rms_norm's default), raised to
+    at least floor."""
+    if eps is None:
+        if dtype == torch.float16:
+            e = 0.0009765625
+        elif dtype == torch.bfloat16:
+            e = 0.0078125
+        elif dtype == torch.float64:
+            e = 2.220446049250313e-16
+        else:
+            e = 1.1920928955078125e-07
+    else:
+        e = eps
+    return max(e, floor)
+
+
+def _script_floor(self, dtype: torch.dtype) -> float:
+    """A module's eps_floor as a number, for its scripted forward (eager
+    forward resolves it in _effective_eps). TorchScript types the attribute
+    from its value (None, "auto" or a number) and compiles only the branch
+    that type takes."""
+    floor = self.eps_floor
+    if isinstance(floor, str):  # "auto" (any other string fails in eager forward)
+        if dtype == torch.float16 or dtype == torch.bfloat16:
+            return 1e-5
+        return 0.0
+    if isinstance(floor, float):
+        return floor
+    if isinstance(floor, int):
+        return float(floor)
+    return 0.0  # None, False
+
+
+def _script_norm(input: torch.Tensor, normalized_shape: List[int], weight: Optional[torch.Tensor],
+                 bias: Optional[torch.Tensor], eps: float, rms: bool) -> torch.Tensor:
+    """_norm's op calls in a form torch.jit.script compiles."""
+    k = len(normalized_shape)
+    if k == 0 or input.dim() < k or input.shape[input.dim() - k:] != normalized_shape:
+        raise ValueError("normalized_shape does not match the trailing dimensions of input")
+    n = 1
+    for s in normalized_shape:
+        n *= s
+    lead = input.shape[: input.dim() - k]
+    x = input if k == 1 else input.reshape(lead + [n])
+    pdt = input.dtype
+    if pdt == torch.float16 or pdt == torch.bfloat16:
+        if (weight is not None and weight.dtype == torch.float32) or (
+            bias is not None and bias.dtype == torch.float32
+        ):
+            pdt = torch.float32
+    w: Optional[torch.Tensor] = None
+    b: Optional[torch.Tensor] = None
+    if weight is not None:
+        w = weight.reshape([n]).to(pdt)
+    if bias is not None:
+        b = bias.reshape([n]).to(pdt)
+    if w is not None and b is not None:
+        y = torch.ops.nanguard.stable_layernorm(x, w, b, eps, rms)[0]
+    elif w is not None:
+        y = torch.ops.nanguard.stable_layernorm(x, w, eps, rms)[0]
+    elif b is not None:
+        # the overload with a bias alone has the signature of the one with a
+        # weight alone, which TorchScript would pick: a weight of ones is exact
+        y = torch.ops.nanguard.stable_layernorm(x, torch.ones_like(b), b, eps, rms)[0]
+    else:
+        y = torch.ops.nanguard.stable_layernorm(x, eps, rms)[0]
+    return y if k == 1 else y.view(input.shape)
+
+
 # ---- modules --------------------------------------------------------------
 
 
@@ -401,9 +498,14 @@ class StableLayerNorm(nn.LayerNorm):
         self.eps_floor = eps_floor
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():
+            eps = _script_eps(self.eps, self._script_floor(input.dtype), input.dtype)
+            return _script_norm(input, self.normalized_shape, self.weight, self.bias, eps, False)
         return layer_norm(
             input, self.normalized_shape, self.weight, self.bias, self.eps, eps_floor=self.eps_floor
         )
+
+    _script_floor = _script_floor
 
     @classmethod
     def from_module(cls, module: nn.LayerNorm, *, eps_floor=None) -> "StableLayerNorm":
@@ -440,7 +542,12 @@ class StableRMSNorm(nn.RMSNorm):
         self.eps_floor = eps_floor
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():
+            eps = _script_eps(self.eps, self._script_floor(input.dtype), input.dtype)
+            return _script_norm(input, self.normalized_shape, self.weight, None, eps, True)
         return rms_norm(input, self.normalized_shape, self.weight, self.eps, eps_floor=self.eps_floor)
+
+    _script_floor = _script_floor
 
     @classmethod
     def from_module(cls, module: nn.RMSNorm, *, eps_floor=None) -> "StableRMSNorm":

@@ -574,6 +574,121 @@ static void test_layernorm(void) {
     ln_rejects_fp64();
 }
 
+/* ---- layernorm: fp32 weight / bias of fp16 / bf16 input ------------------
+ *
+ * Self-contained: params_f32 set, x / dy / y / dx in the 16-bit dtype,
+ * weight / bias / dweight / dbias fp32 (values 16 bits cannot hold). Against
+ * an fp64 reference from the same inputs: y is the reference rounded once
+ * (an element may miss the correctly rounded value only where the reference
+ * sits within fp32 noise, 4e-6, of it, or by one ulp in at most 1% of the
+ * elements); dweight / dbias are fp32 sums (fp32 tolerance, with the
+ * workspace's row chunks when rows allow); dx against the CPU kernel with the
+ * same parameters. */
+static void ln_fp32_params_case(const char *name, int64_t R, int64_t C, int rms, ng_dtype t) {
+    if (!case_begin("layernorm  %-24s %s", name, ng_dtype_name(t))) return;
+    const int64_t n = R * C;
+    const size_t es = ng_dtype_size(t), nb = (size_t)n * es, cb = (size_t)C * 4, rb = (size_t)R * 4;
+    ng_rng rng = {0xf32f0000u + (uint64_t)(R * 31 + C) * 4 + (uint64_t)t};
+    void *x = malloc(nb + 1), *dy = malloc(nb + 1);
+    float *w = malloc(cb + 4), *b = malloc(cb + 4);
+    double *xd = malloc(sizeof(double) * (size_t)n), *dyd = malloc(sizeof(double) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) {
+        ng_store_f64(x, t, i, 3.0 * ng_rng_unif(&rng) + 0.5);
+        ng_store_f64(dy, t, i, ng_rng_unif(&rng));
+        xd[i] = ng_load_f64(x, t, i);
+        dyd[i] = ng_load_f64(dy, t, i);
+    }
+    for (int64_t i = 0; i < C; i++) {
+        w[i] = (float)(1.0 + 0.5 * ng_rng_unif(&rng));
+        b[i] = (float)(0.25 * ng_rng_unif(&rng));
+    }
+    /* fp64 reference (naive two-pass) */
+    double *yr = malloc(sizeof(double) * (size_t)n), *dwr = calloc((size_t)C, sizeof(double)),
+           *dbr = calloc((size_t)C, sizeof(double)), *gs = calloc((size_t)R, sizeof(double));
+    for (int64_t r = 0; r < R; r++) {
+        double m = 0.0, v = 0.0, gm = 0.0;
+        if (!rms) {
+            for (int64_t c = 0; c < C; c++) m += xd[r * C + c];
+            m /= (double)C;
+        }
+        for (int64_t c = 0; c < C; c++) v += (xd[r * C + c] - m) * (xd[r * C + c] - m);
+        const double rs = 1.0 / sqrt(v / (double)C + 1e-5);
+        for (int64_t c = 0; c < C; c++) {
+            const double xh = (xd[r * C + c] - m) * rs;
+            yr[r * C + c] = xh * w[c] + (rms ? 0.0 : b[c]);
+            dwr[c] += dyd[r * C + c] * xh;
+            dbr[c] += dyd[r * C + c];
+            if (fabs(dyd[r * C + c] * w[c]) > gm) gm = fabs(dyd[r * C + c] * w[c]);
+        }
+        gs[r] = gm * rs; /* the scale of the row's dx terms */
+    }
+    /* the CPU kernel's dx with the same parameters */
+    void *dxc = malloc(nb + 1);
+    float *mean = malloc(rb + 4), *rstd = malloc(rb + 4), *dwc = malloc(cb + 4), *dbc = malloc(cb + 4);
+    void *yc = malloc(nb + 1);
+    ng_layernorm_args a;
+    memset(&a, 0, sizeof a);
+    a.dtype = t, a.rows = R, a.cols = C, a.rms = rms, a.eps = 1e-5, a.params_f32 = 1;
+    a.x = x, a.weight = w, a.bias = rms ? NULL : b, a.mean = rms ? NULL : mean, a.rstd = rstd;
+    a.y = yc, a.dy = dy, a.dx = dxc, a.dweight = dwc, a.dbias = rms ? NULL : dbc;
+    ng_status st = ng_layernorm_fwd(&a, NULL);
+    if (st == NG_OK) st = ng_layernorm_bwd(&a, NULL);
+    CHECK(st == NG_OK, "CPU kernels: %s", ng_status_str(st));
+
+    void *x_d = dupload(x, nb), *dy_d = dupload(dy, nb), *w_d = dupload(w, cb), *b_d = dupload(b, cb);
+    void *y_d = dmalloc(nb), *dx_d = dmalloc(nb), *dw_d = dmalloc(cb), *db_d = dmalloc(cb);
+    void *mean_d = dmalloc(rb), *rstd_d = dmalloc(rb);
+    dpoison(y_d, nb), dpoison(dx_d, nb), dpoison(dw_d, cb), dpoison(db_d, cb);
+    ng_layernorm_args ad = a;
+    ad.x = x_d, ad.weight = w_d, ad.bias = rms ? NULL : b_d, ad.mean = rms ? NULL : mean_d;
+    ad.rstd = rstd_d, ad.y = y_d, ad.dy = dy_d, ad.dx = dx_d, ad.dweight = dw_d;
+    ad.dbias = rms ? NULL : db_d;
+    const int64_t wsb = ng_layernorm_bwd_cuda_workspace_bytes(&ad);
+    void *ws_d = wsb ? dmalloc((size_t)wsb) : NULL;
+    if (st == NG_OK && LAUNCHED(ng_layernorm_fwd_cuda(&ad, g_stream)) &&
+        LAUNCHED(ng_layernorm_bwd_cuda_ws(&ad, ws_d, wsb, g_stream))) {
+        void *yg = ddownload(y_d, nb), *dxg = ddownload(dx_d, nb);
+        float *dwg = ddownload(dw_d, cb), *dbg = ddownload(db_d, cb);
+        int64_t off = 0, far = 0;
+        uint16_t one[4] = {0}, nb16[4] = {0}; /* sized for any dtype, used as t */
+        for (int64_t i = 0; i < n; i++) {
+            ng_store_f64(one, t, 0, yr[i]);
+            const double want = ng_load_f64(one, t, 0), y = ng_load_f64(yg, t, i);
+            if (y == want || fabs(y - yr[i]) <= 4e-6) continue;
+            off++;
+            nb16[0] = (uint16_t)(one[0] + ((y > want) == (want > 0) ? 1 : -1));
+            if (fabs(y - want) > fabs(ng_load_f64(nb16, t, 0) - want)) far++;
+        }
+        CHECK(off * 100 <= n && far == 0,
+              "y: %lld of %lld not the correctly rounded reference, %lld by more than one ulp",
+              (long long)off, (long long)n, (long long)far);
+        double *dwgd = to_f64(dwg, NG_F32, C), *dbgd = to_f64(dbg, NG_F32, C);
+        /* fp32 sums of R products of size ~1 */
+        close_rows("dweight", dwgd, dwr, 1, C, (tol){1e-5, 0, 1e-6 * (double)R}, NULL);
+        if (!rms) close_rows("dbias", dbgd, dbr, 1, C, (tol){1e-5, 0, 1e-6 * (double)R}, NULL);
+        double *dxgd = to_f64(dxg, t, n), *dxcd = to_f64(dxc, t, n);
+        close_rows("dx", dxgd, dxcd, R, C, ln_tol(t, 1), gs);
+        free(yg), free(dxg), free(dwg), free(dbg), free(dwgd), free(dbgd), free(dxgd), free(dxcd);
+    }
+    /* fp32 parameters of fp64 input: refused */
+    ng_layernorm_args a64 = ad;
+    a64.dtype = NG_F64;
+    CHECK(ng_layernorm_fwd_cuda(&a64, g_stream) == NG_ERR_DTYPE, "fp64 input with params_f32 not refused");
+    dfree(x_d), dfree(dy_d), dfree(w_d), dfree(b_d), dfree(y_d), dfree(dx_d), dfree(dw_d), dfree(db_d);
+    dfree(mean_d), dfree(rstd_d), dfree(ws_d);
+    free(x), free(dy), free(w), free(b), free(xd), free(dyd), free(yr), free(dwr), free(dbr), free(gs);
+    free(dxc), free(mean), free(rstd), free(dwc), free(dbc), free(yc);
+    case_end();
+}
+
+static void test_layernorm_fp32_params(void) {
+    for (int di = 1; di < 3; di++) { /* float16, bfloat16 */
+        ln_fp32_params_case("fp32_params_7x33", 7, 33, 0, FLOAT_TYPES[di]);
+        ln_fp32_params_case("fp32_params_600x40", 600, 40, 0, FLOAT_TYPES[di]); /* 2 row chunks */
+        ln_fp32_params_case("fp32_params_rms_5x257", 5, 257, 1, FLOAT_TYPES[di]);
+    }
+}
+
 /* ---- gradient guard -------------------------------------------------------- */
 
 enum { GL_ONE, GL_MIXED, GL_MANY, GL_MISALIGNED, GL_EMPTY, GL_COUNT };
@@ -1623,6 +1738,7 @@ int main(int argc, char **argv) {
     test_cuda_errors();
 #endif
     test_layernorm();
+    test_layernorm_fp32_params();
     test_grad_guard();
     test_tensor_stats();
     test_attention();

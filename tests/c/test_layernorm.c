@@ -3,7 +3,8 @@
  * reference: odd widths (1, 3, 127, 4097), every dtype, with and without
  * weight / bias, forward and all gradients, on every CPU path the machine
  * has, serial and through a chunking parallel runner. Also: constant rows
- * give exactly the bias, a NaN row stays NaN and touches no other row.
+ * give exactly the bias, a NaN row stays NaN and touches no other row; fp16 /
+ * bf16 input with fp32 weight / bias (mixed_params_case).
  *
  * Tolerances (|d| <= atol + rtol*|ref|), per dtype of the data:
  *   fp64 1e-12/1e-12: same math, different summation order only.
@@ -123,7 +124,7 @@ static void run_case(ng_dtype t, int64_t rows, int64_t n, int rms, int has_w, in
     void *dwb = malloc((size_t)(n + 1) * ng_dtype_size(t)), *dbb = malloc((size_t)(n + 1) * ng_dtype_size(t));
     double eps = 1e-5;
     ng_layernorm_args a = {t, rows, n, rms, eps, xb, has_w ? wb : NULL, has_b ? bb : NULL,
-                           mb, rb, yb, dyb, dxb, has_w ? dwb : NULL, (has_b && !rms) ? dbb : NULL};
+                           mb, rb, yb, dyb, dxb, has_w ? dwb : NULL, (has_b && !rms) ? dbb : NULL, 0};
     NG_EXPECT(ng_layernorm_fwd(&a, par) == NG_OK);
     NG_EXPECT(ng_layernorm_bwd(&a, par) == NG_OK);
 
@@ -185,7 +186,7 @@ static void constant_rows(ng_dtype t) {
     for (int rms = 0; rms <= 1; rms++) {
         for (int e = 0; e < 2; e++) {
             ng_layernorm_args a = {t, rows, n, rms, e ? 1e-5 : 0.0, xb, wb, bb, mb, rb, yb,
-                                   NULL, NULL, NULL, NULL};
+                                   NULL, NULL, NULL, NULL, 0};
             NG_EXPECT(ng_layernorm_fwd(&a, NULL) == NG_OK);
             for (int64_t r = 0; r < rows; r++) {
                 for (int64_t i = 0; i < n; i++) {
@@ -211,7 +212,7 @@ static void nonfinite_rows(ng_dtype t) {
     void *xb = make_buf(t, x, rows * n);
     void *yb = malloc(rows * n * 8), *mb = malloc(rows * 8), *rb = malloc(rows * 8);
     for (int rms = 0; rms <= 1; rms++) {
-        ng_layernorm_args a = {t, rows, n, rms, 1e-5, xb, NULL, NULL, mb, rb, yb, NULL, NULL, NULL, NULL};
+        ng_layernorm_args a = {t, rows, n, rms, 1e-5, xb, NULL, NULL, mb, rb, yb, NULL, NULL, NULL, NULL, 0};
         NG_EXPECT(ng_layernorm_fwd(&a, NULL) == NG_OK);
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < n; i++) {
@@ -232,7 +233,7 @@ static void fp16_large(void) {
     void *xb = make_buf(NG_F16, x, n);
     uint16_t yb[64];
     float mb, rb;
-    ng_layernorm_args a = {NG_F16, 1, n, 0, 1e-5, xb, NULL, NULL, &mb, &rb, yb, NULL, NULL, NULL, NULL};
+    ng_layernorm_args a = {NG_F16, 1, n, 0, 1e-5, xb, NULL, NULL, &mb, &rb, yb, NULL, NULL, NULL, NULL, 0};
     NG_EXPECT(ng_layernorm_fwd(&a, NULL) == NG_OK);
     ref_fwd(x, NULL, NULL, 1, n, 1e-5, 0, y, &m, &r);
     double got[64];
@@ -251,7 +252,7 @@ static void huge_rows(ng_dtype t) {
     void *xb = make_buf(t, x, n);
     float yb[50], mb, rb;
     for (int rms = 0; rms <= 1; rms++) {
-        ng_layernorm_args a = {t, 1, n, rms, 1e-5, xb, NULL, NULL, &mb, &rb, yb, NULL, NULL, NULL, NULL};
+        ng_layernorm_args a = {t, 1, n, rms, 1e-5, xb, NULL, NULL, &mb, &rb, yb, NULL, NULL, NULL, NULL, 0};
         NG_EXPECT(ng_layernorm_fwd(&a, NULL) == NG_OK);
         ref_fwd(x, NULL, NULL, 1, n, 1e-5, rms, y, &m, &r);
         to_f64(yb, t, n, got);
@@ -276,7 +277,7 @@ static void shifted_rows(ng_dtype t) {
     x[n] = 1000.0; /* an outlier first */
     void *xb = make_buf(t, x, rows * n);
     void *yb = malloc(sizeof y), *mb = malloc(16), *rb = malloc(16);
-    ng_layernorm_args a = {t, rows, n, 0, 1e-5, xb, NULL, NULL, mb, rb, yb, NULL, NULL, NULL, NULL};
+    ng_layernorm_args a = {t, rows, n, 0, 1e-5, xb, NULL, NULL, mb, rb, yb, NULL, NULL, NULL, NULL, 0};
     NG_EXPECT(ng_layernorm_fwd(&a, NULL) == NG_OK);
     ref_fwd(x, NULL, NULL, rows, n, 1e-5, 0, y, m, r);
     to_f64(yb, t, rows * n, got);
@@ -285,6 +286,81 @@ static void shifted_rows(ng_dtype t) {
     stat_to_f64(rb, t, rows, got);
     ng_expect_close("shifted rows rstd", got, r, rows, 1e-5, 1e-5);
     free(xb); free(yb); free(mb); free(rb);
+}
+
+/* fp16 / bf16 input with fp32 weight and bias (params_f32): the parameters
+ * are applied unrounded, in fp32, so the output is the fp64 reference
+ * rounded once to the input dtype, up to fp32 noise: an element may differ
+ * from the correctly rounded value only where the reference sits within
+ * fp32 noise of a rounding boundary (allowed: 1% of the elements, by one
+ * unit in the last place at most; a miss within 4e-6 of the reference, the
+ * fp32 noise itself, counts as none: small fp16 outputs have ulps below it). Rounding the parameters to 16 bits first
+ * misses in about a third of the elements (bf16). dweight / dbias come back
+ * as fp32 sums of fp32 products: fp32 tolerance. */
+static void mixed_params_case(ng_dtype t, int64_t rows, int64_t n, int rms, int has_b,
+                              ng_parallel_fn par, uint64_t seed) {
+    ng_rng rng = {seed};
+    const int64_t total = rows * n;
+    double *x = malloc((size_t)total * 8), *dy = malloc((size_t)total * 8);
+    double *w = malloc((size_t)n * 8), *b = malloc((size_t)n * 8);
+    for (int64_t i = 0; i < total; i++) {
+        x[i] = 3.0 * ng_rng_unif(&rng) + 0.5;
+        dy[i] = ng_rng_unif(&rng);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        w[i] = 1.0 + 0.5 * ng_rng_unif(&rng); /* fp32 values that 16 bits cannot hold */
+        b[i] = 0.25 * ng_rng_unif(&rng);
+    }
+    void *xb = make_buf(t, x, total), *dyb = make_buf(t, dy, total);
+    void *wb = make_buf(NG_F32, w, n), *bb = make_buf(NG_F32, b, n);
+    const size_t es = ng_dtype_size(t);
+    void *yb = malloc((size_t)total * es), *dxb = malloc((size_t)total * es);
+    float *mb = malloc((size_t)rows * 4), *rb = malloc((size_t)rows * 4);
+    float *dwb = malloc((size_t)n * 4), *dbb = malloc((size_t)n * 4);
+    const double eps = 1e-5;
+    ng_layernorm_args a = {t, rows, n, rms, eps, xb, wb, has_b ? bb : NULL, mb, rb, yb,
+                           dyb, dxb, dwb, has_b ? dbb : NULL, 1};
+    NG_EXPECT(ng_layernorm_fwd(&a, par) == NG_OK);
+    NG_EXPECT(ng_layernorm_bwd(&a, par) == NG_OK);
+    double *ry = malloc((size_t)total * 8), *rm = malloc((size_t)rows * 8),
+           *rr = malloc((size_t)rows * 8), *rdx = malloc((size_t)total * 8),
+           *rdw = malloc((size_t)n * 8), *rdb = malloc((size_t)n * 8),
+           *got = malloc((size_t)total * 8);
+    ref_fwd(x, w, has_b ? b : NULL, rows, n, eps, rms, ry, rm, rr);
+    ref_bwd(x, w, dy, rows, n, rms, rm, rr, rdx, rdw, rdb);
+    char what[128];
+    snprintf(what, sizeof what, "mixed %s/fp32 rows=%lld n=%lld rms=%d b=%d", ng_dtype_name(t),
+             (long long)rows, (long long)n, rms, has_b);
+    int64_t off = 0, far = 0;
+    uint16_t one[4] = {0}, nb[4] = {0}; /* sized for any dtype, used as t */
+    for (int64_t i = 0; i < total; i++) {
+        ng_store_f64(one, t, 0, ry[i]);
+        const double want = ng_load_f64(one, t, 0), y = ng_load_f64(yb, t, i);
+        /* fp32 noise: an absolute ~1e-6 on values ~1 (centring of x ~ 3.5,
+         * times rstd and weight); only where it decides a rounding */
+        if (y == want || fabs(y - ry[i]) <= 4e-6) continue;
+        off++;
+        /* one unit in the last place of want, from its 16-bit neighbour */
+        nb[0] = (uint16_t)(one[0] + ((y > want) == (want > 0) ? 1 : -1));
+        if (fabs(y - want) > fabs(ng_load_f64(nb, t, 0) - want)) far++;
+    }
+    if (off * 100 > total || far) {
+        printf("FAIL %s: %lld of %lld outputs not the correctly rounded reference, %lld by more "
+               "than one ulp\n", what, (long long)off, (long long)total, (long long)far);
+        NG_EXPECT(0);
+    }
+    tol tl = tol_for(t), t32 = tol_for(NG_F32);
+    to_f64(dxb, t, total, got);
+    ng_expect_close(what, got, rdx, total, 2 * tl.atol, 2 * tl.rtol);
+    stat_to_f64(dwb, NG_F32, n, got);
+    ng_expect_close(what, got, rdw, n, t32.atol * (double)rows, t32.rtol);
+    if (has_b) {
+        stat_to_f64(dbb, NG_F32, n, got);
+        ng_expect_close(what, got, rdb, n, t32.atol * (double)rows, t32.rtol);
+    }
+    free(x); free(dy); free(w); free(b); free(xb); free(dyb); free(wb); free(bb); free(yb);
+    free(dxb); free(mb); free(rb); free(dwb); free(dbb); free(ry); free(rm); free(rr); free(rdx);
+    free(rdw); free(rdb); free(got);
 }
 
 int main(void) {
@@ -312,10 +388,15 @@ int main(void) {
         shifted_rows(NG_F32);
         shifted_rows(NG_F64);
         shifted_rows(NG_BF16);
+        for (int ti = 2; ti < 4; ti++) /* bf16, fp16 */
+            for (int wi = 1; wi < 4; wi++)
+                for (int rms = 0; rms <= 1; rms++)
+                    mixed_params_case(types[ti], widths[wi] > 1000 ? 9 : 70, widths[wi], rms, !rms,
+                                      (wi & 1) ? reverse_chunks : NULL, seed++);
     }
     /* empty shapes */
     float m[2], r[2];
-    ng_layernorm_args e = {NG_F32, 0, 8, 0, 1e-5, NULL, NULL, NULL, m, r, NULL, NULL, NULL, NULL, NULL};
+    ng_layernorm_args e = {NG_F32, 0, 8, 0, 1e-5, NULL, NULL, NULL, m, r, NULL, NULL, NULL, NULL, NULL, 0};
     NG_EXPECT(ng_layernorm_fwd(&e, NULL) == NG_OK);
     NG_EXPECT(ng_layernorm_bwd(&e, NULL) == NG_OK);
     e.eps = -1.0;
@@ -328,6 +409,13 @@ int main(void) {
     NG_EXPECT(ng_layernorm_check(&e, 0) == NG_OK);
     NG_EXPECT(ng_layernorm_check(&e, 1) == NG_ERR_INVALID_ARG);
     NG_EXPECT(ng_layernorm_bwd(&e, NULL) == NG_ERR_INVALID_ARG);
+    /* fp32 parameters: fp16 / bf16 / fp32 input, not fp64 */
+    e.params_f32 = 1;
+    e.dtype = NG_BF16;
+    NG_EXPECT(ng_layernorm_check(&e, 0) == NG_OK);
+    e.dtype = NG_F64;
+    NG_EXPECT(ng_layernorm_check(&e, 0) == NG_ERR_DTYPE);
+    e.params_f32 = 0;
     e.dtype = (ng_dtype)7;
     NG_EXPECT(ng_layernorm_check(&e, 0) == NG_ERR_DTYPE);
     NG_EXPECT(ng_layernorm_check(NULL, 0) == NG_ERR_INVALID_ARG);

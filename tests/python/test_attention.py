@@ -628,7 +628,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="multiple"):
         safe_sdpa(q, k[:, :2], k[:, :2], enable_gqa=True)
     with pytest.raises(ValueError, match="dropout_p"):
-        safe_sdpa(q, k, k, dropout_p=1.0)
+        safe_sdpa(q, k, k, dropout_p=1.5)
     with pytest.raises(TypeError, match="is_causal"):
         safe_sdpa(q, k, k, is_causal=1)
     with pytest.raises(ValueError, match="max_score"):
@@ -871,3 +871,48 @@ def test_cuda_fp16_backward_survives_a_score_gradient_above_fp16_max():
         assert torch.isfinite(want).all()
         assert torch.isfinite(got).all()
         assert_close(got.float().cpu(), want.float(), "grad", torch.float16)
+
+
+# ---- drop-in: what PyTorch's scaled_dot_product_attention accepts --------------------
+
+
+def test_scale_as_a_0d_tensor_is_accepted_as_pytorch_does():
+    # some model code passes scale as a 0-d tensor; PyTorch's sdpa takes it
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    want = safe_sdpa(q, k, v, scale=0.3)
+    for scale in (torch.tensor(0.3), torch.tensor(0.3, dtype=torch.float64)):
+        assert torch.equal(safe_sdpa(q, k, v, scale=scale), want)
+    assert torch.equal(safe_sdpa(q, k, v, scale=torch.tensor(2)), safe_sdpa(q, k, v, scale=2.0))
+    with pytest.raises(ValueError, match="scale"):
+        safe_sdpa(q, k, v, scale=torch.tensor([0.3]))  # PyTorch refuses it too
+    with pytest.raises(ValueError, match="scale"):
+        safe_sdpa(q, k, v, scale=torch.tensor(float("nan")))
+
+
+def test_dropout_p_one_gives_zeros_and_zero_gradients_as_pytorch():
+    # PyTorch (train mode): every weight dropped, output 0, gradients 0
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=g).requires_grad_() for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, dropout_p=1.0)
+    got = safe_sdpa(q, k, v, dropout_p=1.0)
+    assert torch.equal(got, want) and torch.equal(got, torch.zeros(2, 3, 5, 8))
+    gy = torch.randn(2, 3, 5, 8, generator=g)
+    for t in torch.autograd.grad(got, (q, k, v), gy):
+        assert torch.equal(t, torch.zeros_like(t))
+    # with a mask and causal too
+    mask = torch.rand(5, 5, generator=g) > 0.3
+    assert torch.equal(safe_sdpa(q, k, v, mask, dropout_p=1.0, is_causal=True), torch.zeros(2, 3, 5, 8))
+    # a NaN that comes in still goes out (PyTorch's does the same): only its rows
+    qn = q.detach().clone()
+    qn[0, 0, 1, 2] = float("nan")
+    out = safe_sdpa(qn, k, v, dropout_p=1.0)
+    assert torch.isnan(out[0, 0, 1]).all()
+    out[0, 0, 1] = 0.0
+    assert torch.equal(out, torch.zeros(2, 3, 5, 8))
+
+
+def test_deliberate_refusals_say_so():
+    big = torch.randn(1, 1, 2, 300)
+    with pytest.raises(ValueError, match=r"head dims must be in \[1, 256\].*nanguard's attention kernels stop at 256"):
+        safe_sdpa(big, big, big)
+

@@ -794,3 +794,38 @@ def test_dtensor_plan_lives_with_the_guard_and_keys_buckets_by_named_tuples():
     assert key.unit.kind == "pg" and key.unit.mesh is None and key.dup is False
     assert key == _dtensor._BucketKey(_dtensor._Unit("pg"), False)  # hashable, by value
     assert _dtensor.DTensorPlan.__module__ == "nanguard.grad_guard._dtensor"
+
+
+# ---- drop-in: what torch.nn.utils.clip_grad_norm_ accepts --------------------------------
+
+
+@pytest.mark.parametrize("norm_type", ["inf", "Inf", "infinity", "2", "2.0", "1", "-inf", torch.tensor(2.0)],
+                         ids=str)
+def test_clip_grad_norm_takes_norm_type_as_pytorch_does(norm_type):
+    # torch.nn.utils.clip_grad_norm_ reads norm_type with float(): the strings
+    # "inf", "2", ... and 0-d tensors work there, and so they do here
+    def params():
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.zeros(s)) for s in (7, (3, 4))]
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+        return ps
+
+    ours, theirs = params(), params()
+    total = nanguard.clip_grad_norm_(ours, 0.5, norm_type=norm_type)
+    want = torch.nn.utils.clip_grad_norm_(theirs, 0.5, norm_type=norm_type)
+    torch.testing.assert_close(total, want, atol=1e-6, rtol=1e-6)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_clip_grad_norm_refusals_say_so():
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.ones(3)
+    with pytest.raises(TypeError, match="norm_type must be a float.*'fro'"):
+        nanguard.clip_grad_norm_([p], 1.0, norm_type="fro")  # PyTorch refuses it too
+    # a negative max_norm: PyTorch flips the gradients' sign, nanguard refuses
+    with pytest.raises(ValueError, match="nanguard refuses a negative max_norm.*flips the sign"):
+        nanguard.clip_grad_norm_([p], -1.0)
+    assert torch.equal(p.grad, torch.ones(3))
+

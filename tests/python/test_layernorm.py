@@ -415,7 +415,7 @@ def test_direct_op_calls_raise_not_crash():
         ops.stable_layernorm(x.long(), 1e-5, False)
     with pytest.raises(RuntimeError, match="weight must have shape"):
         ops.stable_layernorm.weight(x, torch.ones(3), 1e-5, False)
-    with pytest.raises(RuntimeError, match="weight has dtype float64 but input has dtype float32"):
+    with pytest.raises(RuntimeError, match=r"weight must have the dtype of input \(float32\), got float64"):
         ops.stable_layernorm.weight(x, torch.ones(8, dtype=torch.float64), 1e-5, False)
     with pytest.raises(RuntimeError, match="eps"):
         ops.stable_layernorm(x, -1.0, False)
@@ -510,6 +510,221 @@ def test_fuzz_shapes_strides_dtypes(lead, cols, dtype, rms, affine, transpose, s
     y = rms_norm(x, (cols,), w, 1e-5) if rms else layer_norm(x, (cols,), w, b)
     assert y.shape == x.shape and y.dtype == dtype
     assert_close(y, ref_norm(x, (cols,), w, b, 1e-5, rms), "layernorm", dtype)
+
+
+# ---- fp16 / bf16 input with fp32 parameters ------------------------------------------
+#
+# A model that keeps its norms in fp32 while the rest runs in 16 bits
+# (Hugging Face's _keep_in_fp32_modules): the fp32 weight / bias are applied
+# in fp32, never rounded to 16 bits, as PyTorch's mixed-dtype layer_norm does;
+# the output keeps the input dtype and the parameter gradients are fp32.
+
+
+def _mixed_module(rms, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mod = torch.nn.RMSNorm(64) if rms else torch.nn.LayerNorm(64)
+    with torch.no_grad():  # fp32 values that 16 bits cannot hold
+        mod.weight.copy_(1 + 0.5 * torch.randn(64, generator=g))
+        if not rms:
+            mod.bias.copy_(0.25 * torch.randn(64, generator=g))
+    return mod
+
+
+def _fp64_norm(x, params, rms, eps):
+    if rms:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * params[0]
+    return F.layer_norm(x, (x.shape[-1],), params[0], params[1], eps)
+
+
+def _forward_backward(module, x, grad):
+    x = x.detach().clone().requires_grad_()
+    for p in module.parameters():
+        p.grad = None
+    y = module(x)
+    y.backward(grad)
+    return y.detach(), x.grad, [p.grad.clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_fp32_params_of_16bit_input_at_least_as_accurate_as_pytorch(dtype, rms):
+    torch_mod = _mixed_module(rms)
+    ours = (StableRMSNorm if rms else StableLayerNorm).from_module(torch_mod)
+    x = make((256, 64), dtype, seed=1)  # 16,384 outputs
+    grad = make((256, 64), dtype, seed=4, scale=1.0, offset=0.0)
+    y, gx, gp = _forward_backward(ours, x, grad)
+    ty, tgx, tgp = _forward_backward(torch_mod, x, grad)
+    # dtypes: the output in the input dtype, parameter gradients in fp32,
+    # as PyTorch's
+    assert y.dtype == ty.dtype == dtype and gx.dtype == tgx.dtype == dtype
+    assert [g.dtype for g in gp] == [g.dtype for g in tgp] == [torch.float32] * len(gp)
+    # fp64 reference from the same (16-bit) input and the fp32 parameters
+    eps = torch.finfo(dtype).eps if rms else 1e-5
+    x64 = x.double().requires_grad_()
+    p64 = [p.detach().double().requires_grad_() for p in torch_mod.parameters()]
+    _fp64_norm(x64, p64, rms, eps).backward(grad.double())
+
+    def err(a, ref):
+        return (a.double() - ref).abs().max().item()
+
+    # the output: one rounding of an fp32 result, so within half an ulp of
+    # the reference up to fp32 noise, and no worse than PyTorch's (measured,
+    # bf16 LayerNorm: 0.0154 for both; it was 0.025 with the parameters
+    # rounded to bf16 first)
+    ref = _fp64_norm(x64.detach(), [p.detach() for p in p64], rms, eps)
+    assert err(y, ref) <= err(ty, ref)
+    half_ulp = 2.0 ** (-8 if dtype == torch.bfloat16 else -11)
+    assert ((y.double() - ref).abs() <= half_ulp * ref.abs() + 1e-5).all()
+    assert err(gx, x64.grad) <= err(tgx, x64.grad)
+    for g, tg, p in zip(gp, tgp, p64):
+        # fp32 sums over 256 rows of products of 16-bit values: fp32
+        # tolerance (PyTorch's own are off by up to 0.6 here, see the docs)
+        assert err(g, p.grad) <= 1e-4 * (1 + p.grad.abs().max().item())
+        assert err(g, p.grad) <= err(tg, p.grad)
+
+
+def test_fp32_params_of_16bit_input_match_pytorch_layernorm_exactly():
+    # LayerNorm: the same fp32 arithmetic, rounded once: every one of the
+    # 16,384 outputs equals nn.LayerNorm's (4,761 of them did not when the
+    # parameters were rounded to bf16 first)
+    torch_mod = _mixed_module(False)
+    x = make((256, 64), torch.bfloat16, seed=1)
+    with torch.no_grad():
+        assert torch.equal(StableLayerNorm.from_module(torch_mod)(x), torch_mod(x))
+
+
+def test_fp32_params_functional_forms():
+    x = make((6, 16), torch.bfloat16, seed=1)
+    w = make((16,), torch.float32, seed=2, scale=0.5, offset=1.0)
+    b = make((16,), torch.float32, seed=3, scale=0.25, offset=0.0)
+    ref = lambda w_, b_: ref_norm(x, (16,), w_, b_, 1e-5, False)  # noqa: E731
+    # weight and bias, each alone: applied unrounded (within half a bf16 ulp
+    # of the fp64 reference, up to fp32 noise)
+    for w_, b_ in ((w, b), (w, None), (None, b)):
+        y = layer_norm(x, (16,), w_, b_)
+        assert y.dtype == torch.bfloat16
+        assert ((y.double() - ref(w_, b_)).abs() <= 2.0**-8 * ref(w_, b_).abs() + 1e-5).all()
+    # an fp32 weight beside a bf16 bias: the bias is widened (exactly) to fp32
+    y = layer_norm(x, (16,), w, b.bfloat16())
+    assert torch.equal(y, layer_norm(x, (16,), w, b.bfloat16().float()))
+    # multi-dim normalized_shape
+    y = layer_norm(x.view(6, 4, 4), (4, 4), w.view(4, 4), b.view(4, 4))
+    assert torch.equal(y.view(6, 16), layer_norm(x, (16,), w, b))
+    # a bias alone in fp32: its gradient is an fp32 sum
+    bb = b.clone().requires_grad_()
+    gy = make((6, 16), torch.bfloat16, seed=5)
+    layer_norm(x, (16,), None, bb).backward(gy)
+    assert bb.grad.dtype == torch.float32
+    torch.testing.assert_close(bb.grad, gy.double().sum(0).float(), atol=1e-6, rtol=1e-6)
+
+
+def test_fp32_params_double_backward_dtypes():
+    # the derivative of the backward (a gradient penalty) with the mixed
+    # dtypes: each gradient in its leaf's dtype, close to the fp64 one
+    x = make((5, 16), torch.bfloat16, seed=1).requires_grad_()
+    w = make((16,), torch.float32, seed=2, scale=0.5, offset=1.0).requires_grad_()
+    b = make((16,), torch.float32, seed=3, scale=0.25, offset=0.0).requires_grad_()
+    gy = make((5, 16), torch.bfloat16, seed=4)
+
+    def penalty(x, w, b):
+        y = layer_norm(x, (16,), w, b)
+        gx, gw = torch.autograd.grad((y * gy).sum(), (x, w), create_graph=True)
+        return torch.autograd.grad(gx.float().pow(2).sum() + gw.float().pow(2).sum(), (x, w))
+
+    hx, hw = penalty(x, w, b)
+    assert hx.dtype == torch.bfloat16 and hw.dtype == torch.float32
+    leaves64 = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    rx, rw = penalty(*leaves64)
+    # bf16 first-order gradients enter the penalty: bf16 gradient tolerance
+    assert_close(hx, rx, "layernorm_grad", torch.bfloat16)
+    assert_close(hw, rw, "layernorm_grad", torch.bfloat16)
+
+
+def _opcheck_mixed_cases():
+    x = make((3, 5), torch.bfloat16).requires_grad_()
+    w = make((5,), torch.float32, seed=2).requires_grad_()
+    b = make((5,), torch.float32, seed=3).requires_grad_()
+    ops = torch.ops.nanguard
+    yield ops.stable_layernorm.weight, (x, w, 1e-5, True)
+    yield ops.stable_layernorm.bias, (x, b, 1e-5, False)
+    yield ops.stable_layernorm.weight_bias, (x, w, b, 1e-5, False)
+    with torch.no_grad():
+        _, mean, rstd = ops.stable_layernorm.weight_bias(x, w, b, 1e-5, False)
+    gy = make((3, 5), torch.bfloat16, seed=4)
+    yield ops.stable_layernorm_backward.weight, (gy, x.detach(), w.detach(), mean, rstd, False, True)
+
+
+@pytest.mark.parametrize("case", list(range(4)))
+def test_opcheck_fp32_params_of_bf16_input(case):
+    op, args = list(_opcheck_mixed_cases())[case]
+    torch.library.opcheck(op, args)
+
+
+def test_param_dtype_errors_name_the_argument():
+    ops = torch.ops.nanguard
+    x = torch.randn(4, 8).bfloat16()
+    with pytest.raises(RuntimeError, match=r"weight must have the dtype of input \(bfloat16\) or float32, got float16"):
+        ops.stable_layernorm.weight(x, torch.ones(8, dtype=torch.float16), 1e-5, False)
+    with pytest.raises(RuntimeError, match=r"bias must have the dtype of input \(bfloat16\) or float32, got float64"):
+        ops.stable_layernorm.bias(x, torch.ones(8, dtype=torch.float64), 1e-5, False)
+    with pytest.raises(RuntimeError, match=r"bias must have the dtype of weight \(float32\), got bfloat16"):
+        ops.stable_layernorm.weight_bias(x, torch.ones(8), torch.ones(8).bfloat16(), 1e-5, False)
+    with pytest.raises(RuntimeError, match=r"weight must have the dtype of input \(float64\), got float32"):
+        ops.stable_layernorm.weight(x.double(), torch.ones(8), 1e-5, False)
+    _, mean, rstd = ops.stable_layernorm(x, 1e-5, False)
+    with pytest.raises(RuntimeError, match=r"weight must have the dtype of input \(bfloat16\) or float32, got float16"):
+        ops.stable_layernorm_backward.weight(x, x, torch.ones(8).half(), mean, rstd, False, True)
+
+
+# ---- TorchScript -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make_module",
+    [
+        lambda: StableLayerNorm(64),
+        lambda: StableLayerNorm(64, bias=False),
+        lambda: StableLayerNorm(64, elementwise_affine=False),
+        lambda: StableLayerNorm((4, 16)),
+        lambda: StableLayerNorm(64, eps=1e-12, eps_floor="auto"),
+        lambda: StableLayerNorm(64, eps=1e-12, eps_floor=1e-3),
+        lambda: StableRMSNorm(64),
+        lambda: StableRMSNorm(64, eps=1e-6),
+        lambda: StableRMSNorm(64, eps=1e-12, eps_floor="auto"),
+    ],
+    ids=["ln", "ln-nobias", "ln-noaffine", "ln-2d", "ln-floor-auto", "ln-floor", "rms", "rms-eps",
+         "rms-floor-auto"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_jit_script_matches_eager(make_module, dtype):
+    torch.manual_seed(0)
+    m = make_module()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    scripted = torch.jit.script(m)
+    x = make((3, 5, 64), dtype, seed=1)
+    if m.normalized_shape == (4, 16):
+        x = x.view(3, 5, 4, 16)
+    xs, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ys, ye = scripted(xs), m(xe)
+    assert ys.dtype == ye.dtype and torch.equal(ys, ye)
+    g = make(ys.shape, dtype, seed=2)
+    params = list(m.parameters())
+    gs = torch.autograd.grad(ys, [xs, *params], g)
+    ge = torch.autograd.grad(ye, [xe, *params], g)
+    for a, b in zip(gs, ge):
+        assert torch.equal(a, b)
+
+
+def test_jit_script_fp32_params_of_bf16_input_and_bad_shape():
+    torch_mod = _mixed_module(False)
+    m = StableLayerNorm.from_module(torch_mod)
+    scripted = torch.jit.script(m)
+    x = make((8, 64), torch.bfloat16, seed=1)
+    assert torch.equal(scripted(x), m(x))
+    with pytest.raises(Exception, match="normalized_shape"):
+        scripted(torch.randn(4, 32))
 
 
 # ---- CUDA ----------------------------------------------------------------------------

@@ -124,6 +124,14 @@ class GuardStats:
 
 
 def _norm_type(norm_type) -> float:
+    # What torch.nn.utils.clip_grad_norm_ takes: anything float() reads, so
+    # also the strings "inf", "2", "-inf" and 0-d tensors.
+    if isinstance(norm_type, str) or (isinstance(norm_type, torch.Tensor) and norm_type.dim() == 0):
+        try:
+            return float(norm_type)
+        except (ValueError, RuntimeError):
+            raise TypeError(f"norm_type must be a float (or a string of one, such as 'inf'), "
+                            f"got {norm_type!r}") from None
     if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
         raise TypeError(f"norm_type must be a float, got {type(norm_type).__name__}")
     return float(norm_type)
@@ -136,7 +144,11 @@ def _max_norm(max_norm) -> float:
         raise TypeError(f"max_norm must be a float, got {type(max_norm).__name__}")
     max_norm = float(max_norm)
     if not (max_norm >= 0.0):
-        raise ValueError(f"max_norm must be >= 0 (inf for no clipping), got {max_norm}")
+        raise ValueError(
+            f"max_norm must be >= 0 (inf for no clipping), got {max_norm}: nanguard refuses a "
+            "negative max_norm, which torch.nn.utils.clip_grad_norm_ would turn into a negative "
+            "clip coefficient that flips the sign of every gradient"
+        )
     return max_norm
 
 
