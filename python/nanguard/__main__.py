@@ -16,6 +16,8 @@ def main(argv=None) -> int:
                    help="a small Hugging Face causal LM trained in fp16 twice, stock and with nanguard, side by side")
     sub.add_parser("doctor", add_help=False,
                    help="audit a model built from a config: python -m nanguard doctor --model-type llama")
+    sub.add_parser("replay", add_help=False,
+                   help="run a recorded failing step again: python -m nanguard replay PATH [--triage] [--json]")
     args, rest = parser.parse_known_args(argv)
     if args.command == "info":
         if rest:
@@ -32,6 +34,10 @@ def main(argv=None) -> int:
         from .diagnostics._cli import cli_main
 
         return cli_main(rest)
+    if args.command == "replay":
+        from .diagnostics._replay import cli
+
+        return cli(rest)
     return 0
 
 

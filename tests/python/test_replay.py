@@ -13,6 +13,7 @@ LayerNorm over a constant row.
 from __future__ import annotations
 
 import json
+import warnings
 import math
 import os
 import subprocess
@@ -337,3 +338,60 @@ def test_cli_prints_the_report_or_json(tmp_path, capsys):
     assert d["reproduced"] is True and d["step"] == 7 and d["triage"] is None
     assert cli([str(tmp_path / "nope.pt")]) == 2
     assert "no flight record" in capsys.readouterr().err
+
+
+def test_watch_records_the_failing_step_and_names_it(tmp_path):
+    import nanguard
+
+    model = _gpt2()
+    with torch.no_grad():
+        model.transformer.h[1].attn.c_attn.weight[:, :64] *= 1000.0
+    scaler = nanguard.amp.GradScaler("cpu", init_scale=2.0**12)
+    w = nanguard.watch(model, record_dir=tmp_path / "rec", history=8, scaler=scaler, parameters=False)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(input_ids=ids, labels=ids).loss
+    scaler.scale(loss).backward()
+    with pytest.raises(nanguard.NonFiniteError) as err:
+        w.step()
+    path = str(tmp_path / "rec" / "nanguard-step0.pt")
+    assert err.value.replay_path == path and err.value.report.replay_path == path
+    assert f"python -m nanguard replay {path} --triage" in str(err.value)
+    rec = load_record(path)
+    assert rec["loss_scale"] == 2.0**12 and rec["autocast"] == {"device_type": "cpu", "dtype": "float16"}
+    assert rec["kwargs"]["input_ids"] is not None and torch.equal(rec["kwargs"]["input_ids"], ids)
+    assert rec["history"] and {"module", "pass", "max_abs"} <= set(rec["history"][0])
+    assert "first non-finite value at step 0" in rec["report"]
+    assert w.history is not None and w.history.first_nonfinite == 0
+    w.remove()
+    res = nanguard.replay(path)
+    assert res.reproduced and res.module == "transformer.h.1.attn" and res.pass_ == "forward"
+
+
+def test_watch_history_warns_before_fp16_overflow():
+    import nanguard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).half()
+    with torch.no_grad():
+        model[1].weight.mul_(100.0)
+    w = nanguard.watch(model, history=16, policy="record", backward=False, parameters=False)
+    assert w.warnings == [] and w.history is not None
+    caught, sizes = [], []
+    for step in range(12):
+        with torch.no_grad():
+            model[1].weight.mul_(2.0)  # the output's magnitude doubles every step
+            out = model(torch.ones(2, 8, dtype=torch.float16))
+        sizes.append(float(out.abs().max()))
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            w.step()
+        caught += [g.message for g in got if isinstance(g.message, nanguard.HeadroomWarning)]
+    overflow = next(i for i, v in enumerate(sizes) if not math.isfinite(v))
+    assert caught and caught == w.warnings
+    first = caught[0]
+    assert first.module in ("1", "") and first.pass_ == "forward"
+    assert first.step <= overflow - 2 and first.predicted_step is not None
+    room = w.history.headroom()
+    assert room[("0", "forward")] > 8  # the first layer keeps its room
+    w.remove()

@@ -13,15 +13,23 @@ also at the top level (``nanguard.watch``, ``nanguard.doctor``, ...).
   :class:`BadBatchError`).
 * :func:`doctor`: a training setup audited against the known causes of NaN
   losses (:class:`Finding`).
+* ``watch(history=N)``: the magnitude :class:`History` of every module and
+  the fp16 early warning (:class:`HeadroomWarning`); ``watch(record_dir=...)``
+  saves the first non-finite step, and :func:`replay` runs it again op by op
+  and (``triage=True``) under the standard checklist (:class:`ReplayResult`).
 """
 
 from __future__ import annotations
 
 from ._batch import BadBatchError, BatchFinding, check_batch
 from ._doctor import Finding, doctor, format_findings
+from ._history import HeadroomWarning, History
+from ._record import RecordError
+from ._replay import ReplayResult, StepOutcome, replay
 from ._report import BACKWARD, FORWARD, PARAM_GRAD, NonFiniteError, Report, TensorStats
 from ._watch import Watch, watch
 
 __all__ = ["watch", "Watch", "Report", "TensorStats", "NonFiniteError", "FORWARD", "BACKWARD",
            "PARAM_GRAD", "check_batch", "BatchFinding", "BadBatchError", "doctor", "Finding",
-           "format_findings"]
+           "format_findings", "History", "HeadroomWarning", "replay", "ReplayResult", "StepOutcome",
+           "RecordError"]

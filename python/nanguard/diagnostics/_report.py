@@ -65,6 +65,8 @@ class Report:
     rank: Optional[int] = None
     #: under rank agreement: every rank (global ranks) that saw a non-finite value this step
     bad_ranks: List[int] = field(default_factory=list)
+    #: the flight record of the first non-finite step (``watch(record_dir=...)``), for nanguard.replay
+    replay_path: Optional[str] = None
 
     @property
     def name(self) -> str:
@@ -96,6 +98,9 @@ class Report:
         if self.n_nonfinite > 1:
             lines.append(f"  ({self.n_nonfinite} recorded tensors of this step were non-finite; "
                          "this is the first in execution order)")
+        if self.replay_path:
+            lines.append(f"  the step is saved in {self.replay_path}: "
+                         f"python -m nanguard replay {self.replay_path} --triage")
         return "\n".join(lines)
 
 
@@ -106,3 +111,8 @@ class NonFiniteError(RuntimeError):
     def __init__(self, report: Report):
         self.report = report
         super().__init__(str(report))
+
+    @property
+    def replay_path(self) -> Optional[str]:
+        """Where ``watch(record_dir=...)`` saved the failing step, or None."""
+        return self.report.replay_path

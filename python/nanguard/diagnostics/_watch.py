@@ -49,6 +49,7 @@ from .. import distributed as _dist
 from .._tensor_stats import COUNT_FIELDS, VALUE_FIELDS
 from ._records import (Call, Kind, Owner, Rec, flatten, is_ancestor, positive_int, recordable,
                        selected, version_of)
+from ._forensics import Forensics
 from ._report import BACKWARD, FORWARD, PARAM_GRAD, NonFiniteError, Report, TensorStats
 
 __all__ = ["watch", "Watch"]
@@ -97,6 +98,16 @@ class Watch:
             a report naming the ranks that saw it. Every rank of the group
             must call ``step()`` / ``check()`` at the same steps.
         agree: False turns the agreement (one all-reduce per check) off.
+        history: keep the last ``history`` checked steps of every module's
+            statistics (``w.history``: ``to_csv``, ``plot``, ``headroom``)
+            and warn when a float16 tensor nears fp16's largest value
+            (:class:`HeadroomWarning`, also in ``w.warnings``): within
+            ``warn_bits`` bits, or predicted by its growth to get there
+            within ``warn_steps`` steps. 0 (the default) keeps none.
+        record_dir: write the first non-finite step's flight record
+            (``nanguard-step<N>[-rank<R>].pt``) there, for
+            :func:`nanguard.replay`; ``NonFiniteError.replay_path`` names it.
+        scaler: the GradScaler in use, whose loss scale the record keeps.
 
     Use as ``with nanguard.watch(model) as w: ...`` (checked and removed on
     exit) or keep the handle: ``w = nanguard.watch(model)``, ``w.step()`` once
@@ -110,7 +121,8 @@ class Watch:
     def __init__(self, model: nn.Module, *, modules=None, every: int = 1, policy: str = "raise",
                  max_records: int = 100, inputs: bool = True, backward: bool = True,
                  parameters: bool = True, capacity: int = 256, optimizer=None,
-                 process_group=None, agree: bool = True):
+                 process_group=None, agree: bool = True, history: int = 0, record_dir=None,
+                 warn_bits: float = 0.5, warn_steps: int = 4, scaler=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         positive_int("every", every)
@@ -149,6 +161,12 @@ class Watch:
         self._probe_version: Optional[int] = None
         self._pending: Optional[Report] = None  # found by an automatic check
         self._warned = False
+        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+            raise ValueError(f"history must be an int >= 0, got {history!r}")
+        self._forensics = None
+        if history or record_dir is not None:
+            self._forensics = Forensics(model, history=history, record_dir=record_dir, warn_bits=warn_bits,
+                                        warn_steps=warn_steps, scaler=scaler)
         self._handles.append(model.register_forward_pre_hook(self._make_root(model)))
         self._attach(model, modules, backward, parameters)
         if optimizer is not None:
@@ -460,7 +478,10 @@ class Watch:
                 if p.grad is not None and recordable(p.grad):
                     self._record(p.grad, Kind.PGRAD, owner, pname + ".grad")
             first, total, host = self._first_bad()
-            return self._report(first, total, host) if first >= 0 else None
+            report = self._report(first, total, host) if first >= 0 else None
+            if self._forensics is not None:
+                self._forensics.observe(self._step, self._recs, host, report)
+            return report
         finally:
             self._reset()
 
@@ -522,10 +543,22 @@ class Watch:
         finally:
             self._step += 1
             self._on = self._step % self.every == 0
+            if self._forensics is not None:
+                self._forensics.end_step()
 
     @property
     def step_index(self) -> int:
         return self._step
+
+    @property
+    def history(self):
+        """The magnitude :class:`~nanguard.diagnostics.History` (``history=N``), or None."""
+        return self._forensics.history if self._forensics is not None else None
+
+    @property
+    def warnings(self) -> list:
+        """Every :class:`HeadroomWarning` issued so far."""
+        return self._forensics.warnings if self._forensics is not None else []
 
     # ---- lifetime ----------------------------------------------------------------------
 
@@ -538,6 +571,8 @@ class Watch:
         self._reset()
         self._pending = None
         self._bufs.clear()
+        if self._forensics is not None:
+            self._forensics.remove()
 
     def __enter__(self) -> "Watch":
         return self
