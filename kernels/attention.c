@@ -46,10 +46,7 @@
 #include <string.h>
 
 #include "kernels/cpu_isa.h"
-
-#if NG_X86
-#include <immintrin.h>
-#endif
+#include "kernels/simd_f32.h"
 
 #define BQ 64
 #define BK 64
@@ -325,73 +322,6 @@ NG_TARGET_AVX2 static void ng_gemm_f64_avx2(int64_t M, int64_t N, int64_t K, con
 NG_DOTS_PLAIN(ng_dots_f32_base, float)
 NG_DOTS_PLAIN(ng_dots_f64, double)
 
-#if NG_X86
-/* The four sums of a0..a3's lanes, in that order. */
-NG_TARGET_AVX2 static inline __m128 ng_hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-NG_TARGET_AVX2 static inline float ng_hsum8(__m256 a) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
-
-/* 2 query rows x 4 keys per step (8 accumulators, 6 loads per 8 FMAs);
- * n % 8 == 0 (rows zero-padded by the caller when they are not). */
-NG_TARGET_AVX2 static void ng_dots_f32_avx2(int64_t M, int64_t nk, int64_t n, const float *Q, int64_t ldq,
-                                            const float *K, int64_t ldk, float *S, int64_t lds, const ng_pf *pf) {
-    int64_t j = 0;
-    ng_pf_rows(pf, nk & ~(int64_t)3, pf->n); /* rows past the last group of 4 */
-    for (; j + 4 <= nk; j += 4) {
-        ng_pf_rows(pf, j, j + 4);
-        const float *k0 = K + j * ldk, *k1 = k0 + ldk, *k2 = k1 + ldk, *k3 = k2 + ldk;
-        int64_t r = 0;
-        for (; r + 2 <= M; r += 2) {
-            const float *q0 = Q + r * ldq, *q1 = q0 + ldq;
-            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-            __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-            for (int64_t e = 0; e < n; e += 8) {
-                const __m256 x0 = _mm256_loadu_ps(q0 + e), x1 = _mm256_loadu_ps(q1 + e);
-                __m256 y = _mm256_loadu_ps(k0 + e);
-                a00 = _mm256_fmadd_ps(x0, y, a00); a10 = _mm256_fmadd_ps(x1, y, a10);
-                y = _mm256_loadu_ps(k1 + e);
-                a01 = _mm256_fmadd_ps(x0, y, a01); a11 = _mm256_fmadd_ps(x1, y, a11);
-                y = _mm256_loadu_ps(k2 + e);
-                a02 = _mm256_fmadd_ps(x0, y, a02); a12 = _mm256_fmadd_ps(x1, y, a12);
-                y = _mm256_loadu_ps(k3 + e);
-                a03 = _mm256_fmadd_ps(x0, y, a03); a13 = _mm256_fmadd_ps(x1, y, a13);
-            }
-            _mm_storeu_ps(S + r * lds + j, ng_hsum4(a00, a01, a02, a03));
-            _mm_storeu_ps(S + (r + 1) * lds + j, ng_hsum4(a10, a11, a12, a13));
-        }
-        for (; r < M; r++) {
-            const float *q0 = Q + r * ldq;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t e = 0; e < n; e += 8) {
-                const __m256 x0 = _mm256_loadu_ps(q0 + e);
-                a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k0 + e), a0);
-                a1 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k1 + e), a1);
-                a2 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k2 + e), a2);
-                a3 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k3 + e), a3);
-            }
-            _mm_storeu_ps(S + r * lds + j, ng_hsum4(a0, a1, a2, a3));
-        }
-    }
-    for (; j < nk; j++) {
-        const float *k0 = K + j * ldk;
-        for (int64_t r = 0; r < M; r++) {
-            const float *q0 = Q + r * ldq;
-            __m256 a0 = _mm256_setzero_ps();
-            for (int64_t e = 0; e < n; e += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + e), _mm256_loadu_ps(k0 + e), a0);
-            S[r * lds + j] = ng_hsum8(a0);
-        }
-    }
-}
-#endif
-
 /* ---- P V for the decode path: C[r][d] += sum_j P[r][j] V[j][d] for r < M,
  * j < nk, d < n. V is read row after row (straight from the value cache
  * when its dtype is R's): the micro-kernel's 16-column strips would walk
@@ -415,172 +345,14 @@ NG_PV_PLAIN(ng_pv_f32_base, float)
 NG_PV_PLAIN(ng_pv_f64, double)
 
 #if NG_X86
-/* 2 rows x 4 keys per step: 4 V loads and 2 accumulator loads / stores per
- * 8 FMAs; n % 8 == 0. */
-NG_TARGET_AVX2 static void ng_pv_f32_avx2(int64_t M, int64_t nk, int64_t n, const float *P, int64_t lds,
-                                          const float *V, int64_t ldv, float *C, int64_t ldc, const ng_pf *pf) {
-    int64_t j = 0;
-    ng_pf_rows(pf, nk & ~(int64_t)3, pf->n); /* rows past the last group of 4 */
-    for (; j + 4 <= nk; j += 4) {
-        ng_pf_rows(pf, j, j + 4);
-        const float *v0 = V + j * ldv, *v1 = v0 + ldv, *v2 = v1 + ldv, *v3 = v2 + ldv;
-        int64_t r = 0;
-        for (; r + 2 <= M; r += 2) {
-            const float *p = P + r * lds + j;
-            const __m256 p00 = _mm256_broadcast_ss(p), p01 = _mm256_broadcast_ss(p + 1);
-            const __m256 p02 = _mm256_broadcast_ss(p + 2), p03 = _mm256_broadcast_ss(p + 3);
-            const __m256 p10 = _mm256_broadcast_ss(p + lds), p11 = _mm256_broadcast_ss(p + lds + 1);
-            const __m256 p12 = _mm256_broadcast_ss(p + lds + 2), p13 = _mm256_broadcast_ss(p + lds + 3);
-            float *c0 = C + r * ldc, *c1 = c0 + ldc;
-            for (int64_t d = 0; d < n; d += 8) {
-                const __m256 y0 = _mm256_loadu_ps(v0 + d), y1 = _mm256_loadu_ps(v1 + d);
-                const __m256 y2 = _mm256_loadu_ps(v2 + d), y3 = _mm256_loadu_ps(v3 + d);
-                __m256 a = _mm256_fmadd_ps(p00, y0, _mm256_loadu_ps(c0 + d));
-                __m256 b = _mm256_fmadd_ps(p10, y0, _mm256_loadu_ps(c1 + d));
-                a = _mm256_fmadd_ps(p01, y1, a);
-                b = _mm256_fmadd_ps(p11, y1, b);
-                a = _mm256_fmadd_ps(p02, y2, a);
-                b = _mm256_fmadd_ps(p12, y2, b);
-                _mm256_storeu_ps(c0 + d, _mm256_fmadd_ps(p03, y3, a));
-                _mm256_storeu_ps(c1 + d, _mm256_fmadd_ps(p13, y3, b));
-            }
-        }
-        for (; r < M; r++) {
-            const float *p = P + r * lds + j;
-            const __m256 p0 = _mm256_broadcast_ss(p), p1 = _mm256_broadcast_ss(p + 1);
-            const __m256 p2 = _mm256_broadcast_ss(p + 2), p3 = _mm256_broadcast_ss(p + 3);
-            float *c0 = C + r * ldc;
-            for (int64_t d = 0; d < n; d += 8) {
-                __m256 a = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + d), _mm256_loadu_ps(c0 + d));
-                a = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + d), a);
-                a = _mm256_fmadd_ps(p2, _mm256_loadu_ps(v2 + d), a);
-                _mm256_storeu_ps(c0 + d, _mm256_fmadd_ps(p3, _mm256_loadu_ps(v3 + d), a));
-            }
-        }
-    }
-    for (; j < nk; j++) {
-        const float *v0 = V + j * ldv;
-        for (int64_t r = 0; r < M; r++) {
-            const __m256 p0 = _mm256_broadcast_ss(P + r * lds + j);
-            float *c0 = C + r * ldc;
-            for (int64_t d = 0; d < n; d += 8)
-                _mm256_storeu_ps(c0 + d, _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + d), _mm256_loadu_ps(c0 + d)));
-        }
-    }
-}
-#endif
-
-#if NG_X86
-/* AVX-512 forms of the two decode kernels (16 lanes; n % 16 == 0): the
- * decode step of grouped-query attention does 2 x heads x E multiply-adds per
- * key it reads, enough to make it bound by arithmetic, not memory, on AVX2. */
-NG_TARGET_AVX512 static inline __m256 ng_fold16(__m512 a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-}
-
-NG_TARGET_AVX512 static void ng_dots_f32_avx512(int64_t M, int64_t nk, int64_t n, const float *Q, int64_t ldq,
-                                                const float *K, int64_t ldk, float *S, int64_t lds, const ng_pf *pf) {
-    int64_t j = 0;
-    ng_pf_rows(pf, nk & ~(int64_t)3, pf->n); /* rows past the last group of 4 */
-    for (; j + 4 <= nk; j += 4) {
-        ng_pf_rows(pf, j, j + 4);
-        const float *k0 = K + j * ldk, *k1 = k0 + ldk, *k2 = k1 + ldk, *k3 = k2 + ldk;
-        int64_t r = 0;
-        for (; r + 2 <= M; r += 2) {
-            const float *q0 = Q + r * ldq, *q1 = q0 + ldq;
-            __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-            __m512 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-            for (int64_t e = 0; e < n; e += 16) {
-                const __m512 x0 = _mm512_loadu_ps(q0 + e), x1 = _mm512_loadu_ps(q1 + e);
-                __m512 y = _mm512_loadu_ps(k0 + e);
-                a00 = _mm512_fmadd_ps(x0, y, a00); a10 = _mm512_fmadd_ps(x1, y, a10);
-                y = _mm512_loadu_ps(k1 + e);
-                a01 = _mm512_fmadd_ps(x0, y, a01); a11 = _mm512_fmadd_ps(x1, y, a11);
-                y = _mm512_loadu_ps(k2 + e);
-                a02 = _mm512_fmadd_ps(x0, y, a02); a12 = _mm512_fmadd_ps(x1, y, a12);
-                y = _mm512_loadu_ps(k3 + e);
-                a03 = _mm512_fmadd_ps(x0, y, a03); a13 = _mm512_fmadd_ps(x1, y, a13);
-            }
-            _mm_storeu_ps(S + r * lds + j, ng_hsum4(ng_fold16(a00), ng_fold16(a01), ng_fold16(a02), ng_fold16(a03)));
-            _mm_storeu_ps(S + (r + 1) * lds + j,
-                          ng_hsum4(ng_fold16(a10), ng_fold16(a11), ng_fold16(a12), ng_fold16(a13)));
-        }
-        for (; r < M; r++) {
-            const float *q0 = Q + r * ldq;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t e = 0; e < n; e += 16) {
-                const __m512 x0 = _mm512_loadu_ps(q0 + e);
-                a0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k0 + e), a0);
-                a1 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k1 + e), a1);
-                a2 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k2 + e), a2);
-                a3 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k3 + e), a3);
-            }
-            _mm_storeu_ps(S + r * lds + j, ng_hsum4(ng_fold16(a0), ng_fold16(a1), ng_fold16(a2), ng_fold16(a3)));
-        }
-    }
-    for (; j < nk; j++) {
-        const float *k0 = K + j * ldk;
-        for (int64_t r = 0; r < M; r++) {
-            const float *q0 = Q + r * ldq;
-            __m512 a0 = _mm512_setzero_ps();
-            for (int64_t e = 0; e < n; e += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + e), _mm512_loadu_ps(k0 + e), a0);
-            S[r * lds + j] = ng_hsum8(ng_fold16(a0));
-        }
-    }
-}
-
-NG_TARGET_AVX512 static void ng_pv_f32_avx512(int64_t M, int64_t nk, int64_t n, const float *P, int64_t lds,
-                                              const float *V, int64_t ldv, float *C, int64_t ldc, const ng_pf *pf) {
-    int64_t j = 0;
-    ng_pf_rows(pf, nk & ~(int64_t)3, pf->n); /* rows past the last group of 4 */
-    for (; j + 4 <= nk; j += 4) {
-        ng_pf_rows(pf, j, j + 4);
-        const float *v0 = V + j * ldv, *v1 = v0 + ldv, *v2 = v1 + ldv, *v3 = v2 + ldv;
-        int64_t r = 0;
-        for (; r + 2 <= M; r += 2) {
-            const float *p = P + r * lds + j;
-            const __m512 p00 = _mm512_set1_ps(p[0]), p01 = _mm512_set1_ps(p[1]);
-            const __m512 p02 = _mm512_set1_ps(p[2]), p03 = _mm512_set1_ps(p[3]);
-            const __m512 p10 = _mm512_set1_ps(p[lds]), p11 = _mm512_set1_ps(p[lds + 1]);
-            const __m512 p12 = _mm512_set1_ps(p[lds + 2]), p13 = _mm512_set1_ps(p[lds + 3]);
-            float *c0 = C + r * ldc, *c1 = c0 + ldc;
-            for (int64_t d = 0; d < n; d += 16) {
-                const __m512 y0 = _mm512_loadu_ps(v0 + d), y1 = _mm512_loadu_ps(v1 + d);
-                const __m512 y2 = _mm512_loadu_ps(v2 + d), y3 = _mm512_loadu_ps(v3 + d);
-                __m512 a = _mm512_fmadd_ps(p00, y0, _mm512_loadu_ps(c0 + d));
-                __m512 b = _mm512_fmadd_ps(p10, y0, _mm512_loadu_ps(c1 + d));
-                a = _mm512_fmadd_ps(p01, y1, a);
-                b = _mm512_fmadd_ps(p11, y1, b);
-                a = _mm512_fmadd_ps(p02, y2, a);
-                b = _mm512_fmadd_ps(p12, y2, b);
-                _mm512_storeu_ps(c0 + d, _mm512_fmadd_ps(p03, y3, a));
-                _mm512_storeu_ps(c1 + d, _mm512_fmadd_ps(p13, y3, b));
-            }
-        }
-        for (; r < M; r++) {
-            const float *p = P + r * lds + j;
-            const __m512 p0 = _mm512_set1_ps(p[0]), p1 = _mm512_set1_ps(p[1]);
-            const __m512 p2 = _mm512_set1_ps(p[2]), p3 = _mm512_set1_ps(p[3]);
-            float *c0 = C + r * ldc;
-            for (int64_t d = 0; d < n; d += 16) {
-                __m512 a = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + d), _mm512_loadu_ps(c0 + d));
-                a = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + d), a);
-                a = _mm512_fmadd_ps(p2, _mm512_loadu_ps(v2 + d), a);
-                _mm512_storeu_ps(c0 + d, _mm512_fmadd_ps(p3, _mm512_loadu_ps(v3 + d), a));
-            }
-        }
-    }
-    for (; j < nk; j++) {
-        const float *v0 = V + j * ldv;
-        for (int64_t r = 0; r < M; r++) {
-            const __m512 p0 = _mm512_set1_ps(P[r * lds + j]);
-            float *c0 = C + r * ldc;
-            for (int64_t d = 0; d < n; d += 16)
-                _mm512_storeu_ps(c0 + d, _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + d), _mm512_loadu_ps(c0 + d)));
-        }
-    }
-}
+/* The SIMD forms of both, one body at 8 (AVX2) and at 16 lanes (AVX-512):
+ * the decode step of grouped-query attention does 2 x heads x E
+ * multiply-adds per key it reads, enough to make it bound by arithmetic,
+ * not memory, on AVX2. */
+#define NG_F32_W 8
+#include "kernels/attention_dec_f32.inc"
+#define NG_F32_W 16
+#include "kernels/attention_dec_f32.inc"
 #endif
 
 /* p[j] = exp(x[j] - m) in place, returns the sum (m finite or NaN). Kept
