@@ -4,7 +4,7 @@
  * FlashAttention 1 and 2), never materializing the [L, S] score matrix.
  *
  * Forward, per (batch, head, block of BQ queries), in parallel:
- *   Q tile -> R once; for each block of BK keys: K^T and V tiles -> R,
+ *   Q tile -> NG_R once; for each block of BK keys: K^T and V tiles -> NG_R,
  *   S = Q K^T (micro-kernel), per row: scale, clamp / soft-cap, mask, causal,
  *   online-softmax update (attention_math.h), P V accumulated into [BQ, Ev].
  *   out = acc / l, lse = m + log l (-inf and 0 output for a fully masked row).
@@ -31,11 +31,12 @@
  *   split order. Split sizes depend on the shape only, never on the thread
  *   count, so neither does the result.
  *
- * R is fp32 for fp32/fp16/bf16 inputs and fp64 for fp64 (gradcheck). Each R
- * is compiled for baseline x86-64 and for AVX2+FMA, fp32 also for AVX-512
- * (attention_cpu.inc, chosen at run time through cpu_isa.h); only the
- * micro-kernel, the decode path's dots and P V, and the row exp differ
- * between them.
+ * The tile type NG_R is fp32 for fp32/fp16/bf16 inputs and fp64 for fp64
+ * (gradcheck). Each is compiled for baseline x86-64 and for AVX2+FMA, fp32
+ * also for AVX-512 (attention_cpu.inc, chosen at run time through cpu_isa.h
+ * from a table indexed by the CPU path); only the micro-kernel, the decode
+ * path's dots and P V (attention_dec_f32.inc, over simd_f32.h), and the row
+ * exp differ between them.
  */
 #include "kernels/attention.h"
 
@@ -320,7 +321,7 @@ NG_TARGET_AVX2 static void ng_gemm_f64_avx2(int64_t M, int64_t N, int64_t K, con
     }
 
 NG_DOTS_PLAIN(ng_dots_f32_base, float)
-NG_DOTS_PLAIN(ng_dots_f64, double)
+NG_DOTS_PLAIN(ng_dots_f64_base, double)
 
 /* ---- P V for the decode path: C[r][d] += sum_j P[r][j] V[j][d] for r < M,
  * j < nk, d < n. V is read row after row (straight from the value cache
@@ -342,7 +343,7 @@ NG_DOTS_PLAIN(ng_dots_f64, double)
     }
 
 NG_PV_PLAIN(ng_pv_f32_base, float)
-NG_PV_PLAIN(ng_pv_f64, double)
+NG_PV_PLAIN(ng_pv_f64_base, double)
 
 #if NG_X86
 /* The SIMD forms of both, one body at 8 (AVX2) and at 16 lanes (AVX-512):
@@ -412,7 +413,7 @@ NG_TARGET_AVX2 __attribute__((noinline)) static float ng_exp_row_f32_avx2(float 
 }
 #endif
 
-static double ng_exp_row_f64(double *x, int64_t n, double m) {
+static double ng_exp_row_f64_base(double *x, int64_t n, double m) {
     double sum = 0.0;
     for (int64_t j = 0; j < n; j++) {
         x[j] = exp(x[j] - m);
@@ -423,119 +424,54 @@ static double ng_exp_row_f64(double *x, int64_t n, double m) {
 
 /* ---- the tile kernels, once per variant --------------------------------- */
 
-#define M_STORE ng_store_f32
-#define M_TRANSFORM ng_attn_transform_f32
-#define M_TRANSFORM_GRAD ng_attn_transform_grad_f32
-#define M_MAX_NAN ng_attn_max_nan_f32
-#define M_RESCALE ng_attn_rescale_f32
-#define M_INV_SUM ng_attn_inv_sum_f32
-#define M_LSE ng_attn_lse_f32
-#define M_EXP ng_expf_poly
-#define R float
+typedef float ng_attn_real_f32;
+typedef double ng_attn_real_f64;
 
-#define SFX(n) n##_f32_base
-#define ATTR
-#define GEMM ng_gemm_f32_base
-#define DOTS ng_dots_f32_base
-#define PV ng_pv_f32_base
-#define DOTS_ALIGN 1
-#define EXP_ROW ng_exp_row_f32_base
+/* Row (b, h, i) of a [batch, head, seq, dim] tensor with element strides st
+ * and elements of es bytes. */
+static inline char *ng_attn_row(const void *base, const int64_t st[3], size_t es, int64_t b, int64_t h, int64_t i) {
+    return (char *)base + (size_t)(b * st[0] + h * st[1] + i * st[2]) * es;
+}
+
+/* A head dim or key count padded to the tiles' multiple of 16 columns. */
+static inline int64_t ng_pad16(int64_t n) { return NG_CEIL_DIV(n, 16) * 16; }
+
+#define NG_T f32
+#define NG_ISA base
+#define NG_ATTR
+#define NG_DOTS_ALIGN 1
 #include "kernels/attention_cpu.inc"
-#undef SFX
-#undef ATTR
-#undef GEMM
-#undef DOTS
-#undef PV
-#undef DOTS_ALIGN
-#undef EXP_ROW
+
+#define NG_T f64
+#define NG_ISA base
+#define NG_ATTR
+#define NG_DOTS_ALIGN 1
+#include "kernels/attention_cpu.inc"
 
 #if NG_X86
-#define SFX(n) n##_f32_avx2
-#define ATTR NG_TARGET_AVX2
-#define GEMM ng_gemm_f32_avx2
-#define DOTS ng_dots_f32_avx2
-#define PV ng_pv_f32_avx2
-#define DOTS_ALIGN 8
-#define EXP_ROW ng_exp_row_f32_avx2
+#define NG_T f32
+#define NG_ISA avx2
+#define NG_ATTR NG_TARGET_AVX2
+#define NG_DOTS_ALIGN 8
 #include "kernels/attention_cpu.inc"
-#undef SFX
-#undef ATTR
-#undef GEMM
-#undef DOTS
-#undef PV
-#undef DOTS_ALIGN
-#undef EXP_ROW
 
 /* AVX-512: the micro-kernel, the decode path's dots and P V at 16 lanes */
-#define SFX(n) n##_f32_avx512
-#define ATTR NG_TARGET_AVX512
-#define GEMM ng_gemm_f32_avx512
-#define DOTS ng_dots_f32_avx512
-#define PV ng_pv_f32_avx512
-#define DOTS_ALIGN 16
-#define EXP_ROW ng_exp_row_f32_avx2
+#define ng_exp_row_f32_avx512 ng_exp_row_f32_avx2
+#define NG_T f32
+#define NG_ISA avx512
+#define NG_ATTR NG_TARGET_AVX512
+#define NG_DOTS_ALIGN 16
 #include "kernels/attention_cpu.inc"
-#undef SFX
-#undef ATTR
-#undef GEMM
-#undef DOTS
-#undef PV
-#undef DOTS_ALIGN
-#undef EXP_ROW
-#endif
 
-#undef M_STORE
-#undef M_TRANSFORM
-#undef M_TRANSFORM_GRAD
-#undef M_MAX_NAN
-#undef M_RESCALE
-#undef M_INV_SUM
-#undef M_LSE
-#undef M_EXP
-#undef R
-
-#define M_STORE ng_store_f64
-#define M_TRANSFORM ng_attn_transform_f64
-#define M_TRANSFORM_GRAD ng_attn_transform_grad_f64
-#define M_MAX_NAN ng_attn_max_nan_f64
-#define M_RESCALE ng_attn_rescale_f64
-#define M_INV_SUM ng_attn_inv_sum_f64
-#define M_LSE ng_attn_lse_f64
-#define M_EXP exp
-#define R double
-
-#define SFX(n) n##_f64_base
-#define ATTR
-#define GEMM ng_gemm_f64_base
-#define DOTS ng_dots_f64
-#define PV ng_pv_f64
-#define DOTS_ALIGN 1
-#define EXP_ROW ng_exp_row_f64
+/* fp64 on AVX2: the micro-kernel only */
+#define ng_dots_f64_avx2 ng_dots_f64_base
+#define ng_pv_f64_avx2 ng_pv_f64_base
+#define ng_exp_row_f64_avx2 ng_exp_row_f64_base
+#define NG_T f64
+#define NG_ISA avx2
+#define NG_ATTR NG_TARGET_AVX2
+#define NG_DOTS_ALIGN 1
 #include "kernels/attention_cpu.inc"
-#undef SFX
-#undef ATTR
-#undef GEMM
-#undef DOTS
-#undef PV
-#undef DOTS_ALIGN
-#undef EXP_ROW
-
-#if NG_X86
-#define SFX(n) n##_f64_avx2
-#define ATTR NG_TARGET_AVX2
-#define GEMM ng_gemm_f64_avx2
-#define DOTS ng_dots_f64
-#define PV ng_pv_f64
-#define DOTS_ALIGN 1
-#define EXP_ROW ng_exp_row_f64
-#include "kernels/attention_cpu.inc"
-#undef SFX
-#undef ATTR
-#undef GEMM
-#undef DOTS
-#undef PV
-#undef DOTS_ALIGN
-#undef EXP_ROW
 #endif
 
 /* ---- dispatch ------------------------------------------------------------ */
@@ -544,32 +480,22 @@ typedef struct ng_attn_variant {
     ng_range_fn fwd, bwd_prep, bwd, dq_store, dec, dec_combine;
 } ng_attn_variant;
 
-static ng_attn_variant ng_attn_pick(ng_dtype t) {
-    int wide = ng_cpu_isa_active() >= NG_ISA_AVX2;
-    ng_attn_variant v;
-    if (t == NG_F64) {
-        v = (ng_attn_variant){fwd_range_f64_base, bwd_prep_range_f64_base, bwd_range_f64_base,
-                              dq_store_range_f64_base, dec_range_f64_base, dec_combine_range_f64_base};
+#define NG_ATTN_VARIANT(T, ISA)                                                                        \
+    {fwd_range_##T##_##ISA,      bwd_prep_range_##T##_##ISA, bwd_range_##T##_##ISA,                    \
+     dq_store_range_##T##_##ISA, dec_range_##T##_##ISA,      dec_combine_range_##T##_##ISA}
 #if NG_X86
-        if (wide)
-            v = (ng_attn_variant){fwd_range_f64_avx2, bwd_prep_range_f64_avx2, bwd_range_f64_avx2,
-                                  dq_store_range_f64_avx2, dec_range_f64_avx2, dec_combine_range_f64_avx2};
+#define NG_ATTN_X86_VARIANT(T, ISA) NG_ATTN_VARIANT(T, ISA)
+#else
+#define NG_ATTN_X86_VARIANT(T, ISA) NG_ATTN_VARIANT(T, base) /* never picked */
 #endif
-    } else {
-        v = (ng_attn_variant){fwd_range_f32_base, bwd_prep_range_f32_base, bwd_range_f32_base,
-                              dq_store_range_f32_base, dec_range_f32_base, dec_combine_range_f32_base};
-#if NG_X86
-        if (wide)
-            v = (ng_attn_variant){fwd_range_f32_avx2, bwd_prep_range_f32_avx2, bwd_range_f32_avx2,
-                                  dq_store_range_f32_avx2, dec_range_f32_avx2, dec_combine_range_f32_avx2};
-        if (ng_cpu_isa_active() >= NG_ISA_AVX512)
-            v = (ng_attn_variant){fwd_range_f32_avx512, bwd_prep_range_f32_avx512, bwd_range_f32_avx512,
-                                  dq_store_range_f32_avx512, dec_range_f32_avx512, dec_combine_range_f32_avx512};
-#endif
-    }
-    (void)wide;
-    return v;
-}
+
+/* [fp64?][cpu path]; fp64 has no AVX-512 variant of its own. */
+static const ng_attn_variant ng_attn_variants[2][NG_ISA_AVX512 + 1] = {
+    {NG_ATTN_VARIANT(f32, base), NG_ATTN_X86_VARIANT(f32, avx2), NG_ATTN_X86_VARIANT(f32, avx512)},
+    {NG_ATTN_VARIANT(f64, base), NG_ATTN_X86_VARIANT(f64, avx2), NG_ATTN_X86_VARIANT(f64, avx2)},
+};
+
+static ng_attn_variant ng_attn_pick(ng_dtype t) { return ng_attn_variants[t == NG_F64][ng_cpu_isa_active()]; }
 
 static int ng_attn_strides_ok(const void *p, const int64_t st[3]) {
     return p != NULL && st[0] >= 0 && st[1] >= 0 && st[2] >= 0;
@@ -639,7 +565,7 @@ static ng_status ng_attn_decode(const ng_attention_args *a, ng_parallel_fn par) 
     c.nsplit = NG_MAX(1, NG_CEIL_DIV(klen, c.split_len));
     if (c.nsplit > 1) {
         const size_t rs = a->dtype == NG_F64 ? sizeof(double) : sizeof(float);
-        const int64_t rows = a->B * a->Hq * a->L, Evp = NG_CEIL_DIV(a->Ev, 16) * 16;
+        const int64_t rows = a->B * a->Hq * a->L, Evp = ng_pad16(a->Ev);
         c.part_ml = ng_attn_alloc(rs * (size_t)(c.nsplit * rows * 2));
         c.part_acc = ng_attn_alloc(rs * (size_t)(c.nsplit * rows * Evp));
         if (!c.part_ml || !c.part_acc) {
@@ -684,7 +610,7 @@ ng_status ng_attention_bwd(const ng_attention_args *args, ng_parallel_fn par) {
     if (args->B == 0) return NG_OK;
     ng_attention_args a = ng_attn_normalize(args);
     const size_t rs = a.dtype == NG_F64 ? sizeof(double) : sizeof(float);
-    const int64_t Ep = NG_CEIL_DIV(a.E, 16) * 16;
+    const int64_t Ep = ng_pad16(a.E);
     const int64_t nkb = NG_CEIL_DIV(a.S, BK);
     const int64_t pairs = a.B * a.Hkv;
     ng_attn_variant v = ng_attn_pick(a.dtype);
