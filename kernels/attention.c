@@ -20,7 +20,7 @@
  *   and writes dq.
  * With dropout p, P is multiplied by keep / (1 - p) from the Philox stream of
  *   attention_math.h, in the forward and again in the backward.
- * Decode (forward, L <= NG_DEC_MAX_L against S >= NG_DEC_MIN_S keys): a
+ * Decode (forward, L <= NG_ATTN_DEC_MAX_L against S >= NG_ATTN_DEC_MIN_S keys): a
  *   64-row query block would be mostly padding and every query head would
  *   re-read (and transpose) its kv head. Instead a task takes a kv head with
  *   all the query heads of its group and all their rows, reads each K / V row
@@ -59,10 +59,6 @@
 #define NG_DEC_ROWS 64
 #define NG_DEC_TASKS 64      /* split long key ranges until there are this many tasks */
 #define NG_DEC_MIN_SPLIT 256 /* but never into splits shorter than this (keys) */
-/* ng_attention_fwd takes the decode path for L <= NG_DEC_MAX_L and
- * S >= NG_DEC_MIN_S. */
-#define NG_DEC_MAX_L 16
-#define NG_DEC_MIN_S 32
 
 typedef struct ng_attn_ctx {
     const ng_attention_args *a;
@@ -592,7 +588,7 @@ ng_status ng_attention_fwd(const ng_attention_args *args, ng_parallel_fn par) {
     NG_TRY(ng_attention_check(args, 0));
     if (args->B == 0 || args->L == 0) return NG_OK;
     ng_attention_args a = ng_attn_normalize(args);
-    if (a.L <= NG_DEC_MAX_L && a.S >= NG_DEC_MIN_S) return ng_attn_decode(&a, par);
+    if (a.L <= NG_ATTN_DEC_MAX_L && a.S >= NG_ATTN_DEC_MIN_S) return ng_attn_decode(&a, par);
     ng_attn_variant v = ng_attn_pick(a.dtype);
     ng_attn_ctx c = {.a = &a};
     atomic_init(&c.failed, 0);
