@@ -424,7 +424,8 @@ typedef float ng_attn_real_f32;
 typedef double ng_attn_real_f64;
 
 /* Row (b, h, i) of a [batch, head, seq, dim] tensor with element strides st
- * and elements of es bytes. */
+ * and elements of es bytes (writable for the outputs; inputs take it as
+ * const char *). */
 static inline char *ng_attn_row(const void *base, const int64_t st[3], size_t es, int64_t b, int64_t h, int64_t i) {
     return (char *)base + (size_t)(b * st[0] + h * st[1] + i * st[2]) * es;
 }
@@ -451,7 +452,8 @@ static inline int64_t ng_pad16(int64_t n) { return NG_CEIL_DIV(n, 16) * 16; }
 #define NG_DOTS_ALIGN 8
 #include "kernels/attention_cpu.inc"
 
-/* AVX-512: the micro-kernel, the decode path's dots and P V at 16 lanes */
+/* AVX-512: the micro-kernel, the decode path's dots and P V at 16 lanes;
+ * the row exp is AVX2's */
 #define ng_exp_row_f32_avx512 ng_exp_row_f32_avx2
 #define NG_T f32
 #define NG_ISA avx512
@@ -459,7 +461,8 @@ static inline int64_t ng_pad16(int64_t n) { return NG_CEIL_DIV(n, 16) * 16; }
 #define NG_DOTS_ALIGN 16
 #include "kernels/attention_cpu.inc"
 
-/* fp64 on AVX2: the micro-kernel only */
+/* fp64 on AVX2: the micro-kernel only; dots, P V and the row exp are the
+ * baseline's */
 #define ng_dots_f64_avx2 ng_dots_f64_base
 #define ng_pv_f64_avx2 ng_pv_f64_base
 #define ng_exp_row_f64_avx2 ng_exp_row_f64_base
