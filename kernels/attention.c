@@ -4,7 +4,7 @@
  * FlashAttention 1 and 2), never materializing the [L, S] score matrix.
  *
  * Forward, per (batch, head, block of BQ queries), in parallel:
- *   Q tile -> R once; for each block of BK keys: K^T and V tiles -> R,
+ *   Q tile -> NG_R once; for each block of BK keys: K^T and V tiles -> NG_R,
  *   S = Q K^T (micro-kernel), per row: scale, clamp / soft-cap, mask, causal,
  *   online-softmax update (attention_math.h), P V accumulated into [BQ, Ev].
  *   out = acc / l, lse = m + log l (-inf and 0 output for a fully masked row).
@@ -20,7 +20,7 @@
  *   and writes dq.
  * With dropout p, P is multiplied by keep / (1 - p) from the Philox stream of
  *   attention_math.h, in the forward and again in the backward.
- * Decode (forward, L <= NG_DEC_MAX_L against S >= NG_DEC_MIN_S keys): a
+ * Decode (forward, L <= NG_ATTN_DEC_MAX_L against S >= NG_ATTN_DEC_MIN_S keys): a
  *   64-row query block would be mostly padding and every query head would
  *   re-read (and transpose) its kv head. Instead a task takes a kv head with
  *   all the query heads of its group and all their rows, reads each K / V row
@@ -31,11 +31,12 @@
  *   split order. Split sizes depend on the shape only, never on the thread
  *   count, so neither does the result.
  *
- * R is fp32 for fp32/fp16/bf16 inputs and fp64 for fp64 (gradcheck). Each R
- * is compiled for baseline x86-64 and for AVX2+FMA, fp32 also for AVX-512
- * (attention_cpu.inc, chosen at run time through cpu_isa.h); only the
- * micro-kernel, the decode path's dots and P V, and the row exp differ
- * between them.
+ * The tile type NG_R is fp32 for fp32/fp16/bf16 inputs and fp64 for fp64
+ * (gradcheck). Each is compiled for baseline x86-64 and for AVX2+FMA, fp32
+ * also for AVX-512 (attention_cpu.inc, chosen at run time through cpu_isa.h
+ * from a table indexed by the CPU path); only the micro-kernel, the decode
+ * path's dots and P V (attention_dec_f32.inc, over simd_f32.h), and the row
+ * exp differ between them.
  */
 #include "kernels/attention.h"
 
@@ -46,10 +47,7 @@
 #include <string.h>
 
 #include "kernels/cpu_isa.h"
-
-#if NG_X86
-#include <immintrin.h>
-#endif
+#include "kernels/simd_f32.h"
 
 #define BQ 64
 #define BK 64
@@ -61,10 +59,6 @@
 #define NG_DEC_ROWS 64
 #define NG_DEC_TASKS 64      /* split long key ranges until there are this many tasks */
 #define NG_DEC_MIN_SPLIT 256 /* but never into splits shorter than this (keys) */
-/* ng_attention_fwd takes the decode path for L <= NG_DEC_MAX_L and
- * S >= NG_DEC_MIN_S. */
-#define NG_DEC_MAX_L 16
-#define NG_DEC_MIN_S 32
 
 typedef struct ng_attn_ctx {
     const ng_attention_args *a;
@@ -323,74 +317,7 @@ NG_TARGET_AVX2 static void ng_gemm_f64_avx2(int64_t M, int64_t N, int64_t K, con
     }
 
 NG_DOTS_PLAIN(ng_dots_f32_base, float)
-NG_DOTS_PLAIN(ng_dots_f64, double)
-
-#if NG_X86
-/* The four sums of a0..a3's lanes, in that order. */
-NG_TARGET_AVX2 static inline __m128 ng_hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-NG_TARGET_AVX2 static inline float ng_hsum8(__m256 a) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
-
-/* 2 query rows x 4 keys per step (8 accumulators, 6 loads per 8 FMAs);
- * n % 8 == 0 (rows zero-padded by the caller when they are not). */
-NG_TARGET_AVX2 static void ng_dots_f32_avx2(int64_t M, int64_t nk, int64_t n, const float *Q, int64_t ldq,
-                                            const float *K, int64_t ldk, float *S, int64_t lds, const ng_pf *pf) {
-    int64_t j = 0;
-    ng_pf_rows(pf, nk & ~(int64_t)3, pf->n); /* rows past the last group of 4 */
-    for (; j + 4 <= nk; j += 4) {
-        ng_pf_rows(pf, j, j + 4);
-        const float *k0 = K + j * ldk, *k1 = k0 + ldk, *k2 = k1 + ldk, *k3 = k2 + ldk;
-        int64_t r = 0;
-        for (; r + 2 <= M; r += 2) {
-            const float *q0 = Q + r * ldq, *q1 = q0 + ldq;
-            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-            __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-            for (int64_t e = 0; e < n; e += 8) {
-                const __m256 x0 = _mm256_loadu_ps(q0 + e), x1 = _mm256_loadu_ps(q1 + e);
-                __m256 y = _mm256_loadu_ps(k0 + e);
-                a00 = _mm256_fmadd_ps(x0, y, a00); a10 = _mm256_fmadd_ps(x1, y, a10);
-                y = _mm256_loadu_ps(k1 + e);
-                a01 = _mm256_fmadd_ps(x0, y, a01); a11 = _mm256_fmadd_ps(x1, y, a11);
-                y = _mm256_loadu_ps(k2 + e);
-                a02 = _mm256_fmadd_ps(x0, y, a02); a12 = _mm256_fmadd_ps(x1, y, a12);
-                y = _mm256_loadu_ps(k3 + e);
-                a03 = _mm256_fmadd_ps(x0, y, a03); a13 = _mm256_fmadd_ps(x1, y, a13);
-            }
-            _mm_storeu_ps(S + r * lds + j, ng_hsum4(a00, a01, a02, a03));
-            _mm_storeu_ps(S + (r + 1) * lds + j, ng_hsum4(a10, a11, a12, a13));
-        }
-        for (; r < M; r++) {
-            const float *q0 = Q + r * ldq;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t e = 0; e < n; e += 8) {
-                const __m256 x0 = _mm256_loadu_ps(q0 + e);
-                a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k0 + e), a0);
-                a1 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k1 + e), a1);
-                a2 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k2 + e), a2);
-                a3 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k3 + e), a3);
-            }
-            _mm_storeu_ps(S + r * lds + j, ng_hsum4(a0, a1, a2, a3));
-        }
-    }
-    for (; j < nk; j++) {
-        const float *k0 = K + j * ldk;
-        for (int64_t r = 0; r < M; r++) {
-            const float *q0 = Q + r * ldq;
-            __m256 a0 = _mm256_setzero_ps();
-            for (int64_t e = 0; e < n; e += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + e), _mm256_loadu_ps(k0 + e), a0);
-            S[r * lds + j] = ng_hsum8(a0);
-        }
-    }
-}
-#endif
+NG_DOTS_PLAIN(ng_dots_f64_base, double)
 
 /* ---- P V for the decode path: C[r][d] += sum_j P[r][j] V[j][d] for r < M,
  * j < nk, d < n. V is read row after row (straight from the value cache
@@ -412,175 +339,17 @@ NG_TARGET_AVX2 static void ng_dots_f32_avx2(int64_t M, int64_t nk, int64_t n, co
     }
 
 NG_PV_PLAIN(ng_pv_f32_base, float)
-NG_PV_PLAIN(ng_pv_f64, double)
+NG_PV_PLAIN(ng_pv_f64_base, double)
 
 #if NG_X86
-/* 2 rows x 4 keys per step: 4 V loads and 2 accumulator loads / stores per
- * 8 FMAs; n % 8 == 0. */
-NG_TARGET_AVX2 static void ng_pv_f32_avx2(int64_t M, int64_t nk, int64_t n, const float *P, int64_t lds,
-                                          const float *V, int64_t ldv, float *C, int64_t ldc, const ng_pf *pf) {
-    int64_t j = 0;
-    ng_pf_rows(pf, nk & ~(int64_t)3, pf->n); /* rows past the last group of 4 */
-    for (; j + 4 <= nk; j += 4) {
-        ng_pf_rows(pf, j, j + 4);
-        const float *v0 = V + j * ldv, *v1 = v0 + ldv, *v2 = v1 + ldv, *v3 = v2 + ldv;
-        int64_t r = 0;
-        for (; r + 2 <= M; r += 2) {
-            const float *p = P + r * lds + j;
-            const __m256 p00 = _mm256_broadcast_ss(p), p01 = _mm256_broadcast_ss(p + 1);
-            const __m256 p02 = _mm256_broadcast_ss(p + 2), p03 = _mm256_broadcast_ss(p + 3);
-            const __m256 p10 = _mm256_broadcast_ss(p + lds), p11 = _mm256_broadcast_ss(p + lds + 1);
-            const __m256 p12 = _mm256_broadcast_ss(p + lds + 2), p13 = _mm256_broadcast_ss(p + lds + 3);
-            float *c0 = C + r * ldc, *c1 = c0 + ldc;
-            for (int64_t d = 0; d < n; d += 8) {
-                const __m256 y0 = _mm256_loadu_ps(v0 + d), y1 = _mm256_loadu_ps(v1 + d);
-                const __m256 y2 = _mm256_loadu_ps(v2 + d), y3 = _mm256_loadu_ps(v3 + d);
-                __m256 a = _mm256_fmadd_ps(p00, y0, _mm256_loadu_ps(c0 + d));
-                __m256 b = _mm256_fmadd_ps(p10, y0, _mm256_loadu_ps(c1 + d));
-                a = _mm256_fmadd_ps(p01, y1, a);
-                b = _mm256_fmadd_ps(p11, y1, b);
-                a = _mm256_fmadd_ps(p02, y2, a);
-                b = _mm256_fmadd_ps(p12, y2, b);
-                _mm256_storeu_ps(c0 + d, _mm256_fmadd_ps(p03, y3, a));
-                _mm256_storeu_ps(c1 + d, _mm256_fmadd_ps(p13, y3, b));
-            }
-        }
-        for (; r < M; r++) {
-            const float *p = P + r * lds + j;
-            const __m256 p0 = _mm256_broadcast_ss(p), p1 = _mm256_broadcast_ss(p + 1);
-            const __m256 p2 = _mm256_broadcast_ss(p + 2), p3 = _mm256_broadcast_ss(p + 3);
-            float *c0 = C + r * ldc;
-            for (int64_t d = 0; d < n; d += 8) {
-                __m256 a = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + d), _mm256_loadu_ps(c0 + d));
-                a = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + d), a);
-                a = _mm256_fmadd_ps(p2, _mm256_loadu_ps(v2 + d), a);
-                _mm256_storeu_ps(c0 + d, _mm256_fmadd_ps(p3, _mm256_loadu_ps(v3 + d), a));
-            }
-        }
-    }
-    for (; j < nk; j++) {
-        const float *v0 = V + j * ldv;
-        for (int64_t r = 0; r < M; r++) {
-            const __m256 p0 = _mm256_broadcast_ss(P + r * lds + j);
-            float *c0 = C + r * ldc;
-            for (int64_t d = 0; d < n; d += 8)
-                _mm256_storeu_ps(c0 + d, _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + d), _mm256_loadu_ps(c0 + d)));
-        }
-    }
-}
-#endif
-
-#if NG_X86
-/* AVX-512 forms of the two decode kernels (16 lanes; n % 16 == 0): the
- * decode step of grouped-query attention does 2 x heads x E multiply-adds per
- * key it reads, enough to make it bound by arithmetic, not memory, on AVX2. */
-NG_TARGET_AVX512 static inline __m256 ng_fold16(__m512 a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-}
-
-NG_TARGET_AVX512 static void ng_dots_f32_avx512(int64_t M, int64_t nk, int64_t n, const float *Q, int64_t ldq,
-                                                const float *K, int64_t ldk, float *S, int64_t lds, const ng_pf *pf) {
-    int64_t j = 0;
-    ng_pf_rows(pf, nk & ~(int64_t)3, pf->n); /* rows past the last group of 4 */
-    for (; j + 4 <= nk; j += 4) {
-        ng_pf_rows(pf, j, j + 4);
-        const float *k0 = K + j * ldk, *k1 = k0 + ldk, *k2 = k1 + ldk, *k3 = k2 + ldk;
-        int64_t r = 0;
-        for (; r + 2 <= M; r += 2) {
-            const float *q0 = Q + r * ldq, *q1 = q0 + ldq;
-            __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-            __m512 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-            for (int64_t e = 0; e < n; e += 16) {
-                const __m512 x0 = _mm512_loadu_ps(q0 + e), x1 = _mm512_loadu_ps(q1 + e);
-                __m512 y = _mm512_loadu_ps(k0 + e);
-                a00 = _mm512_fmadd_ps(x0, y, a00); a10 = _mm512_fmadd_ps(x1, y, a10);
-                y = _mm512_loadu_ps(k1 + e);
-                a01 = _mm512_fmadd_ps(x0, y, a01); a11 = _mm512_fmadd_ps(x1, y, a11);
-                y = _mm512_loadu_ps(k2 + e);
-                a02 = _mm512_fmadd_ps(x0, y, a02); a12 = _mm512_fmadd_ps(x1, y, a12);
-                y = _mm512_loadu_ps(k3 + e);
-                a03 = _mm512_fmadd_ps(x0, y, a03); a13 = _mm512_fmadd_ps(x1, y, a13);
-            }
-            _mm_storeu_ps(S + r * lds + j, ng_hsum4(ng_fold16(a00), ng_fold16(a01), ng_fold16(a02), ng_fold16(a03)));
-            _mm_storeu_ps(S + (r + 1) * lds + j,
-                          ng_hsum4(ng_fold16(a10), ng_fold16(a11), ng_fold16(a12), ng_fold16(a13)));
-        }
-        for (; r < M; r++) {
-            const float *q0 = Q + r * ldq;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t e = 0; e < n; e += 16) {
-                const __m512 x0 = _mm512_loadu_ps(q0 + e);
-                a0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k0 + e), a0);
-                a1 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k1 + e), a1);
-                a2 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k2 + e), a2);
-                a3 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k3 + e), a3);
-            }
-            _mm_storeu_ps(S + r * lds + j, ng_hsum4(ng_fold16(a0), ng_fold16(a1), ng_fold16(a2), ng_fold16(a3)));
-        }
-    }
-    for (; j < nk; j++) {
-        const float *k0 = K + j * ldk;
-        for (int64_t r = 0; r < M; r++) {
-            const float *q0 = Q + r * ldq;
-            __m512 a0 = _mm512_setzero_ps();
-            for (int64_t e = 0; e < n; e += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + e), _mm512_loadu_ps(k0 + e), a0);
-            S[r * lds + j] = ng_hsum8(ng_fold16(a0));
-        }
-    }
-}
-
-NG_TARGET_AVX512 static void ng_pv_f32_avx512(int64_t M, int64_t nk, int64_t n, const float *P, int64_t lds,
-                                              const float *V, int64_t ldv, float *C, int64_t ldc, const ng_pf *pf) {
-    int64_t j = 0;
-    ng_pf_rows(pf, nk & ~(int64_t)3, pf->n); /* rows past the last group of 4 */
-    for (; j + 4 <= nk; j += 4) {
-        ng_pf_rows(pf, j, j + 4);
-        const float *v0 = V + j * ldv, *v1 = v0 + ldv, *v2 = v1 + ldv, *v3 = v2 + ldv;
-        int64_t r = 0;
-        for (; r + 2 <= M; r += 2) {
-            const float *p = P + r * lds + j;
-            const __m512 p00 = _mm512_set1_ps(p[0]), p01 = _mm512_set1_ps(p[1]);
-            const __m512 p02 = _mm512_set1_ps(p[2]), p03 = _mm512_set1_ps(p[3]);
-            const __m512 p10 = _mm512_set1_ps(p[lds]), p11 = _mm512_set1_ps(p[lds + 1]);
-            const __m512 p12 = _mm512_set1_ps(p[lds + 2]), p13 = _mm512_set1_ps(p[lds + 3]);
-            float *c0 = C + r * ldc, *c1 = c0 + ldc;
-            for (int64_t d = 0; d < n; d += 16) {
-                const __m512 y0 = _mm512_loadu_ps(v0 + d), y1 = _mm512_loadu_ps(v1 + d);
-                const __m512 y2 = _mm512_loadu_ps(v2 + d), y3 = _mm512_loadu_ps(v3 + d);
-                __m512 a = _mm512_fmadd_ps(p00, y0, _mm512_loadu_ps(c0 + d));
-                __m512 b = _mm512_fmadd_ps(p10, y0, _mm512_loadu_ps(c1 + d));
-                a = _mm512_fmadd_ps(p01, y1, a);
-                b = _mm512_fmadd_ps(p11, y1, b);
-                a = _mm512_fmadd_ps(p02, y2, a);
-                b = _mm512_fmadd_ps(p12, y2, b);
-                _mm512_storeu_ps(c0 + d, _mm512_fmadd_ps(p03, y3, a));
-                _mm512_storeu_ps(c1 + d, _mm512_fmadd_ps(p13, y3, b));
-            }
-        }
-        for (; r < M; r++) {
-            const float *p = P + r * lds + j;
-            const __m512 p0 = _mm512_set1_ps(p[0]), p1 = _mm512_set1_ps(p[1]);
-            const __m512 p2 = _mm512_set1_ps(p[2]), p3 = _mm512_set1_ps(p[3]);
-            float *c0 = C + r * ldc;
-            for (int64_t d = 0; d < n; d += 16) {
-                __m512 a = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + d), _mm512_loadu_ps(c0 + d));
-                a = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + d), a);
-                a = _mm512_fmadd_ps(p2, _mm512_loadu_ps(v2 + d), a);
-                _mm512_storeu_ps(c0 + d, _mm512_fmadd_ps(p3, _mm512_loadu_ps(v3 + d), a));
-            }
-        }
-    }
-    for (; j < nk; j++) {
-        const float *v0 = V + j * ldv;
-        for (int64_t r = 0; r < M; r++) {
-            const __m512 p0 = _mm512_set1_ps(P[r * lds + j]);
-            float *c0 = C + r * ldc;
-            for (int64_t d = 0; d < n; d += 16)
-                _mm512_storeu_ps(c0 + d, _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + d), _mm512_loadu_ps(c0 + d)));
-        }
-    }
-}
+/* The SIMD forms of both, one body at 8 (AVX2) and at 16 lanes (AVX-512):
+ * the decode step of grouped-query attention does 2 x heads x E
+ * multiply-adds per key it reads, enough to make it bound by arithmetic,
+ * not memory, on AVX2. */
+#define NG_F32_W 8
+#include "kernels/attention_dec_f32.inc"
+#define NG_F32_W 16
+#include "kernels/attention_dec_f32.inc"
 #endif
 
 /* p[j] = exp(x[j] - m) in place, returns the sum (m finite or NaN). Kept
@@ -640,7 +409,7 @@ NG_TARGET_AVX2 __attribute__((noinline)) static float ng_exp_row_f32_avx2(float 
 }
 #endif
 
-static double ng_exp_row_f64(double *x, int64_t n, double m) {
+static double ng_exp_row_f64_base(double *x, int64_t n, double m) {
     double sum = 0.0;
     for (int64_t j = 0; j < n; j++) {
         x[j] = exp(x[j] - m);
@@ -651,119 +420,57 @@ static double ng_exp_row_f64(double *x, int64_t n, double m) {
 
 /* ---- the tile kernels, once per variant --------------------------------- */
 
-#define M_STORE ng_store_f32
-#define M_TRANSFORM ng_attn_transform_f32
-#define M_TRANSFORM_GRAD ng_attn_transform_grad_f32
-#define M_MAX_NAN ng_attn_max_nan_f32
-#define M_RESCALE ng_attn_rescale_f32
-#define M_INV_SUM ng_attn_inv_sum_f32
-#define M_LSE ng_attn_lse_f32
-#define M_EXP ng_expf_poly
-#define R float
+typedef float ng_attn_real_f32;
+typedef double ng_attn_real_f64;
 
-#define SFX(n) n##_f32_base
-#define ATTR
-#define GEMM ng_gemm_f32_base
-#define DOTS ng_dots_f32_base
-#define PV ng_pv_f32_base
-#define DOTS_ALIGN 1
-#define EXP_ROW ng_exp_row_f32_base
+/* Row (b, h, i) of a [batch, head, seq, dim] tensor with element strides st
+ * and elements of es bytes (writable for the outputs; inputs take it as
+ * const char *). */
+static inline char *ng_attn_row(const void *base, const int64_t st[3], size_t es, int64_t b, int64_t h, int64_t i) {
+    return (char *)base + (size_t)(b * st[0] + h * st[1] + i * st[2]) * es;
+}
+
+/* A head dim or key count padded to the tiles' multiple of 16 columns. */
+static inline int64_t ng_pad16(int64_t n) { return NG_CEIL_DIV(n, 16) * 16; }
+
+#define NG_T f32
+#define NG_ISA base
+#define NG_ATTR
+#define NG_DOTS_ALIGN 1
 #include "kernels/attention_cpu.inc"
-#undef SFX
-#undef ATTR
-#undef GEMM
-#undef DOTS
-#undef PV
-#undef DOTS_ALIGN
-#undef EXP_ROW
+
+#define NG_T f64
+#define NG_ISA base
+#define NG_ATTR
+#define NG_DOTS_ALIGN 1
+#include "kernels/attention_cpu.inc"
 
 #if NG_X86
-#define SFX(n) n##_f32_avx2
-#define ATTR NG_TARGET_AVX2
-#define GEMM ng_gemm_f32_avx2
-#define DOTS ng_dots_f32_avx2
-#define PV ng_pv_f32_avx2
-#define DOTS_ALIGN 8
-#define EXP_ROW ng_exp_row_f32_avx2
+#define NG_T f32
+#define NG_ISA avx2
+#define NG_ATTR NG_TARGET_AVX2
+#define NG_DOTS_ALIGN 8
 #include "kernels/attention_cpu.inc"
-#undef SFX
-#undef ATTR
-#undef GEMM
-#undef DOTS
-#undef PV
-#undef DOTS_ALIGN
-#undef EXP_ROW
 
-/* AVX-512: the micro-kernel, the decode path's dots and P V at 16 lanes */
-#define SFX(n) n##_f32_avx512
-#define ATTR NG_TARGET_AVX512
-#define GEMM ng_gemm_f32_avx512
-#define DOTS ng_dots_f32_avx512
-#define PV ng_pv_f32_avx512
-#define DOTS_ALIGN 16
-#define EXP_ROW ng_exp_row_f32_avx2
+/* AVX-512: the micro-kernel, the decode path's dots and P V at 16 lanes;
+ * the row exp is AVX2's */
+#define ng_exp_row_f32_avx512 ng_exp_row_f32_avx2
+#define NG_T f32
+#define NG_ISA avx512
+#define NG_ATTR NG_TARGET_AVX512
+#define NG_DOTS_ALIGN 16
 #include "kernels/attention_cpu.inc"
-#undef SFX
-#undef ATTR
-#undef GEMM
-#undef DOTS
-#undef PV
-#undef DOTS_ALIGN
-#undef EXP_ROW
-#endif
 
-#undef M_STORE
-#undef M_TRANSFORM
-#undef M_TRANSFORM_GRAD
-#undef M_MAX_NAN
-#undef M_RESCALE
-#undef M_INV_SUM
-#undef M_LSE
-#undef M_EXP
-#undef R
-
-#define M_STORE ng_store_f64
-#define M_TRANSFORM ng_attn_transform_f64
-#define M_TRANSFORM_GRAD ng_attn_transform_grad_f64
-#define M_MAX_NAN ng_attn_max_nan_f64
-#define M_RESCALE ng_attn_rescale_f64
-#define M_INV_SUM ng_attn_inv_sum_f64
-#define M_LSE ng_attn_lse_f64
-#define M_EXP exp
-#define R double
-
-#define SFX(n) n##_f64_base
-#define ATTR
-#define GEMM ng_gemm_f64_base
-#define DOTS ng_dots_f64
-#define PV ng_pv_f64
-#define DOTS_ALIGN 1
-#define EXP_ROW ng_exp_row_f64
+/* fp64 on AVX2: the micro-kernel only; dots, P V and the row exp are the
+ * baseline's */
+#define ng_dots_f64_avx2 ng_dots_f64_base
+#define ng_pv_f64_avx2 ng_pv_f64_base
+#define ng_exp_row_f64_avx2 ng_exp_row_f64_base
+#define NG_T f64
+#define NG_ISA avx2
+#define NG_ATTR NG_TARGET_AVX2
+#define NG_DOTS_ALIGN 1
 #include "kernels/attention_cpu.inc"
-#undef SFX
-#undef ATTR
-#undef GEMM
-#undef DOTS
-#undef PV
-#undef DOTS_ALIGN
-#undef EXP_ROW
-
-#if NG_X86
-#define SFX(n) n##_f64_avx2
-#define ATTR NG_TARGET_AVX2
-#define GEMM ng_gemm_f64_avx2
-#define DOTS ng_dots_f64
-#define PV ng_pv_f64
-#define DOTS_ALIGN 1
-#define EXP_ROW ng_exp_row_f64
-#include "kernels/attention_cpu.inc"
-#undef SFX
-#undef ATTR
-#undef GEMM
-#undef DOTS
-#undef PV
-#undef DOTS_ALIGN
-#undef EXP_ROW
 #endif
 
 /* ---- dispatch ------------------------------------------------------------ */
@@ -772,32 +479,22 @@ typedef struct ng_attn_variant {
     ng_range_fn fwd, bwd_prep, bwd, dq_store, dec, dec_combine;
 } ng_attn_variant;
 
-static ng_attn_variant ng_attn_pick(ng_dtype t) {
-    int wide = ng_cpu_isa_active() >= NG_ISA_AVX2;
-    ng_attn_variant v;
-    if (t == NG_F64) {
-        v = (ng_attn_variant){fwd_range_f64_base, bwd_prep_range_f64_base, bwd_range_f64_base,
-                              dq_store_range_f64_base, dec_range_f64_base, dec_combine_range_f64_base};
+#define NG_ATTN_VARIANT(T, ISA)                                                                        \
+    {fwd_range_##T##_##ISA,      bwd_prep_range_##T##_##ISA, bwd_range_##T##_##ISA,                    \
+     dq_store_range_##T##_##ISA, dec_range_##T##_##ISA,      dec_combine_range_##T##_##ISA}
 #if NG_X86
-        if (wide)
-            v = (ng_attn_variant){fwd_range_f64_avx2, bwd_prep_range_f64_avx2, bwd_range_f64_avx2,
-                                  dq_store_range_f64_avx2, dec_range_f64_avx2, dec_combine_range_f64_avx2};
+#define NG_ATTN_X86_VARIANT(T, ISA) NG_ATTN_VARIANT(T, ISA)
+#else
+#define NG_ATTN_X86_VARIANT(T, ISA) NG_ATTN_VARIANT(T, base) /* never picked */
 #endif
-    } else {
-        v = (ng_attn_variant){fwd_range_f32_base, bwd_prep_range_f32_base, bwd_range_f32_base,
-                              dq_store_range_f32_base, dec_range_f32_base, dec_combine_range_f32_base};
-#if NG_X86
-        if (wide)
-            v = (ng_attn_variant){fwd_range_f32_avx2, bwd_prep_range_f32_avx2, bwd_range_f32_avx2,
-                                  dq_store_range_f32_avx2, dec_range_f32_avx2, dec_combine_range_f32_avx2};
-        if (ng_cpu_isa_active() >= NG_ISA_AVX512)
-            v = (ng_attn_variant){fwd_range_f32_avx512, bwd_prep_range_f32_avx512, bwd_range_f32_avx512,
-                                  dq_store_range_f32_avx512, dec_range_f32_avx512, dec_combine_range_f32_avx512};
-#endif
-    }
-    (void)wide;
-    return v;
-}
+
+/* [fp64?][cpu path]; fp64 has no AVX-512 variant of its own. */
+static const ng_attn_variant ng_attn_variants[2][NG_ISA_AVX512 + 1] = {
+    {NG_ATTN_VARIANT(f32, base), NG_ATTN_X86_VARIANT(f32, avx2), NG_ATTN_X86_VARIANT(f32, avx512)},
+    {NG_ATTN_VARIANT(f64, base), NG_ATTN_X86_VARIANT(f64, avx2), NG_ATTN_X86_VARIANT(f64, avx2)},
+};
+
+static ng_attn_variant ng_attn_pick(ng_dtype t) { return ng_attn_variants[t == NG_F64][ng_cpu_isa_active()]; }
 
 static int ng_attn_strides_ok(const void *p, const int64_t st[3]) {
     return p != NULL && st[0] >= 0 && st[1] >= 0 && st[2] >= 0;
@@ -867,7 +564,7 @@ static ng_status ng_attn_decode(const ng_attention_args *a, ng_parallel_fn par) 
     c.nsplit = NG_MAX(1, NG_CEIL_DIV(klen, c.split_len));
     if (c.nsplit > 1) {
         const size_t rs = a->dtype == NG_F64 ? sizeof(double) : sizeof(float);
-        const int64_t rows = a->B * a->Hq * a->L, Evp = NG_CEIL_DIV(a->Ev, 16) * 16;
+        const int64_t rows = a->B * a->Hq * a->L, Evp = ng_pad16(a->Ev);
         c.part_ml = ng_attn_alloc(rs * (size_t)(c.nsplit * rows * 2));
         c.part_acc = ng_attn_alloc(rs * (size_t)(c.nsplit * rows * Evp));
         if (!c.part_ml || !c.part_acc) {
@@ -894,7 +591,7 @@ ng_status ng_attention_fwd(const ng_attention_args *args, ng_parallel_fn par) {
     NG_TRY(ng_attention_check(args, 0));
     if (args->B == 0 || args->L == 0) return NG_OK;
     ng_attention_args a = ng_attn_normalize(args);
-    if (a.L <= NG_DEC_MAX_L && a.S >= NG_DEC_MIN_S) return ng_attn_decode(&a, par);
+    if (a.L <= NG_ATTN_DEC_MAX_L && a.S >= NG_ATTN_DEC_MIN_S) return ng_attn_decode(&a, par);
     ng_attn_variant v = ng_attn_pick(a.dtype);
     ng_attn_ctx c = {.a = &a};
     atomic_init(&c.failed, 0);
@@ -912,7 +609,7 @@ ng_status ng_attention_bwd(const ng_attention_args *args, ng_parallel_fn par) {
     if (args->B == 0) return NG_OK;
     ng_attention_args a = ng_attn_normalize(args);
     const size_t rs = a.dtype == NG_F64 ? sizeof(double) : sizeof(float);
-    const int64_t Ep = NG_CEIL_DIV(a.E, 16) * 16;
+    const int64_t Ep = ng_pad16(a.E);
     const int64_t nkb = NG_CEIL_DIV(a.S, BK);
     const int64_t pairs = a.B * a.Hkv;
     ng_attn_variant v = ng_attn_pick(a.dtype);

@@ -213,7 +213,7 @@ static __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(ng_atten
 }
 
 /* ---- decode: a few query rows against a long key sequence ---------------
- * A generation step has L <= kDecMaxL query rows against S >= kDecMinS
+ * A generation step has L <= NG_ATTN_DEC_MAX_L query rows against S >= NG_ATTN_DEC_MIN_S
  * cached keys. The query-block kernels would leave most of a 32- or 64-row
  * block empty and read each kv head once per query head. Here a block takes
  * one kv head hk, up to kDecRows rows of the query heads that share it
@@ -237,7 +237,6 @@ static __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(ng_atten
  * (m, l) and unnormalized output in the workspace and decode_combine merges
  * them in split order, one warp per row, as the CPU's split-KV combine
  * does. The split sizes depend on the shape alone. */
-constexpr int kDecMaxL = 16, kDecMinS = 32;    /* the CPU forward's decode bounds */
 constexpr int kDecWarps = 4;
 constexpr int kDecThreads = kDecWarps * 32;
 constexpr int kDecRowsPerWarp = 4;
@@ -1117,7 +1116,7 @@ ng_status launch_decode(const ng_attention_args *a, cudaStream_t st, float *ws) 
 }
 
 /* A forward the decode kernel takes. */
-int decode_shape(const ng_attention_args *a) { return a->L >= 1 && a->L <= kDecMaxL && a->S >= kDecMinS; }
+int decode_shape(const ng_attention_args *a) { return a->L >= 1 && a->L <= NG_ATTN_DEC_MAX_L && a->S >= NG_ATTN_DEC_MIN_S; }
 
 /* A [B, heads, seq, D] operand whose every row starts on 16 bytes. */
 int rows_aligned16(const void *p, const int64_t stride[3]) {

@@ -27,6 +27,11 @@ extern "C" {
 /* Largest head dim (E and Ev) the kernels take. */
 #define NG_ATTN_MAX_HEAD_DIM 256
 
+/* The forward takes its decode path (CPU) / decode kernel (CUDA) for
+ * L <= NG_ATTN_DEC_MAX_L query rows against S >= NG_ATTN_DEC_MIN_S keys. */
+#define NG_ATTN_DEC_MAX_L 16
+#define NG_ATTN_DEC_MIN_S 32
+
 typedef struct ng_attention_args {
     ng_dtype dtype; /* of q, k, v, out, dout, dq, dk, dv */
     int64_t B, Hq, Hkv, L, S, E, Ev;
@@ -62,8 +67,8 @@ typedef struct ng_attention_args {
 ng_status ng_attention_check(const ng_attention_args *a, int backward);
 
 /* CPU kernels; par == NULL runs serially. ng_attention_fwd takes the
- * decode path below for short query blocks (L <= 16) against S >= 32 keys,
- * the tiled flash path otherwise. */
+ * decode path below for short query blocks (L <= NG_ATTN_DEC_MAX_L) against
+ * S >= NG_ATTN_DEC_MIN_S keys, the tiled flash path otherwise. */
 ng_status ng_attention_fwd(const ng_attention_args *a, ng_parallel_fn par);
 ng_status ng_attention_bwd(const ng_attention_args *a, ng_parallel_fn par);
 
@@ -78,9 +83,9 @@ ng_status ng_attention_fwd_decode(const ng_attention_args *a, ng_parallel_fn par
 /* CUDA launchers (kernels/attention.cu): fp32 / fp16 / bf16 (fp64 gives
  * NG_ERR_DTYPE), lse fp32, stream is a cudaStream_t. None allocates: the
  * backward is two kernels (dk/dv per key block, dq per query block). The
- * forward takes a decode kernel for L <= 16 against S >= 32 keys (as the
- * CPU does): one block reads a kv head once for up to 16 rows of the query
- * heads that share it. */
+ * forward takes a decode kernel for the CPU's decode shapes (above): one
+ * block reads a kv head once for up to 16 rows of the query heads that
+ * share it. */
 ng_status ng_attention_fwd_cuda(const ng_attention_args *a, void *stream);
 ng_status ng_attention_bwd_cuda(const ng_attention_args *a, void *stream);
 /* The forward with a device workspace (4-byte aligned) of at least
