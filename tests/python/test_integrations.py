@@ -19,6 +19,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import subprocess
 import sys
 
@@ -588,3 +589,43 @@ def test_lightning_resume_keeps_the_guards_history(tmp_path):
         (saved.step, saved.cause, saved.nan_count, saved.module_class, saved.pass_)
     assert cb2.guard.summary()["steps"] == 6 and "1 of 6 optimizer steps skipped" in log, log
     assert trainer2.callback_metrics["nanguard/skipped_steps"].item() == 1.0
+
+
+def test_lightning_record_dir_saves_the_failing_step_for_replay(tmp_path):
+    """NanguardCallback(record_dir=...): the NaN batch's step is saved with
+    the module training_step called (the transformers model inside the
+    LightningModule), which replay rebuilds from its config."""
+    L = pytest.importorskip("lightning.pytorch", reason="pip install lightning (scripts/setup.sh installs it)")
+    from nanguard.integrations.lightning import NanguardCallback
+
+    T, lm = _llama()
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lm = lm
+
+        def training_step(self, batch, i):
+            return self.lm(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    loader = torch.utils.data.DataLoader(_Rows(BATCH * 5), batch_size=BATCH, collate_fn=_NaNAtCollator(32))
+    cb = NanguardCallback(record_dir=tmp_path / "rec")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    with _records_of("lightning.pytorch.callbacks.nanguard"):
+        trainer.fit(Module(), loader)
+    files = sorted(os.listdir(tmp_path / "rec"))
+    assert len(files) == 1 and files[0].startswith("nanguard-step")
+    from nanguard.diagnostics._record import load_record
+
+    path = str(tmp_path / "rec" / files[0])
+    assert load_record(path)["entry"] == "lm"
+    res = nanguard.replay(path)
+    assert res.reproduced and res.batch and res.batch[0].startswith("`inputs_embeds` holds NaN")
+    with pytest.raises(ValueError, match="record_dir needs watch=True"):
+        NanguardCallback(watch=False, record_dir=tmp_path)
+    with pytest.raises(TypeError, match="record_dir must be a path"):
+        NanguardCallback(record_dir=3)

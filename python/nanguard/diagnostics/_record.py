@@ -28,6 +28,8 @@ key                 value
 ``report``          the watch report as text, or None
 ``history``         the magnitude history rows, or None
 ``recorded_nonfinite``  whether the recorded step was non-finite
+``entry``           the module the record holds, by its name in the watched
+                    model ("": the model itself)
 ``versions``        torch and nanguard versions that wrote the record
 ==================  ===========================================================
 
@@ -140,7 +142,7 @@ def _state(model: torch.nn.Module) -> tuple[dict, dict]:
 def write_record(directory: str, *, model: torch.nn.Module, args: tuple, kwargs: dict, start: StepStart,
                  step: int, rank: Optional[int] = None, loss_scale: Optional[float] = None,
                  report: Optional[str] = None, history: Optional[list] = None,
-                 recorded_nonfinite: bool = True) -> str:
+                 recorded_nonfinite: bool = True, entry: str = "") -> str:
     """Write one flight record into ``directory`` (created if needed) and
     return its path."""
     import nanguard
@@ -153,7 +155,7 @@ def write_record(directory: str, *, model: torch.nn.Module, args: tuple, kwargs:
         "rng": start.rng, "state": state, "sharding": sharding, "training": bool(model.training),
         "autocast": start.autocast, "loss_scale": None if loss_scale is None else float(loss_scale),
         "model": _model_source(model), "report": report, "history": history,
-        "recorded_nonfinite": bool(recorded_nonfinite),
+        "recorded_nonfinite": bool(recorded_nonfinite), "entry": entry,
         "versions": {"torch": str(torch.__version__), "nanguard": str(nanguard.__version__)},
     }
     path = os.path.join(directory, record_name(step, rank))

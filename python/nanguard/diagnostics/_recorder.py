@@ -1,10 +1,14 @@
 """The flight recorder: hold what the current step needs to run again, and
 write it (``_record``) when the step is first found non-finite.
 
-At the step's first forward of the root module a pre-hook keeps the
-inputs *by reference* (the very args and kwargs objects: no copy) and the
-RNG states and autocast settings in force. A healthy step costs that hook,
-one ``torch.get_rng_state()`` (and the CUDA generator's) and the references,
+At the step's first module call, a pre-hook keeps that module's inputs
+*by reference* (the very args and kwargs objects: no copy) and the RNG
+states and autocast settings in force. That module is the model itself, or
+the outermost module a wrapper calls (a LightningModule's ``training_step``
+calling ``self.lm(**batch)`` records ``lm`` and its inputs); it is the one
+the record saves and :func:`nanguard.replay` runs (``entry`` in the
+record). A healthy step costs one pre-hook call per module call, one
+``torch.get_rng_state()`` (and the CUDA generator's) and the references,
 dropped at :meth:`FlightRecorder.step_done`. Only the first non-finite step
 is written: later ones follow from it.
 
@@ -33,18 +37,22 @@ class FlightRecorder:
             raise TypeError(f"record_dir must be a path, got {type(directory).__name__}")
         self.model, self.directory, self.rank = model, os.fspath(directory), rank
         self.path: Optional[str] = None  # the record written, once one is
-        self._args = self._kwargs = self._start = None
-        self._handle = model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        self._args = self._kwargs = self._start = self._entry = None
+        self._handles = [m.register_forward_pre_hook(self._make_hook(name, m), with_kwargs=True)
+                         for name, m in model.named_modules()]
 
     def _device(self) -> Optional[torch.device]:
         p = next(self.model.parameters(), None)
         return p.device if p is not None else None
 
-    def _on_forward(self, module, args, kwargs):
-        if self._start is None:  # the step's first forward: later calls (gradient accumulation) reuse it
-            self._start = StepStart.capture(self._device())
-            self._args, self._kwargs = args, kwargs
-        return None
+    def _make_hook(self, name: str, module: nn.Module):
+        def on_forward(_m, args, kwargs):
+            if self._start is None:  # the step's first call: later ones (accumulation) reuse it
+                self._start = StepStart.capture(self._device())
+                self._args, self._kwargs, self._entry = args, kwargs, (name, module)
+            return None
+
+        return on_forward
 
     def step_done(self, *, step: int, nonfinite: bool, report: Optional[str] = None, history=None,
                   loss_scale: Optional[float] = None) -> Optional[str]:
@@ -53,14 +61,17 @@ class FlightRecorder:
         path = None
         try:
             if nonfinite and self.path is None and self._start is not None:
+                name, module = self._entry
                 path = self.path = write_record(
-                    self.directory, model=self.model, args=self._args, kwargs=self._kwargs or {},
+                    self.directory, model=module, args=self._args, kwargs=self._kwargs or {},
                     start=self._start, step=step, rank=self.rank, loss_scale=loss_scale, report=report,
-                    history=history)
+                    history=history, entry=name)
         finally:
-            self._args = self._kwargs = self._start = None
+            self._args = self._kwargs = self._start = self._entry = None
         return path
 
     def remove(self) -> None:
-        self._handle.remove()
-        self._args = self._kwargs = self._start = None
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._args = self._kwargs = self._start = self._entry = None

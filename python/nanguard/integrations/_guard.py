@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Iterable, List, Optional
 
 import torch
@@ -72,6 +73,17 @@ class StepGuard:
         self.steps = 0  #: optimizer steps guarded
         self.skipped: List[SkippedStep] = []  #: steps skipped, oldest first
         self.last_grad_norm: Optional[float] = None  #: norm of the unscaled gradients of the last step
+
+    @staticmethod
+    def watch_kwargs_with(watch: bool, watch_kwargs: Optional[dict], record_dir) -> Optional[dict]:
+        """``watch_kwargs`` with ``record_dir`` added (the callbacks' ``record_dir=``)."""
+        if record_dir is None:
+            return watch_kwargs
+        if not watch:
+            raise ValueError("record_dir needs watch=True: the watcher finds the non-finite step it records")
+        if not isinstance(record_dir, (str, os.PathLike)):
+            raise TypeError(f"record_dir must be a path, got {type(record_dir).__name__}")
+        return {**(watch_kwargs or {}), "record_dir": os.fspath(record_dir)}
 
     @staticmethod
     def validate_args(max_grad_norm: Optional[float] = None, norm_type: float = 2.0, watch: bool = True,

@@ -80,6 +80,8 @@ class _Guarded:
             Trainer's ``gradient_clip_val``; 0 checks without clipping.
         watch: name the first non-finite module with :func:`nanguard.watch`.
         watch_kwargs: more arguments for :func:`nanguard.watch`.
+        record_dir: save the first non-finite step there for
+            :func:`nanguard.replay` (``watch(record_dir=...)``).
 
     ``callback.guard.skipped`` lists the skipped steps
     (:class:`nanguard.amp.SkippedStep`, numbered as Lightning's loggers
@@ -88,8 +90,9 @@ class _Guarded:
     """
 
     def __init__(self, max_grad_norm: Optional[float] = None, watch: bool = True,
-                 watch_kwargs: Optional[dict] = None):
+                 watch_kwargs: Optional[dict] = None, record_dir=None):
         super().__init__()
+        watch_kwargs = StepGuard.watch_kwargs_with(watch, watch_kwargs, record_dir)
         StepGuard.validate_args(max_grad_norm, watch=watch, watch_kwargs=watch_kwargs)
         self._own_norm = max_grad_norm
         self._watch, self._watch_kwargs = watch, watch_kwargs

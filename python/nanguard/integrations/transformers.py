@@ -85,6 +85,8 @@ class NanguardCallback(TrainerCallback, ExportableState):
             Trainer's ``args.max_grad_norm``; 0 checks without clipping.
         watch: name the first non-finite module with :func:`nanguard.watch`.
         watch_kwargs: more arguments for :func:`nanguard.watch`.
+        record_dir: save the first non-finite step there for
+            :func:`nanguard.replay` (``watch(record_dir=...)``).
 
     After training, ``callback.guard.skipped`` lists the skipped steps
     (:class:`nanguard.amp.SkippedStep`, numbered as the Trainer numbers
@@ -93,7 +95,8 @@ class NanguardCallback(TrainerCallback, ExportableState):
     """
 
     def __init__(self, max_grad_norm: Optional[float] = None, watch: bool = True,
-                 watch_kwargs: Optional[dict] = None):
+                 watch_kwargs: Optional[dict] = None, record_dir=None):
+        watch_kwargs = StepGuard.watch_kwargs_with(watch, watch_kwargs, record_dir)
         StepGuard.validate_args(max_grad_norm, watch=watch, watch_kwargs=watch_kwargs)
         self._own_norm = max_grad_norm
         self._watch, self._watch_kwargs = watch, watch_kwargs
