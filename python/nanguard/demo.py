@@ -46,6 +46,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import Callable, List, Optional
 
 import torch
@@ -79,6 +80,7 @@ class Run:
     grad_norms: List[float] = dataclasses.field(default_factory=list)
     skipped: List[int] = dataclasses.field(default_factory=list)  #: cumulative skipped steps
     report: Optional[object] = None  #: first nanguard.watch report, if any
+    history: Optional[object] = None  #: nanguard.watch's magnitude history (the stock run)
     patch_summary: Optional[object] = None
     seconds: float = 0.0
 
@@ -119,10 +121,13 @@ def build_model(cfg: Config):
 
 
 def train(cfg: Config, patched: bool, progress: Optional[Callable[[str], None]] = print,
-          use_watch: bool = True, stop: Optional[Callable[[Run], bool]] = None) -> Run:
+          use_watch: bool = True, stop: Optional[Callable[[Run], bool]] = None,
+          record_dir: Optional[str] = None) -> Run:
     """Train from the same seed on the same batches. Stock: the textbook
     fp16 loop (``GradScaler.unscale_`` then ``clip_grad_norm_``). nanguard:
-    ``nanguard.patch(model)`` and ``GradScaler.unscale_and_clip_``."""
+    ``nanguard.patch(model)`` and ``GradScaler.unscale_and_clip_``. With
+    ``record_dir``, the watcher keeps the magnitude history and saves the
+    first non-finite step there."""
     import nanguard
 
     run = Run("nanguard" if patched else "stock")
@@ -137,7 +142,8 @@ def train(cfg: Config, patched: bool, progress: Optional[Callable[[str], None]] 
         scaler = torch.amp.GradScaler(dev)
     watcher = None
     if use_watch and hasattr(nanguard, "watch"):
-        watcher = nanguard.watch(model, policy="record", parameters=False)
+        extra = dict(history=64, record_dir=record_dir, scaler=scaler) if record_dir is not None else {}
+        watcher = nanguard.watch(model, policy="record", parameters=False, **extra)
     data = batches(cfg, corpus())
     skipped = 0
     t0 = time.perf_counter()
@@ -147,6 +153,12 @@ def train(cfg: Config, patched: bool, progress: Optional[Callable[[str], None]] 
             loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
+        if watcher is not None:  # before the optimizer step: a saved step keeps the weights it started from
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", nanguard.HeadroomWarning)  # kept in watcher.warnings
+                rep = watcher.step()
+            if rep is not None and run.report is None:
+                run.report = rep
         scale_before = scaler.get_scale()
         if patched:
             gn = scaler.unscale_and_clip_(opt, max_norm=cfg.max_norm)
@@ -157,10 +169,6 @@ def train(cfg: Config, patched: bool, progress: Optional[Callable[[str], None]] 
         scaler.update()
         if scaler.get_scale() < scale_before:  # update() backs off only after a skipped step
             skipped += 1
-        if watcher is not None:
-            rep = watcher.step()
-            if rep is not None and run.report is None:
-                run.report = rep
         run.losses.append(float(loss.item()))
         run.grad_norms.append(float(gn.item()))
         run.skipped.append(skipped)
@@ -171,6 +179,7 @@ def train(cfg: Config, patched: bool, progress: Optional[Callable[[str], None]] 
             break
     run.seconds = time.perf_counter() - t0
     if watcher is not None:
+        run.history = watcher.history
         watcher.remove()
     return run
 
@@ -318,7 +327,9 @@ def main(argv=None) -> int:
           f"with no warmup, clip {cfg.max_norm}, seed {cfg.seed}, {cfg.steps} steps")
     print("stock: attn_implementation='eager' as built; nanguard: the same model after nanguard.patch(model), "
           "GradScaler.unscale_and_clip_")
-    stock = train(cfg, patched=False, use_watch=not args.no_watch)
+    record_dir = os.path.join(args.out, "nanguard_demo_records")
+    stock = train(cfg, patched=False, use_watch=not args.no_watch,
+                  record_dir=None if args.no_watch else record_dir)
     ours = train(cfg, patched=True, use_watch=not args.no_watch)
     print()
     print(ours.patch_summary)
@@ -342,7 +353,20 @@ def main(argv=None) -> int:
     print()
     print(f"verdict stock: {verdict(stock)}")
     print(f"verdict nanguard: {verdict(ours)}")
-    print(f"table: {csv_path}  plot: {png_path}  ({time.perf_counter() - t0:.0f} s)")
+    files = f"table: {csv_path}  plot: {png_path}"
+    if stock.history is not None:
+        heat = os.path.join(args.out, "nanguard_demo_history.png")
+        stock.history.plot(heat)
+        files += f"  magnitudes: {heat}"
+        if stock.history.warnings:
+            w = stock.history.warnings[0]
+            print(f"early warning on the stock run: {w}")
+    if stock.report is not None and getattr(stock.report, "replay_path", None):
+        print(f"replaying the stock run's failing step with triage: python -m nanguard replay "
+              f"{stock.report.replay_path} --triage")
+        res = nanguard.replay(stock.report.replay_path, triage=True)
+        print(f"verdict replay: {res.verdict}")
+    print(f"{files}  ({time.perf_counter() - t0:.0f} s)")
     if args.ops:
         print()
         print_norm_cases()
