@@ -572,7 +572,7 @@ def test_minilm_embeddings_same_patched_and_finetunes_in_16_bit(monkeypatch):
 # ---- survival ---------------------------------------------------------------------------------
 
 
-def test_survival_stock_goes_nan_patched_keeps_learning():
+def test_survival_stock_goes_nan_patched_keeps_learning(tmp_path):
     """The demo's failure (see nanguard.demo for every choice), built only
     from failure modes nanguard targets: fp16 autocast with loss scaling,
     transformers' eager attention (fp16 ``q @ k.T``), AdamW at lr=0.2 with
@@ -589,9 +589,16 @@ def test_survival_stock_goes_nan_patched_keeps_learning():
         return lambda run: (not math.isfinite(run.losses[-1])
                             and len(run.losses) - next(i for i, x in enumerate(run.losses) if not math.isfinite(x)) > k)
 
-    stock = demo.train(cfg, patched=False, progress=None, use_watch=False, stop=nan_then(5))
+    stock = demo.train(cfg, patched=False, progress=None, stop=nan_then(5), record_dir=str(tmp_path))
     first_nan = next((i for i, x in enumerate(stock.losses) if not math.isfinite(x)), None)
     assert first_nan is not None, f"stock stayed finite for {cfg.steps} steps: {stock.losses}"
+    # the failing step, saved by watch(record_dir=...), replays to the same failure, and triage
+    # names it: fp16 overflow of the raw scores in eager attention, gone in fp32, bf16 and patched
+    res = nanguard.replay(stock.report.replay_path, triage=True)
+    assert res.reproduced and res.first_op in ("aten::bmm", "aten::mm") and res.pass_ == "forward"
+    assert res.verdict.startswith("fp16 overflow in attention scores in `transformer.h."), res.verdict
+    for name in ("float32", "bfloat16", "nanguard.patch"):
+        assert res.triage[name].finite, (name, res.verdict)
     # it does not recover: from then on most steps are NaN (the scaler skips
     # them, so no update helps); an odd batch may still give a finite loss
     after = stock.losses[first_nan:]
@@ -625,6 +632,7 @@ def test_demo_short_mode_end_to_end(tmp_path):
     table = tmp_path / "nanguard_demo.csv"
     plot = tmp_path / "nanguard_demo.png"
     assert table.exists() and plot.exists() and plot.stat().st_size > 1000
+    assert (tmp_path / "nanguard_demo_history.png").stat().st_size > 1000  # the stock run's magnitudes
     rows = table.read_text().strip().splitlines()
     assert rows[0].startswith("step,stock_loss,nanguard_loss") and len(rows) == 1 + 5
     assert re.search(r"^\s*step\s+stock loss\s+nanguard loss", out, re.M), out
