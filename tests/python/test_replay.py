@@ -27,6 +27,8 @@ from nanguard.diagnostics._record import RecordError, StepStart, load_record, re
 from nanguard.diagnostics._replay import replay
 from nanguard.diagnostics._triage import EPS_FLOOR, MAX_SCORE
 
+from conftest import requires_cuda
+
 
 def _record(tmp_path, model, *, args=(), kwargs=None, loss_fn=None, autocast=None, loss_scale=None, step=7):
     """Run one step as a training loop would and write its flight record."""
@@ -395,3 +397,21 @@ def test_watch_history_warns_before_fp16_overflow():
     room = w.history.headroom()
     assert room[("0", "forward")] > 8  # the first layer keeps its room
     w.remove()
+
+
+@requires_cuda
+def test_replay_on_cuda_restores_the_cuda_generator(tmp_path):
+    from nanguard.diagnostics._recorder import FlightRecorder
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.ReLU()).cuda()
+    rec = FlightRecorder(model, tmp_path)
+    loss_fn = lambda out, _: -torch.log(out).mean()  # noqa: E731
+    x = torch.randn(4, 8, device="cuda")
+    out = model(x)
+    path = rec.step_done(step=0, nonfinite=not bool(torch.isfinite(loss_fn(out, None))))
+    saved = load_record(path)
+    assert saved["rng"]["cuda"] is not None and saved["args"][0].device.type == "cpu"
+    fresh = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.ReLU()).cuda()
+    res = replay(path, model=fresh, loss_fn=loss_fn)
+    assert res.reproduced and res.first_op == "aten::log" and res.module is None
