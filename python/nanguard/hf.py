@@ -987,7 +987,7 @@ def patch(model_or_class, *, attention: bool = True, norm: bool = True, max_scor
     plan = _plan(model, summary, norm, attention, activation)
     record.summary = summary
     try:
-        for child, qual, new, extra in plan:
+        for child, _qual, new, extra in plan:
             old = type(child)
             added = []
             hook = extra.get("_ng_hook")
@@ -1126,7 +1126,8 @@ def _patch_class(cls: type, **opts) -> PatchSummary:
     if base is None or not issubclass(cls, base):
         raise TypeError(f"patch(cls) supports transformers PreTrainedModel subclasses, got {cls.__name__}")
     if cls in _CLASS_PATCHES:
-        raise RuntimeError(f"{cls.__name__} is already patched by nanguard; call nanguard.unpatch({cls.__name__}) first")
+        raise RuntimeError(
+            f"{cls.__name__} is already patched by nanguard; call nanguard.unpatch({cls.__name__}) first")
     mtype = getattr(getattr(cls, "config_class", None), "model_type", "?")
     summary = PatchSummary(model_type=f"{mtype} ({cls.__name__}, class)")
     own = cls.__dict__.get("post_init")
