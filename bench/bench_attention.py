@@ -53,7 +53,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-import nanguard  # noqa: E402
 from nanguard.functional import safe_sdpa  # noqa: E402
 
 B, H, D = 4, 8, 64

@@ -114,7 +114,7 @@ def main():
                 "nanguard_GBps": gbps, "pct_copy_bw": 100 * gbps / bw,
             })
             print(rows[-1])
-            del params, opt, grads
+            params = opt = grads = None  # free this set before the next one is made
     cols = ["set", "tensors", "values_M", "dtype", "stock_ms", "unscale_and_clip_ms", "guard_ms",
             "ratio", "ratio_guard", "nanguard_GBps", "pct_copy_bw"]
     suffix = f"_t{args.threads}" if args.threads else ""

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-import nanguard  # noqa: E402
 from nanguard.functional import layer_norm, rms_norm  # noqa: E402
 
 SHAPES = [(4096, 1024), (8192, 4096), (16384, 768)]

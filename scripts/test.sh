@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set everything up, then run every test: the ctest suite of the build pip
+# Set everything up, check the style (ruff over the Python, clang-format over
+# the C / CUDA C / C++ sources), then run every test: the ctest suite of the build pip
 # just made (kernels, the CUDA kernels on the CPU emulator of the CUDA
 # execution model, shim ABI check), the kernel suite again under
 # AddressSanitizer + UndefinedBehaviorSanitizer, and pytest against the
@@ -8,6 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 bash scripts/setup.sh
+
+# style first: it takes seconds and fails on any finding
+"$PY" -m ruff check .
+bash scripts/format.sh --check
 
 # -j2: the CUDA emulator's runs (tests/cuda_emu) are single-threaded
 ctest --test-dir build/pip --output-on-failure -j2

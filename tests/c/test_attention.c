@@ -465,6 +465,7 @@ static void run_case(const tcase *c, ng_dtype t, ng_parallel_fn par, fwd_fn fwd)
     free(r.out); free(r.lse); free(r.dq); free(r.dk); free(r.dv);
 }
 
+/* clang-format off */
 static const tcase g_cases[] = {
     /* name            B  Hq Hkv  L    S    E    Ev  mask          mshape   full causal bshd  clamp soft drop mag tail */
     {"plain",          2, 2, 2,   33,  47,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
@@ -494,6 +495,7 @@ static const tcase g_cases[] = {
     {"many_causal",    4, 8, 8,   260, 260, 8,   8,  MASK_NONE,    MB_FULL, 0, 1, 1, 0, 0, 0, 1, 0},
     {"nsub2_drop",     2, 8, 8,   400, 40,  8,   8,  MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0.2, 1, 0},
 };
+/* clang-format on */
 
 /* The decode path (ng_attention_fwd_decode, which ng_attention_fwd takes for
  * L <= 16 and S >= 32): short query blocks, GQA / MQA groups sharing each
@@ -502,6 +504,7 @@ static const tcase g_cases[] = {
  * keys, E not a multiple of 8 (K converted, not read in place). Each case
  * also checks runner independence and that the backward, fed this forward's
  * out and lse, matches the reference. */
+/* clang-format off */
 static const tcase g_dec_cases[] = {
     /* name                  B  Hq Hkv  L   S     E    Ev   mask          mshape   full causal bshd clamp soft drop mag tail */
     {"dec_S1",               1, 4, 2,   1,  1,    16,  16,  MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
@@ -519,6 +522,7 @@ static const tcase g_dec_cases[] = {
     {"dec_L1_E256",          1, 2, 1,   1,  600,  256, 256, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
     {"dec_L12_E8_Ev24",      3, 4, 4,   12, 70,   8,   24,  MASK_NEG_INF, MB_LS,   1, 0, 0, 0, 0, 0, 1, 0},
 };
+/* clang-format on */
 
 /* NaN on the decode path, with GQA heads sharing K / V and the keys split
  * four ways: a NaN in one query row reaches that row only; a NaN key that a

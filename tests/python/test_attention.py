@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import nanguard
 from nanguard.functional import safe_sdpa
 from nanguard.nn import SafeAttention
 
@@ -225,7 +224,8 @@ def test_default_matches_pytorch_sdpa():
 
 @pytest.mark.parametrize("L,S", [(5, 9), (9, 5), (1, 4)])
 def test_causal_alignment_matches_pytorch_when_lengths_differ(L, S):
-    q, k, v = rand((1, 2, L, 8), torch.float64, 1), rand((1, 2, S, 8), torch.float64, 2), rand((1, 2, S, 8), torch.float64, 3)
+    q = rand((1, 2, L, 8), torch.float64, 1)
+    k, v = rand((1, 2, S, 8), torch.float64, 2), rand((1, 2, S, 8), torch.float64, 3)
     torch.testing.assert_close(safe_sdpa(q, k, v, is_causal=True),
                                F.scaled_dot_product_attention(q, k, v, is_causal=True))
 

@@ -370,7 +370,8 @@ def scenario_fsdp2(rank, world):
         worst = 0.0
         for g, f in zip(gs, ref_full):
             full = g.full_tensor() if isinstance(g, DTensor) else g
-            worst = max(worst, ((full.double() - f.double() * clip).abs() / (f.double() * clip).abs().clamp_min(1e-30)).max().item())
+            ref = f.double() * clip
+            worst = max(worst, ((full.double() - ref).abs() / ref.abs().clamp_min(1e-30)).max().item())
         mixed[key] = {"norm": float(_local(tn)), "type": type(tn).__name__, "collectives": cc.calls,
                       "grad_rel": worst}
     # a NaN in a replicated DTensor on one rank only, and an Inf in a plain tensor on another
@@ -499,7 +500,7 @@ def scenario_fsdp2_watch(rank, world):
 def _tp_attention(rank, world, mesh, placements_list):
     """safe_sdpa on DTensor q / k / v against the unsharded op: outputs and
     gradients."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor import Replicate, distribute_tensor
 
     out = {}
     torch.manual_seed(5)
@@ -857,7 +858,7 @@ def test_fsdp2_nan_on_one_rank_skips_every_rank(runs, world):
 @dist_ok
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_grad_scaler(runs, world):
-    for r, d in enumerate(_part(runs, world, "fsdp2")):
+    for d in _part(runs, world, "fsdp2"):
         s = d["scaler"]
         assert _rel(s["nanguard_norm"], s["torch_norm"]) <= NORM_RTOL_TORCH, s
         assert s["grad_rel"] <= GRAD_RTOL_TORCH and s["type"] == "DTensor"

@@ -24,16 +24,14 @@ from __future__ import annotations
 import math
 import os
 
-import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import nanguard
 from nanguard.functional import layer_norm, rms_norm, safe_sdpa
 from nanguard.grad_guard import guard_
 
-from conftest import TOLERANCES, assert_close
+from conftest import assert_close
 from test_attention import assert_close as attention_close
 
 DEFAULT_EXAMPLES = 25

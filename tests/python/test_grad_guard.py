@@ -422,7 +422,7 @@ def test_training_loop_matches_stock_gradscaler(blowup):
         else:
             assert not math.isfinite(x.item())
     assert any(y.item() > 1.0 for y in norms_b)  # the clip was active
-    for (na, pa), (nb, pb), m in zip(a.named_parameters(), b.named_parameters(), moved_b):
+    for (na, pa), (_, pb), m in zip(a.named_parameters(), b.named_parameters(), moved_b):
         bound = 2 * rtol * m + 1e-7
         worst = ((pa - pb).abs() - bound).max().item()
         assert worst <= 0, f"{na}: exceeds its bound by {worst:.3g}"
@@ -440,7 +440,7 @@ def test_training_loop_without_clipping_is_bit_identical_to_stock(blowup):
     sb, scales_b, _, _ = _train(b, torch.amp.GradScaler, False, 6, blowup, max_norm=1e30)
     assert scales_a == scales_b
     assert [s.step for s in sa.skipped_steps] == list(blowup)
-    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+    for (na, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(pa, pb), na
 
 
@@ -549,7 +549,8 @@ def _dist_worker(rank, world, port, out):
                 mine[2].view(-1)[0] = math.nan
             before = [g.clone() for g in mine]
             tn, stats, fi = gg.guard_(mine, 1.0 / 8, 1.0, norm_type, process_group=dist.group.WORLD)
-            results[(norm_type, bad)] = (tn, [g.clone() for g in mine], before, fi[torch.device("cpu")].clone(), stats.tensor.clone())
+            results[(norm_type, bad)] = (tn, [g.clone() for g in mine], before, fi[torch.device("cpu")].clone(),
+                                         stats.tensor.clone())
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

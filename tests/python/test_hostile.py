@@ -335,7 +335,10 @@ def _same_values(t, kind):
         strides = list(torch.empty(t.shape).stride())
         strides[-2] = 1  # row r starts one element after row r - 1
         need = 1 + sum((n - 1) * s for n, s in zip(t.shape, strides))
-        base = torch.arange(need, dtype=torch.float64).to(t.dtype) if t.is_floating_point() else torch.zeros(need, dtype=t.dtype)
+        if t.is_floating_point():
+            base = torch.arange(need, dtype=torch.float64).to(t.dtype)
+        else:
+            base = torch.zeros(need, dtype=t.dtype)
         return base.as_strided(t.shape, strides)
     raise AssertionError(kind)
 
@@ -566,11 +569,12 @@ def _cases():
                     continue
                 expect = "same" if (name, kind) in spec.valid else "raises"
                 yield f"{spec.name}:{label}:{kind}", spec, put(new), name, expect
-        for i, (name, value) in enumerate(base):
+        for i, (name, _) in enumerate(base):
             for bad, equiv in spec.scalars.get(name, {}).items():
                 args = [v for _, v in spec.build()]
                 args[i] = bad
-                yield f"{spec.name}:{name}={bad}", spec, args, name, ("raises" if equiv is None else ("equiv", i, equiv))
+                expect = "raises" if equiv is None else ("equiv", i, equiv)
+                yield f"{spec.name}:{name}={bad}", spec, args, name, expect
 
 
 CASES = list(_cases())

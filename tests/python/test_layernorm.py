@@ -4,7 +4,6 @@ bad inputs, modules and state_dict compatibility."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -17,7 +16,7 @@ import nanguard
 from nanguard.functional import layer_norm, rms_norm
 from nanguard.nn import StableLayerNorm, StableRMSNorm
 
-from conftest import DEVICES, assert_close, requires_cuda
+from conftest import assert_close, requires_cuda
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 

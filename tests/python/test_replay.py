@@ -16,8 +16,6 @@ import json
 import warnings
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -334,7 +332,8 @@ def test_cli_prints_the_report_or_json(tmp_path, capsys):
     path = _record(tmp_path, model, kwargs={"inputs_embeds": emb, "labels": torch.zeros(2, 8, dtype=torch.long)})
     assert cli([path]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[-1] == "verdict: the batch is bad: `inputs_embeds` holds NaN (first at inputs_embeds[1, 3, 0])"
+    assert out.splitlines()[-1] == (
+        "verdict: the batch is bad: `inputs_embeds` holds NaN (first at inputs_embeds[1, 3, 0])")
     assert cli([path, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["reproduced"] is True and d["step"] == 7 and d["triage"] is None

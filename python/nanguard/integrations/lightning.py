@@ -53,7 +53,7 @@ except ImportError:  # only the older package name is installed
 
 from ._guard import StepGuard
 
-__all__ = ["NanguardCallback", "PLNanguardCallback"]
+__all__ = ["NanguardCallback", "PLNanguardCallback"]  # noqa: F822 (PLNanguardCallback: module __getattr__)
 
 
 def _logger_name(callback_base: type) -> str:
