@@ -44,6 +44,7 @@ import os
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 from typing import Callable, Dict, List
 
@@ -167,7 +168,12 @@ def size_row(hidden: int, args) -> dict:
     ids = torch.randint(0, args.vocab, (args.batch_llama, args.seq_llama))
     models = {k: copy.deepcopy(base) for k in ("guard", "watch")}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
-    w = nanguard.watch(models["watch"])
+    extra = {}
+    if args.history:
+        extra["history"] = args.history
+    if args.record:
+        extra["record_dir"] = tempfile.mkdtemp(prefix="nanguard-bench-")
+    w = nanguard.watch(models["watch"], **extra)
 
     def make_step(k):
         m, opt = models[k], opts[k]
@@ -212,7 +218,9 @@ def sizes(args) -> None:
               "vocab": args.vocab, "threads": torch.get_num_threads(), "cpu_model": cpu_model(),
               "load_average_after": load}
     print(config)
-    _common.write_results("watch_cpu_sizes", rows,
+    config["watch_kwargs"] = {"history": args.history, "record_dir": bool(args.record)}
+    name = "watch_cpu_sizes" + ("_history" if args.history else "") + ("_record" if args.record else "")
+    _common.write_results(name, rows,
                           ["hidden", "params_M", "modules", "records", "repeats", "guard_ms",
                            "watch_ms", "ratio", "guard_cpu_ms", "watch_cpu_ms", "cpu_ratio"],
                           {"config": config})
@@ -233,6 +241,8 @@ def main():
     p.add_argument("--compare", action="store_true",
                    help="the TransformerEncoder comparison with isnan hooks and detect_anomaly")
     p.add_argument("--hidden", default="64,256,1024", help="Llama hidden sizes (default mode)")
+    p.add_argument("--history", type=int, default=0, help="watch(history=N): the magnitude history and early warning")
+    p.add_argument("--record", action="store_true", help="watch(record_dir=...): the flight recorder")
     p.add_argument("--layers-llama", type=int, default=2)
     p.add_argument("--seq-llama", type=int, default=64)
     p.add_argument("--batch-llama", type=int, default=4)
