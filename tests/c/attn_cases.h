@@ -130,8 +130,10 @@ static inline double at_urand(ng_rng *r) { /* uniform in [0, 1) */
 }
 
 static inline double at_lowest(ng_dtype t) { /* the dtype's lowest finite value */
-    return t == NG_F64 ? -DBL_MAX : t == NG_F32 ? -(double)FLT_MAX : t == NG_F16 ? -65504.0
-                                                                                : -3.3895313892515355e38;
+    return t == NG_F64   ? -DBL_MAX
+           : t == NG_F32 ? -(double)FLT_MAX
+           : t == NG_F16 ? -65504.0
+                         : -3.3895313892515355e38; /* bf16 */
 }
 
 /* The case's mask in dtype mdt (additive masks), random with rng: about 30%
