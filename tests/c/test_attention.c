@@ -18,6 +18,7 @@
 
 #include "kernels/attention.h"
 #include "kernels/attention_mma.h"
+#include "tests/c/attn_cases.h"
 #include "tests/c/ng_test.h"
 
 /* NG_EXPECT with a printf-style explanation. */
@@ -32,28 +33,24 @@
         }                                                                                    \
     } while (0)
 
-/* ---- tolerances: |d| <= atol + rtol * |ref| ------------------------------ */
-typedef struct tol {
-    double atol, rtol;
-    const char *why;
-} tol;
+/* ---- tolerances: |d| <= aabs + rtol * |ref| (tolerance.h, afrac 0) ------- */
 
 static tol tol_for(ng_dtype t, int grad) {
     switch (t) {
-    case NG_F64: return (tol){1e-10, 1e-9, "fp64 accumulation throughout"};
+    case NG_F64: return (tol){1e-9, 0, 1e-10, "fp64 accumulation throughout"};
     case NG_F32:
         /* fp32 accumulation over up to 256-long dots and 129 keys, ~1 ulp exp */
-        return grad ? (tol){5e-5, 5e-4, "fp32 accumulation, gradients sum over keys and heads"}
-                    : (tol){2e-5, 2e-4, "fp32 accumulation"};
+        return grad ? (tol){5e-4, 0, 5e-5, "fp32 accumulation, gradients sum over keys and heads"}
+                    : (tol){2e-4, 0, 2e-5, "fp32 accumulation"};
     case NG_F16:
         /* output rounded to fp16 (2^-11); backward reads the fp16-rounded out for D */
-        return grad ? (tol){1e-2, 1e-2, "fp16 output rounding, D from the rounded out"}
-                    : (tol){2e-3, 4e-3, "fp16 output rounding"};
+        return grad ? (tol){1e-2, 0, 1e-2, "fp16 output rounding, D from the rounded out"}
+                    : (tol){4e-3, 0, 2e-3, "fp16 output rounding"};
     case NG_BF16:
-        return grad ? (tol){6e-2, 4e-2, "bf16 output rounding (2^-8), D from the rounded out"}
-                    : (tol){1.6e-2, 1.6e-2, "bf16 output rounding (2^-8)"};
+        return grad ? (tol){4e-2, 0, 6e-2, "bf16 output rounding (2^-8), D from the rounded out"}
+                    : (tol){1.6e-2, 0, 1.6e-2, "bf16 output rounding (2^-8)"};
     }
-    return (tol){0, 0, ""};
+    return (tol){0, 0, 0, ""};
 }
 
 /* ---- deterministic inputs ------------------------------------------------ */
@@ -145,45 +142,16 @@ static void test_math(void) {
 
 /* ---- kernel vs reference ------------------------------------------------- */
 
-enum { MASK_NONE, MASK_BOOL, MASK_NEG_INF, MASK_LOWEST };
-enum { MB_FULL, MB_PAD, MB_LS }; /* mask shape: [B,Hq,L,S], [B,1,1,S], [L,S] */
+/* Cases, tensors, masks and arguments: attn_cases.h. Here the inputs are
+ * [B, H, N, D] (lay LAY_BHSD) or [B, N, H, D] memory (LAY_BSHD); out, dq
+ * and dv are written [B, H, N, D], dk in the inputs' layout. */
 
-typedef struct tcase {
-    const char *name;
-    int64_t B, Hq, Hkv, L, S, E, Ev;
-    int mask, mshape, full_rows, causal, bshd;
-    double max_score, softcap, dropout, mag;
-    int64_t tail; /* with a mask: the last `tail` keys are masked in every row */
-} tcase;
-
-typedef struct tensor {
-    void *p;
-    int64_t st[3];
-    int64_t n;
-} tensor;
-
-static tensor make(ng_dtype t, int64_t B, int64_t H, int64_t N, int64_t D, int bshd) {
-    tensor x;
-    x.n = B * H * N * D;
-    x.p = calloc((size_t)(x.n ? x.n : 1), ng_dtype_size(t));
-    if (bshd) { /* [B, N, H, D] memory, addressed as [B, H, N, D] */
-        x.st[0] = N * H * D; x.st[1] = D; x.st[2] = H * D;
-    } else {
-        x.st[0] = H * N * D; x.st[1] = N * D; x.st[2] = D;
-    }
-    return x;
+static void fill(atensor *x, ng_dtype t, double mag) {
+    for (int64_t i = 0; i < x->span; i++) ng_store_f64(x->h, t, i, mag * (2.0 * urand() - 1.0));
 }
 
-static int64_t at(const tensor *x, int64_t b, int64_t h, int64_t i, int64_t d) {
-    return b * x->st[0] + h * x->st[1] + i * x->st[2] + d;
-}
-
-static void fill(tensor *x, ng_dtype t, double mag) {
-    for (int64_t i = 0; i < x->n; i++) ng_store_f64(x->p, t, i, mag * (2.0 * urand() - 1.0));
-}
-
-static double get(const tensor *x, ng_dtype t, int64_t b, int64_t h, int64_t i, int64_t d) {
-    return ng_load_f64(x->p, t, at(x, b, h, i, d));
+static double get(const atensor *x, ng_dtype t, int64_t b, int64_t h, int64_t i, int64_t d) {
+    return at_get(x, t, b, h, i, d);
 }
 
 typedef struct refout {
@@ -191,8 +159,8 @@ typedef struct refout {
 } refout;
 
 /* The fp64 reference. masked[b,h,i,j] (dense) and addv (dense) describe the mask. */
-static void reference(const tcase *c, ng_dtype t, const tensor *q, const tensor *k, const tensor *v,
-                      const tensor *dout, const uint8_t *masked, const double *addv, double scale, uint64_t seed,
+static void reference(const acase *c, ng_dtype t, const atensor *q, const atensor *k, const atensor *v,
+                      const atensor *dout, const uint8_t *masked, const double *addv, double scale, uint64_t seed,
                       uint64_t offset, refout *r) {
     const int64_t B = c->B, Hq = c->Hq, L = c->L, S = c->S, E = c->E, Ev = c->Ev, grp = c->Hq / c->Hkv;
     double *s = malloc(sizeof(double) * (size_t)(S + 1)), *raw = malloc(sizeof(double) * (size_t)(S + 1));
@@ -264,7 +232,7 @@ static void reference(const tcase *c, ng_dtype t, const tensor *q, const tensor 
 
 /* compare a strided kernel tensor with a dense reference */
 static double g_worst;
-static int compare(const char *what, const tcase *c, ng_dtype t, const tensor *x, const double *ref, int64_t H,
+static int compare(const char *what, const acase *c, ng_dtype t, const atensor *x, const double *ref, int64_t H,
                    int64_t N, int64_t D, tol tl) {
     int bad = 0;
     for (int64_t b = 0; b < c->B; b++)
@@ -272,7 +240,7 @@ static int compare(const char *what, const tcase *c, ng_dtype t, const tensor *x
             for (int64_t i = 0; i < N; i++)
                 for (int64_t d = 0; d < D; d++) {
                     double got = get(x, t, b, h, i, d), want = ref[((b * H + h) * N + i) * D + d];
-                    double err = fabs(got - want), lim = tl.atol + tl.rtol * fabs(want);
+                    double err = fabs(got - want), lim = tol_limit(tl, want, 0.0);
                     if (!(err <= lim)) {
                         if (bad < 3)
                             fprintf(stderr, "  %s %s %s [%lld,%lld,%lld,%lld]: got %.9g want %.9g (tol %.3g: %s)\n", c->name,
@@ -306,10 +274,10 @@ typedef ng_status (*fwd_fn)(const ng_attention_args *a, ng_parallel_fn par);
  * serially and under two runners that split the tasks differently gives
  * bit-identical out and lse; and ng_attention_fwd, which picks the decode
  * path for short query blocks, gives exactly the same. */
-static void check_decode_runners(const tcase *c, ng_dtype t, const ng_attention_args *a0, const tensor *o,
+static void check_decode_runners(const acase *c, ng_dtype t, const ng_attention_args *a0, const atensor *o,
                                  const void *lse, size_t lse_bytes) {
     ng_attention_args a = *a0;
-    size_t obytes = (size_t)o->n * ng_dtype_size(t);
+    size_t obytes = at_bytes(o);
     void *o2 = malloc(obytes + 1), *l2 = malloc(lse_bytes + 1);
     const ng_parallel_fn runners[3] = {NULL, chunky_par, striped_par};
     for (int ri = 0; ri < 4; ri++) {
@@ -319,7 +287,7 @@ static void check_decode_runners(const tcase *c, ng_dtype t, const ng_attention_
         a.lse = l2;
         ng_status st = ri < 3 ? ng_attention_fwd_decode(&a, runners[ri]) : ng_attention_fwd(&a, chunky_par);
         if (ri == 3 && !(c->L <= 16 && c->S >= 32)) break; /* the tiled path: not expected to match bits */
-        CHECK(st == NG_OK && memcmp(o2, o->p, obytes) == 0 && memcmp(l2, lse, lse_bytes) == 0,
+        CHECK(st == NG_OK && memcmp(o2, o->h, obytes) == 0 && memcmp(l2, lse, lse_bytes) == 0,
               "%s %s: decode forward with runner %d is not bit-identical to the serial run", c->name,
               ng_dtype_name(t), ri);
     }
@@ -327,173 +295,144 @@ static void check_decode_runners(const tcase *c, ng_dtype t, const ng_attention_
     free(l2);
 }
 
-static void run_case(const tcase *c, ng_dtype t, ng_parallel_fn par, fwd_fn fwd) {
+/* The dense [B, Hq, L, S] flags (1: masked) and additive values the
+ * reference reads, expanded from the stored broadcast mask. */
+static void dense_mask(const acase *c, const amask *m, uint8_t *masked, double *addv) {
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t h = 0; h < c->Hq; h++)
+            for (int64_t i = 0; i < c->L; i++)
+                for (int64_t j = 0; j < c->S; j++) {
+                    int64_t mi = ((b * c->Hq + h) * c->L + i) * c->S + j;
+                    int64_t x = b * m->st[0] + h * m->st[1] + i * m->st[2] + j;
+                    masked[mi] = m->flag[x];
+                    if (addv && !m->flag[x]) addv[mi] = ng_load_f64(m->p, m->dtype, x);
+                }
+}
+
+static refout refout_new(const acase *c) {
     const int64_t B = c->B, Hq = c->Hq, Hkv = c->Hkv, L = c->L, S = c->S, E = c->E, Ev = c->Ev;
-    g_rng.s = 0x9E3779B97F4A7C15ull ^ (uint64_t)(L * 131 + S * 7 + E + Ev * 3 + (int64_t)t * 1000003);
-    tensor q = make(t, B, Hq, L, E, c->bshd), k = make(t, B, Hkv, S, E, c->bshd), v = make(t, B, Hkv, S, Ev, c->bshd);
-    tensor o = make(t, B, Hq, L, Ev, 0), dout = make(t, B, Hq, L, Ev, c->bshd);
-    tensor dq = make(t, B, Hq, L, E, 0), dk = make(t, B, Hkv, S, E, c->bshd), dv = make(t, B, Hkv, S, Ev, 0);
-    fill(&q, t, c->mag);
-    fill(&k, t, c->mag);
-    fill(&v, t, 1.0);
-    fill(&dout, t, 1.0);
-    size_t rs = t == NG_F64 ? 8 : 4;
-    void *lse = calloc((size_t)(B * Hq * L + 1), rs);
-
-    /* mask: generated flags (dense) + the stored broadcast tensor */
-    int64_t dense = B * Hq * L * S;
-    uint8_t *masked = NULL;
-    double *addv = NULL;
-    void *mstore = NULL;
-    ng_dtype mdt = t;
-    int64_t mst[4] = {0, 0, 0, 0};
-    if (c->mask != MASK_NONE) {
-        masked = calloc((size_t)dense + 1, 1);
-        addv = c->mask == MASK_BOOL ? NULL : calloc((size_t)dense + 1, sizeof(double));
-        int64_t mB = c->mshape == MB_LS ? 1 : B, mH = c->mshape == MB_FULL ? Hq : 1,
-                mL = c->mshape == MB_PAD ? 1 : L;
-        int64_t n = mB * mH * mL * S;
-        mst[0] = mB > 1 ? mH * mL * S : 0;
-        mst[1] = mH > 1 ? mL * S : 0;
-        mst[2] = mL > 1 ? S : 0;
-        mst[3] = 1;
-        mstore = calloc((size_t)n + 1, c->mask == MASK_BOOL ? 1 : ng_dtype_size(mdt));
-        uint8_t *mflag = calloc((size_t)n + 1, 1);
-        for (int64_t x = 0; x < n; x++) {
-            int64_t i = (x / S) % mL, j = x % S;
-            int m = urand() < 0.3;
-            if (c->full_rows && mL > 1 && i % 5 == 2) m = 1; /* fully masked rows */
-            if (c->full_rows && mL == 1 && (x / S) % 2 == 1) m = 1; /* a fully padded batch row */
-            if (j == 0 && !(c->full_rows)) m = 0;                /* keep rows non-empty otherwise */
-            if (j >= S - c->tail) m = 1;                          /* a padded tail (whole key splits) */
-            mflag[x] = (uint8_t)m;
-            if (c->mask == MASK_BOOL) {
-                ((uint8_t *)mstore)[x] = (uint8_t)!m;
-            } else {
-                double val = m ? (c->mask == MASK_NEG_INF ? -INFINITY
-                                  : mdt == NG_F64          ? -DBL_MAX
-                                  : mdt == NG_F32          ? -(double)FLT_MAX
-                                  : mdt == NG_F16          ? -65504.0
-                                                           : -3.3895313892515355e38)
-                               : -1.5 * urand();
-                ng_store_f64(mstore, mdt, x, val);
-            }
-        }
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t h = 0; h < Hq; h++)
-                for (int64_t i = 0; i < L; i++)
-                    for (int64_t j = 0; j < S; j++) {
-                        int64_t mi = ((b * Hq + h) * L + i) * S + j;
-                        int64_t x = b * mst[0] + h * mst[1] + i * mst[2] + j;
-                        masked[mi] = mflag[x];
-                        if (addv && !mflag[x]) addv[mi] = ng_load_f64(mstore, mdt, x);
-                    }
-        free(mflag);
-    }
-
-    double scale = 1.0 / sqrt((double)E);
-    ng_attention_args a;
-    memset(&a, 0, sizeof a);
-    a.dtype = t;
-    a.B = B; a.Hq = Hq; a.Hkv = Hkv; a.L = L; a.S = S; a.E = E; a.Ev = Ev;
-    a.q = q.p; memcpy(a.q_stride, q.st, sizeof q.st);
-    a.k = k.p; memcpy(a.k_stride, k.st, sizeof k.st);
-    a.v = v.p; memcpy(a.v_stride, v.st, sizeof v.st);
-    a.out = o.p; memcpy(a.out_stride, o.st, sizeof o.st);
-    a.lse = lse;
-    a.dout = dout.p; memcpy(a.dout_stride, dout.st, sizeof dout.st);
-    a.dq = dq.p; memcpy(a.dq_stride, dq.st, sizeof dq.st);
-    a.dk = dk.p; memcpy(a.dk_stride, dk.st, sizeof dk.st);
-    a.dv = dv.p; memcpy(a.dv_stride, dv.st, sizeof dv.st);
-    if (c->mask != MASK_NONE) {
-        a.mask = mstore;
-        a.mask_kind = c->mask == MASK_BOOL ? NG_MASK_BOOL : NG_MASK_ADD;
-        a.mask_dtype = mdt;
-        memcpy(a.mask_stride, mst, sizeof mst);
-    }
-    a.is_causal = c->causal;
-    a.scale = scale;
-    a.max_score = c->max_score;
-    a.softcap = c->softcap;
-    a.dropout_p = c->dropout;
-    a.seed = 0x1234567887654321ull;
-    a.offset = 42;
-
     refout r;
     r.out = calloc((size_t)(B * Hq * L * Ev + 1), sizeof(double));
     r.lse = calloc((size_t)(B * Hq * L + 1), sizeof(double));
     r.dq = calloc((size_t)(B * Hq * L * E + 1), sizeof(double));
     r.dk = calloc((size_t)(B * Hkv * S * E + 1), sizeof(double));
     r.dv = calloc((size_t)(B * Hkv * S * Ev + 1), sizeof(double));
-    reference(c, t, &q, &k, &v, &dout, masked, addv, scale, a.seed, a.offset, &r);
+    return r;
+}
 
-    ng_status st = fwd(&a, par);
-    CHECK(st == NG_OK, "%s %s fwd status %s", c->name, ng_dtype_name(t), ng_status_str(st));
-    if (fwd == ng_attention_fwd_decode) {
-        check_decode_runners(c, t, &a, &o, lse, rs * (size_t)(B * Hq * L));
-        /* fully masked rows: exactly 0 */
-        int nonzero = 0;
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t h = 0; h < Hq; h++)
-                for (int64_t i = 0; i < L; i++)
-                    if (r.lse[(b * Hq + h) * L + i] == -INFINITY)
-                        for (int64_t d = 0; d < Ev; d++) nonzero += get(&o, t, b, h, i, d) != 0.0;
-        CHECK(nonzero == 0, "%s %s: %d outputs of fully masked rows are not 0", c->name, ng_dtype_name(t), nonzero);
-    }
-    st = ng_attention_bwd(&a, par);
-    CHECK(st == NG_OK, "%s %s bwd status %s", c->name, ng_dtype_name(t), ng_status_str(st));
+static void refout_free(refout *r) {
+    free(r->out); free(r->lse); free(r->dq); free(r->dk); free(r->dv);
+}
 
+/* The decode forward: runner independence, and fully masked rows exactly 0. */
+static void check_decode(const acase *c, ng_dtype t, const ng_attention_args *a, const aio *io,
+                         const refout *r, size_t lse_bytes) {
+    check_decode_runners(c, t, a, &io->o, a->lse, lse_bytes);
+    int nonzero = 0;
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t h = 0; h < c->Hq; h++)
+            for (int64_t i = 0; i < c->L; i++)
+                if (r->lse[(b * c->Hq + h) * c->L + i] == -INFINITY)
+                    for (int64_t d = 0; d < c->Ev; d++) nonzero += get(&io->o, t, b, h, i, d) != 0.0;
+    CHECK(nonzero == 0, "%s %s: %d outputs of fully masked rows are not 0", c->name, ng_dtype_name(t), nonzero);
+}
+
+/* Every output against the reference; the number of mismatches. */
+static int compare_all(const acase *c, ng_dtype t, const aio *io, const void *lse, const refout *r) {
     int bad = 0;
     tol tf = tol_for(t, 0), tg = tol_for(t, 1);
-    bad += compare("out", c, t, &o, r.out, Hq, L, Ev, tf);
-    for (int64_t x = 0; x < B * Hq * L; x++) {
-        double got = t == NG_F64 ? ((double *)lse)[x] : ((float *)lse)[x], want = r.lse[x];
+    bad += compare("out", c, t, &io->o, r->out, c->Hq, c->L, c->Ev, tf);
+    for (int64_t x = 0; x < c->B * c->Hq * c->L; x++) {
+        double got = t == NG_F64 ? ((const double *)lse)[x] : ((const float *)lse)[x], want = r->lse[x];
         int ok = (want == -INFINITY) ? got == -INFINITY : fabs(got - want) <= 1e-4 + 1e-5 * fabs(want);
         if (!ok) {
             if (bad < 3) fprintf(stderr, "  %s %s lse[%lld]: got %g want %g\n", c->name, ng_dtype_name(t), (long long)x, got, want);
             bad++;
         }
     }
-    bad += compare("dq", c, t, &dq, r.dq, Hq, L, E, tg);
-    bad += compare("dk", c, t, &dk, r.dk, Hkv, S, E, tg);
-    bad += compare("dv", c, t, &dv, r.dv, Hkv, S, Ev, tg);
+    bad += compare("dq", c, t, &io->dq, r->dq, c->Hq, c->L, c->E, tg);
+    bad += compare("dk", c, t, &io->dk, r->dk, c->Hkv, c->S, c->E, tg);
+    bad += compare("dv", c, t, &io->dv, r->dv, c->Hkv, c->S, c->Ev, tg);
+    return bad;
+}
+
+static void run_case(const acase *c, ng_dtype t, ng_parallel_fn par, fwd_fn fwd) {
+    const int64_t B = c->B, Hq = c->Hq, Hkv = c->Hkv, L = c->L, S = c->S, E = c->E, Ev = c->Ev;
+    g_rng.s = 0x9E3779B97F4A7C15ull ^ (uint64_t)(L * 131 + S * 7 + E + Ev * 3 + (int64_t)t * 1000003);
+    const int lay = c->lay;
+    aio io = {at_new(t, B, Hq, L, E, lay),       at_new(t, B, Hkv, S, E, lay),
+              at_new(t, B, Hkv, S, Ev, lay),     at_new(t, B, Hq, L, Ev, lay),
+              at_new(t, B, Hq, L, Ev, LAY_BHSD), at_new(t, B, Hq, L, E, LAY_BHSD),
+              at_new(t, B, Hkv, S, E, lay),      at_new(t, B, Hkv, S, Ev, LAY_BHSD)};
+    fill(&io.q, t, c->mag);
+    fill(&io.k, t, c->mag);
+    fill(&io.v, t, 1.0);
+    fill(&io.dout, t, 1.0);
+    size_t rs = t == NG_F64 ? 8 : 4;
+    void *lse = calloc((size_t)(B * Hq * L + 1), rs);
+
+    /* mask: the stored broadcast tensor, and its flags (dense) for the reference */
+    amask m = amask_new(c, t, &g_rng);
+    uint8_t *masked = NULL;
+    double *addv = NULL;
+    if (c->mask != AM_NONE) {
+        masked = calloc((size_t)(B * Hq * L * S) + 1, 1);
+        addv = c->mask == AM_BOOL ? NULL : calloc((size_t)(B * Hq * L * S) + 1, sizeof(double));
+        dense_mask(c, &m, masked, addv);
+    }
+
+    double scale = 1.0 / sqrt((double)E);
+    ng_attention_args a = attn_args(c, t, &io, 0, lse, &m, m.p, scale);
+    refout r = refout_new(c);
+    reference(c, t, &io.q, &io.k, &io.v, &io.dout, masked, addv, scale, a.seed, a.offset, &r);
+
+    ng_status st = fwd(&a, par);
+    CHECK(st == NG_OK, "%s %s fwd status %s", c->name, ng_dtype_name(t), ng_status_str(st));
+    if (fwd == ng_attention_fwd_decode) check_decode(c, t, &a, &io, &r, rs * (size_t)(B * Hq * L));
+    st = ng_attention_bwd(&a, par);
+    CHECK(st == NG_OK, "%s %s bwd status %s", c->name, ng_dtype_name(t), ng_status_str(st));
+
+    int bad = compare_all(c, t, &io, lse, &r);
     CHECK(bad == 0, "%s %s [%s]: %d mismatches", c->name, ng_dtype_name(t), ng_cpu_isa_name(ng_cpu_isa_active()),
           bad);
 
-    free(q.p); free(k.p); free(v.p); free(o.p); free(dout.p); free(dq.p); free(dk.p); free(dv.p);
-    free(lse); free(masked); free(addv); free(mstore);
-    free(r.out); free(r.lse); free(r.dq); free(r.dk); free(r.dv);
+    atensor *all[8] = {&io.q, &io.k, &io.v, &io.dout, &io.o, &io.dq, &io.dk, &io.dv};
+    for (int x = 0; x < 8; x++) free(all[x]->h);
+    free(lse); free(masked); free(addv);
+    amask_free(&m);
+    refout_free(&r);
 }
 
 /* clang-format off */
-static const tcase g_cases[] = {
-    /* name            B  Hq Hkv  L    S    E    Ev  mask          mshape   full causal bshd  clamp soft drop mag tail */
-    {"plain",          2, 2, 2,   33,  47,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
-    {"L1",             1, 3, 3,   1,   5,   8,   8,  MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
-    {"L7_S129_E40",    1, 2, 2,   7,   129, 40,  40, MASK_NONE,    MB_FULL, 0, 0, 1, 0, 0, 0, 1, 0},
-    {"L129_E80",       1, 1, 1,   129, 70,  80,  80, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
-    {"E256",           1, 1, 1,   65,  66,  256, 256, MASK_NONE,   MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
-    {"Ev_ne_E",        1, 2, 1,   20,  30,  24,  40, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
-    {"gqa",            2, 4, 2,   70,  65,  32,  32, MASK_NONE,    MB_FULL, 0, 0, 1, 0, 0, 0, 1, 0},
-    {"causal",         1, 2, 2,   129, 129, 16,  16, MASK_NONE,    MB_FULL, 0, 1, 0, 0, 0, 0, 1, 0},
-    {"causal_L_lt_S",  1, 2, 1,   7,   100, 16,  16, MASK_NONE,    MB_FULL, 0, 1, 0, 0, 0, 0, 1, 0},
-    {"causal_L_gt_S",  1, 1, 1,   100, 7,   16,  16, MASK_NONE,    MB_FULL, 0, 1, 0, 0, 0, 0, 1, 0},
-    {"bool",           2, 2, 2,   40,  70,  16,  16, MASK_BOOL,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
-    {"bool_full_rows", 1, 2, 2,   23,  80,  8,   8,  MASK_BOOL,    MB_FULL, 1, 0, 0, 0, 0, 0, 1, 0},
-    {"add_neginf",     2, 2, 1,   23,  31,  16,  16, MASK_NEG_INF, MB_FULL, 1, 0, 0, 0, 0, 0, 1, 0},
-    {"add_lowest",     1, 2, 2,   23,  31,  16,  16, MASK_LOWEST,  MB_LS,   1, 0, 1, 0, 0, 0, 1, 0},
-    {"pad_mask",       2, 2, 2,   9,   77,  16,  16, MASK_LOWEST,  MB_PAD,  1, 0, 0, 0, 0, 0, 1, 0},
-    {"bool_causal",    1, 2, 2,   30,  30,  16,  16, MASK_BOOL,    MB_LS,   0, 1, 0, 0, 0, 0, 1, 0},
-    {"clamp",          1, 2, 2,   20,  33,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 2.5, 0, 0, 4, 0},
-    {"softcap",        1, 2, 2,   20,  33,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 3.0, 0, 4, 0},
-    {"clamp_softcap",  1, 2, 1,   20,  33,  16,  16, MASK_NEG_INF, MB_FULL, 1, 1, 0, 3.0, 2.0, 0, 4, 0},
-    {"dropout",        1, 2, 2,   37,  70,  16,  16, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0.3, 1, 0},
-    {"dropout_mask",   1, 2, 1,   20,  20,  8,   8,  MASK_BOOL,    MB_FULL, 1, 1, 0, 0, 0, 0.5, 1, 0},
-    {"empty_S",        1, 2, 2,   5,   0,   8,   8,  MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
+static const acase g_cases[] = {
+    /* name, B, Hq, Hkv, L, S, E, Ev, lay, out_lay (unused), mask, mshape, full rows, causal,
+     * clamp, softcap, dropout, mag, mask_f32, special, offset, tail */
+    {"plain",          2, 2, 2, 33,  47,  16,  16,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"L1",             1, 3, 3, 1,   5,   8,   8,   LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"L7_S129_E40",    1, 2, 2, 7,   129, 40,  40,  LAY_BSHD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"L129_E80",       1, 1, 1, 129, 70,  80,  80,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"E256",           1, 1, 1, 65,  66,  256, 256, LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"Ev_ne_E",        1, 2, 1, 20,  30,  24,  40,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"gqa",            2, 4, 2, 70,  65,  32,  32,  LAY_BSHD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"causal",         1, 2, 2, 129, 129, 16,  16,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 1, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"causal_L_lt_S",  1, 2, 1, 7,   100, 16,  16,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 1, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"causal_L_gt_S",  1, 1, 1, 100, 7,   16,  16,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 1, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"bool",           2, 2, 2, 40,  70,  16,  16,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"bool_full_rows", 1, 2, 2, 23,  80,  8,   8,   LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_FULL, 1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"add_neginf",     2, 2, 1, 23,  31,  16,  16,  LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_FULL, 1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"add_lowest",     1, 2, 2, 23,  31,  16,  16,  LAY_BSHD, LAY_BHSD, AM_LOWEST,  MS_LS,   1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"pad_mask",       2, 2, 2, 9,   77,  16,  16,  LAY_BHSD, LAY_BHSD, AM_LOWEST,  MS_PAD,  1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"bool_causal",    1, 2, 2, 30,  30,  16,  16,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_LS,   0, 1, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"clamp",          1, 2, 2, 20,  33,  16,  16,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 2.5, 0,   0,   4, 0, SP_NONE, 42, 0},
+    {"softcap",        1, 2, 2, 20,  33,  16,  16,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   3.0, 0,   4, 0, SP_NONE, 42, 0},
+    {"clamp_softcap",  1, 2, 1, 20,  33,  16,  16,  LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_FULL, 1, 1, 3.0, 2.0, 0,   4, 0, SP_NONE, 42, 0},
+    {"dropout",        1, 2, 2, 37,  70,  16,  16,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0.3, 1, 0, SP_NONE, 42, 0},
+    {"dropout_mask",   1, 2, 1, 20,  20,  8,   8,   LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_FULL, 1, 1, 0,   0,   0.5, 1, 0, SP_NONE, 42, 0},
+    {"empty_S",        1, 2, 2, 5,   0,   8,   8,   LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
     /* >= 64 forward tasks: several query blocks share each K/V tile (nsub 2 and 4) */
-    {"many_heads",     4, 8, 4,   300, 70,  8,   8,  MASK_BOOL,    MB_PAD,  1, 0, 0, 0, 0, 0, 1, 0},
-    {"many_causal",    4, 8, 8,   260, 260, 8,   8,  MASK_NONE,    MB_FULL, 0, 1, 1, 0, 0, 0, 1, 0},
-    {"nsub2_drop",     2, 8, 8,   400, 40,  8,   8,  MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0.2, 1, 0},
+    {"many_heads",     4, 8, 4, 300, 70,  8,   8,   LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"many_causal",    4, 8, 8, 260, 260, 8,   8,   LAY_BSHD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 1, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"nsub2_drop",     2, 8, 8, 400, 40,  8,   8,   LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0.2, 1, 0, SP_NONE, 42, 0},
 };
 /* clang-format on */
 
@@ -504,23 +443,23 @@ static const tcase g_cases[] = {
  * keys, E not a multiple of 8 (K converted, not read in place). Each case
  * also checks runner independence and that the backward, fed this forward's
  * out and lse, matches the reference. */
-/* clang-format off */
-static const tcase g_dec_cases[] = {
-    /* name                  B  Hq Hkv  L   S     E    Ev   mask          mshape   full causal bshd clamp soft drop mag tail */
-    {"dec_S1",               1, 4, 2,   1,  1,    16,  16,  MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
-    {"dec_S2_L3",            2, 2, 1,   3,  2,    8,   8,   MASK_BOOL,    MB_FULL, 1, 0, 0, 0, 0, 0, 1, 0},
-    {"dec_L1_gqa_pad",       2, 8, 2,   1,  2048, 128, 128, MASK_BOOL,    MB_PAD,  1, 0, 0, 0, 0, 0, 1, 0},
-    {"dec_L1_mha_tail",      2, 3, 3,   1,  777,  64,  64,  MASK_NEG_INF, MB_PAD,  1, 0, 0, 0, 0, 0, 1, 400},
-    {"dec_L3_mqa_E36_Ev20",  1, 6, 1,   3,  3001, 36,  20,  MASK_LOWEST,  MB_FULL, 1, 0, 0, 0, 0, 0, 1, 0},
-    {"dec_L16_gqa_ls",       1, 8, 2,   16, 1500, 64,  64,  MASK_BOOL,    MB_LS,   1, 0, 0, 0, 0, 0, 1, 0},
-    {"dec_L16_grp8",         1, 16, 2,  16, 300,  32,  32,  MASK_NONE,    MB_FULL, 0, 0, 1, 0, 0, 0, 1, 0},
-    {"dec_L5_causal",        1, 4, 2,   5,  900,  32,  32,  MASK_NONE,    MB_FULL, 0, 1, 0, 0, 0, 0, 1, 0},
-    {"dec_L2_guards_drop",   1, 4, 2,   2,  1100, 32,  48,  MASK_NEG_INF, MB_FULL, 1, 0, 1, 3.0, 2.0, 0.3, 4, 0},
-    {"dec_L7_bshd_E128",     2, 4, 4,   7,  129,  128, 128, MASK_NONE,    MB_FULL, 0, 0, 1, 0, 0, 0, 1, 0},
-    {"dec_L4_split_tail",    1, 2, 1,   4,  3000, 64,  64,  MASK_LOWEST,  MB_PAD,  0, 0, 0, 0, 0, 0, 1, 1000},
-    {"dec_L9_drop_causal",   1, 4, 1,   9,  40,   16,  16,  MASK_BOOL,    MB_FULL, 1, 1, 0, 0, 0, 0.5, 1, 0},
-    {"dec_L1_E256",          1, 2, 1,   1,  600,  256, 256, MASK_NONE,    MB_FULL, 0, 0, 0, 0, 0, 0, 1, 0},
-    {"dec_L12_E8_Ev24",      3, 4, 4,   12, 70,   8,   24,  MASK_NEG_INF, MB_LS,   1, 0, 0, 0, 0, 0, 1, 0},
+static const acase g_dec_cases[] = {
+    /* name, B, Hq, Hkv, L, S, E, Ev, lay, out_lay (unused), mask, mshape, full rows, causal,
+     * clamp, softcap, dropout, mag, mask_f32, special, offset, tail */
+    {"dec_S1",              1, 4,  2, 1,  1,    16,  16,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"dec_S2_L3",           2, 2,  1, 3,  2,    8,   8,   LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_FULL, 1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"dec_L1_gqa_pad",      2, 8,  2, 1,  2048, 128, 128, LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"dec_L1_mha_tail",     2, 3,  3, 1,  777,  64,  64,  LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_PAD,  1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 400},
+    {"dec_L3_mqa_E36_Ev20", 1, 6,  1, 3,  3001, 36,  20,  LAY_BHSD, LAY_BHSD, AM_LOWEST,  MS_FULL, 1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"dec_L16_gqa_ls",      1, 8,  2, 16, 1500, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_LS,   1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"dec_L16_grp8",        1, 16, 2, 16, 300,  32,  32,  LAY_BSHD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"dec_L5_causal",       1, 4,  2, 5,  900,  32,  32,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 1, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"dec_L2_guards_drop",  1, 4,  2, 2,  1100, 32,  48,  LAY_BSHD, LAY_BHSD, AM_NEG_INF, MS_FULL, 1, 0, 3.0, 2.0, 0.3, 4, 0, SP_NONE, 42, 0},
+    {"dec_L7_bshd_E128",    2, 4,  4, 7,  129,  128, 128, LAY_BSHD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"dec_L4_split_tail",   1, 2,  1, 4,  3000, 64,  64,  LAY_BHSD, LAY_BHSD, AM_LOWEST,  MS_PAD,  0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 1000},
+    {"dec_L9_drop_causal",  1, 4,  1, 9,  40,   16,  16,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_FULL, 1, 1, 0,   0,   0.5, 1, 0, SP_NONE, 42, 0},
+    {"dec_L1_E256",         1, 2,  1, 1,  600,  256, 256, LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"dec_L12_E8_Ev24",     3, 4,  4, 12, 70,   8,   24,  LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_LS,   1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
 };
 /* clang-format on */
 
@@ -586,39 +525,37 @@ static void test_decode_nan(void) {
 
 /* fp16 inputs whose q.k exceeds 65504: the output stays finite and matches. */
 static void test_fp16_overflow(void) {
-    tcase c = {"fp16_overflow", 1, 1, 1, 8, 16, 64, 64, MASK_NONE, MB_FULL, 0, 0, 0, 0, 0, 0, 200, 0};
+    acase c = {"fp16_overflow", 1, 1, 1, 8, 16, 64, 64, LAY_BHSD, LAY_BHSD, AM_NONE, MS_FULL, 0, 0, 0, 0, 0, 200, 0, SP_NONE, 42, 0};
     ng_dtype t = NG_F16;
     g_rng.s = 77;
-    tensor q = make(t, 1, 1, 8, 64, 0), k = make(t, 1, 1, 16, 64, 0), v = make(t, 1, 1, 16, 64, 0);
-    tensor o = make(t, 1, 1, 8, 64, 0);
-    for (int64_t x = 0; x < q.n; x++) ng_store_f64(q.p, t, x, 150.0 + 50.0 * urand());
-    for (int64_t x = 0; x < k.n; x++) ng_store_f64(k.p, t, x, 150.0 + 50.0 * urand());
+    atensor q = at_new(t, 1, 1, 8, 64, LAY_BHSD), k = at_new(t, 1, 1, 16, 64, LAY_BHSD),
+            v = at_new(t, 1, 1, 16, 64, LAY_BHSD), o = at_new(t, 1, 1, 8, 64, LAY_BHSD);
+    for (int64_t x = 0; x < q.span; x++) ng_store_f64(q.h, t, x, 150.0 + 50.0 * urand());
+    for (int64_t x = 0; x < k.span; x++) ng_store_f64(k.h, t, x, 150.0 + 50.0 * urand());
     fill(&v, t, 1.0);
     float lse[8];
     ng_attention_args a;
     memset(&a, 0, sizeof a);
     a.dtype = t; a.B = 1; a.Hq = 1; a.Hkv = 1; a.L = 8; a.S = 16; a.E = 64; a.Ev = 64;
-    a.q = q.p; memcpy(a.q_stride, q.st, sizeof q.st);
-    a.k = k.p; memcpy(a.k_stride, k.st, sizeof k.st);
-    a.v = v.p; memcpy(a.v_stride, v.st, sizeof v.st);
-    a.out = o.p; memcpy(a.out_stride, o.st, sizeof o.st);
+    a.q = q.h; memcpy(a.q_stride, q.st, sizeof q.st);
+    a.k = k.h; memcpy(a.k_stride, k.st, sizeof k.st);
+    a.v = v.h; memcpy(a.v_stride, v.st, sizeof v.st);
+    a.out = o.h; memcpy(a.out_stride, o.st, sizeof o.st);
     a.lse = lse;
     a.scale = 0.125;
     CHECK(ng_attention_fwd(&a, NULL) == NG_OK, "fp16 overflow fwd");
-    refout r;
-    r.out = calloc(8 * 64, sizeof(double)); r.lse = calloc(8, sizeof(double));
-    r.dq = calloc(8 * 64, sizeof(double)); r.dk = calloc(16 * 64, sizeof(double)); r.dv = calloc(16 * 64, sizeof(double));
-    tensor dummy = make(t, 1, 1, 8, 64, 0);
+    refout r = refout_new(&c);
+    atensor dummy = at_new(t, 1, 1, 8, 64, LAY_BHSD);
     reference(&c, t, &q, &k, &v, &dummy, NULL, NULL, 0.125, 0, 0, &r);
     double dot = 0;
     for (int e = 0; e < 64; e++) dot += get(&q, t, 0, 0, 0, e) * get(&k, t, 0, 0, 0, e);
     CHECK(dot > 65504.0, "the case overflows fp16 (q.k = %g)", dot);
     int finite = 1;
-    for (int64_t x = 0; x < o.n; x++) finite &= isfinite(ng_load_f64(o.p, t, x));
+    for (int64_t x = 0; x < o.span; x++) finite &= isfinite(ng_load_f64(o.h, t, x));
     CHECK(finite, "fp16 overflow case: output finite");
     CHECK(compare("out", &c, t, &o, r.out, 1, 8, 64, tol_for(t, 0)) == 0, "fp16 overflow case matches fp64");
-    free(q.p); free(k.p); free(v.p); free(o.p); free(dummy.p);
-    free(r.out); free(r.lse); free(r.dq); free(r.dk); free(r.dv);
+    free(q.h); free(k.h); free(v.h); free(o.h); free(dummy.h);
+    refout_free(&r);
 }
 
 /* NaN in an input reaches the outputs it affects; nothing is hidden. */

@@ -2,9 +2,10 @@
 4 processes, nothing mocked.
 
 Each launch runs one scenario function in every rank (this file re-run as
-``python test_distributed.py --worker SCENARIO RANK WORLD PORT OUT``); the
-ranks record numbers and tensors, and the pytest tests below check them
-against references: PyTorch's own ``clip_grad_norm_`` on the same DTensor
+``python test_distributed.py --worker SCENARIO RANK WORLD PORT OUT``); each
+rank returns the scenario's result (a dataclass per scenario, right above the
+scenario), and the pytest tests right below each scenario check it against
+references: PyTorch's own ``clip_grad_norm_`` on the same DTensor
 gradients, an fp64 norm of the full (gathered) gradients, and the
 unsharded computation for tensor-parallel attention and norms.
 
@@ -31,6 +32,7 @@ functions are wrapped, still called).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -70,7 +72,7 @@ def _free_port() -> int:
 
 
 def launch(scenario: str, world: int, out_dir, timeout: float = 240.0):
-    """Run SCENARIO in `world` processes; return each rank's recorded dict."""
+    """Run SCENARIO in `world` processes; return each rank's result."""
     port = _free_port()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([HERE] + sys.path)
@@ -96,6 +98,40 @@ def launch(scenario: str, world: int, out_dir, timeout: float = 240.0):
     assert all(p.returncode == 0 for p in procs), log
     return [torch.load(os.path.join(out_dir, f"{scenario}.rank{r}.pt"), weights_only=False)
             for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    cache = {}
+
+    def get(scenario, world):
+        if (scenario, world) not in cache:
+            cache[(scenario, world)] = launch(scenario, world, tmp_path_factory.mktemp(f"{scenario}{world}"))
+        return cache[(scenario, world)]
+
+    return get
+
+
+def _rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+def two(runs):
+    return runs("two", 2)
+
+
+def four(runs):
+    return runs("four", 4)
+
+
+def _part(runs, world, key):
+    return [r[key] for r in (two(runs) if world == 2 else four(runs))]
+
+
+def _only_all_reduces(calls, groups):
+    """calls is exactly one all_reduce per group in `groups` (sets of ranks)."""
+    assert [c[0] for c in calls] == ["all_reduce"] * len(groups), calls
+    assert sorted(tuple(c[1]) for c in calls) == sorted(tuple(g) for g in groups), calls
 
 
 # ---- worker-side helpers --------------------------------------------------------------------
@@ -257,7 +293,22 @@ def _backward(model, rank, seed=1, scale=1.0):
     return loss
 
 
-# ---- scenarios --------------------------------------------------------------------------------
+# ---- FSDP2: gradient guard, GradScaler, mixed meshes (2 and 4 ranks) -----------------------------
+
+
+@dataclasses.dataclass
+class Fsdp2Result:
+    """scenario_fsdp2's record on one rank."""
+
+    placements: list  # the gradients' placements (str)
+    grad_dtypes: list  # the gradients' dtypes (str)
+    l2: dict  # _compare_with_torch, max_norm 0.05 (clips)
+    l2_noclip: dict  # _compare_with_torch, max_norm 1e6
+    linf: dict  # _compare_with_torch, norm inf
+    nan: dict  # a NaN on the last rank: norm, found_inf, nan_count, untouched
+    scaler: dict  # nanguard.amp.GradScaler against PyTorch on g / scale
+    mixed: dict  # DTensors on two meshes and plain tensors against fp64
+    partial_error: str | None  # the message refusing a Partial gradient
 
 
 def scenario_fsdp2(rank, world):
@@ -397,7 +448,94 @@ def scenario_fsdp2(rank, world):
         res["partial_error"] = None
     except ValueError as e:
         res["partial_error"] = str(e)
-    return res
+    return Fsdp2Result(**res)
+
+
+@dist_ok
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_bf16_norm_and_clip_match_pytorch(runs, world):
+    res = _part(runs, world, "fsdp2")
+    for d in res:
+        assert d.placements == ["(Shard(dim=0),)"] and d.grad_dtypes == ["torch.float32"]
+        for key in ("l2", "l2_noclip"):
+            c = getattr(d, key)
+            assert _rel(c["nanguard_norm"], c["torch_norm"]) <= NORM_RTOL_TORCH, c
+            assert _rel(c["nanguard_norm"], c["ref64"]) <= NORM_RTOL_FP64, c
+            assert c["grad_rel"] <= GRAD_RTOL_TORCH and c["grad_rel_ref"] <= GRAD_RTOL_FP64, c
+            # the type PyTorch returns: a replicated fp32 DTensor
+            assert c["nanguard_type"] == c["torch_type"] == ("DTensor", "(Replicate(),)", torch.float32)
+            _only_all_reduces(c["collectives"], [range(world)])
+        assert d.l2["clip_ref"] < 1.0 < d.l2_noclip["clip_ref"]  # one clips, one does not
+    assert len({d.l2["nanguard_norm"] for d in res}) == 1
+
+
+@dist_ok
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_inf_norm_is_the_exact_max(runs, world):
+    for d in _part(runs, world, "fsdp2"):
+        c = d.linf
+        assert c["nanguard_norm"] == c["ref64"]  # a max is exact
+        assert c["grad_rel_ref"] <= GRAD_RTOL_FP64
+        if c["torch_error"] is None:  # PyTorch refuses an empty shard (4 ranks)
+            assert c["torch_norm"] == c["nanguard_norm"] and c["grad_rel"] <= GRAD_RTOL_TORCH
+            assert c["torch_type"][0] == "DTensor"
+        assert c["nanguard_type"][0] == "DTensor"
+        _only_all_reduces(c["collectives"], [range(world)])
+
+
+@dist_ok
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_nan_on_one_rank_skips_every_rank(runs, world):
+    for d in _part(runs, world, "fsdp2"):
+        n = d.nan
+        assert math.isnan(n["norm"]) and n["found_inf"] == 1.0 and n["untouched"], n
+        assert n["nan_count"] == 1  # counted once, over every rank
+
+
+@dist_ok
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_grad_scaler(runs, world):
+    for r, d in enumerate(_part(runs, world, "fsdp2")):
+        s = d.scaler
+        assert _rel(s["nanguard_norm"], s["torch_norm"]) <= NORM_RTOL_TORCH, s
+        assert s["grad_rel"] <= GRAD_RTOL_TORCH and s["type"] == "DTensor"
+        assert s["stepped"]
+        # an Inf on rank 0 only: every rank skipped the step and backed off
+        assert s["skipped_unchanged"] and s["scale_after"] == 512.0 and s["skipped"] == [(0, 1)]
+
+
+@dist_ok
+@pytest.mark.parametrize("world", [2, 4])
+def test_mixed_meshes_placements_and_plain_tensors(runs, world):
+    for d in _part(runs, world, "fsdp2"):
+        m = d.mixed
+        assert _rel(m["l2"]["norm"], m["ref64"]) <= NORM_RTOL_FP64, m
+        assert m["linf"]["norm"] == m["refinf"]
+        for key in ("l2", "linf"):
+            assert m[key]["grad_rel"] <= GRAD_RTOL_FP64, m
+            assert m[key]["type"] == "Tensor"  # PyTorch refuses this mix; a plain tensor
+            calls = m[key]["collectives"]
+            if world == 2:
+                _only_all_reduces(calls, [(0, 1)])
+            else:  # the 1-D mesh (all ranks), then each dim of the 2 x 2 mesh
+                assert [c[0] for c in calls] == ["all_reduce"] * 3, calls
+                assert [len(c[1]) for c in calls] == [4, 2, 2], calls
+        n = m["nan"]
+        assert math.isnan(n["norm"]) and n["found_inf"] == 1.0 and n["untouched"], n
+        assert "grads[0]" in d.partial_error and "Partial" in d.partial_error
+
+
+# ---- HSDP on a 2 x 2 mesh (4 ranks) --------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class HsdpResult:
+    """scenario_hsdp's record on one rank."""
+
+    placements: list  # the gradients' placements (str)
+    l2: dict  # _compare_with_torch, norm 2
+    linf: dict  # _compare_with_torch, norm inf
+    nan: dict  # a NaN on rank 3: norm, found_inf, untouched
 
 
 def scenario_hsdp(rank, world):
@@ -424,7 +562,38 @@ def scenario_hsdp(rank, world):
     res["nan"] = {"norm": float(_local(tn)), "found_inf": float(found[torch.device("cpu")]),
                   "untouched": all(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
                                    for a, b in zip(after, before))}
-    return res
+    return HsdpResult(**res)
+
+
+@dist_ok
+def test_hsdp_2x2_matches_pytorch_and_counts_each_element_once(runs):
+    for d in _part(runs, 4, "hsdp"):
+        assert d.placements == ["(Replicate(), Shard(dim=0))"]
+        c = d.l2
+        assert _rel(c["nanguard_norm"], c["torch_norm"]) <= NORM_RTOL_TORCH, c
+        assert _rel(c["nanguard_norm"], c["ref64"]) <= NORM_RTOL_FP64, c
+        assert c["grad_rel"] <= GRAD_RTOL_TORCH and c["grad_rel_ref"] <= GRAD_RTOL_FP64
+        assert c["nanguard_type"] == c["torch_type"]
+        li = d.linf
+        assert li["nanguard_norm"] == li["ref64"] and li["grad_rel_ref"] <= GRAD_RTOL_FP64
+        for calls in (c["collectives"], li["collectives"]):  # one per mesh dim group
+            assert [x[0] for x in calls] == ["all_reduce"] * 2 and [len(x[1]) for x in calls] == [2, 2]
+            assert calls[0][1] != calls[1][1]
+        # a NaN on one replica of one shard (rank 3 only): every rank skips
+        n = d.nan
+        assert math.isnan(n["norm"]) and n["found_inf"] == 1.0 and n["untouched"], n
+
+
+# ---- DDP: the guard and watch (2 ranks) ----------------------------------------------------------
+
+
+@dataclasses.dataclass
+class DdpWatchResult:
+    """scenario_ddp_watch's record on one rank."""
+
+    l2: dict  # _compare_with_torch, norm 2
+    watch: list  # (step, None or the report's fields) per step
+    after_barrier: bool  # every rank reached the barrier after the steps
 
 
 def scenario_ddp_watch(rank, world):
@@ -459,7 +628,40 @@ def scenario_ddp_watch(rank, world):
     res["watch"] = steps
     torch.distributed.barrier()  # nobody is left behind in a collective
     res["after_barrier"] = True
-    return res
+    return DdpWatchResult(**res)
+
+
+@dist_ok
+def test_ddp_guard_needs_no_collective(runs):
+    for d in _part(runs, 2, "ddp_watch"):
+        c = d.l2
+        assert _rel(c["nanguard_norm"], c["torch_norm"]) <= NORM_RTOL_TORCH
+        assert c["grad_rel"] <= GRAD_RTOL_TORCH and c["nanguard_type"] == c["torch_type"]
+        assert c["collectives"] == []  # DDP gradients are already identical on every rank
+
+
+@dist_ok
+def test_watch_under_ddp_every_rank_raises_in_the_same_step(runs):
+    res = _part(runs, 2, "ddp_watch")
+    for r, d in enumerate(res):
+        steps = dict(d.watch)
+        assert steps[0] is None and steps[2] is None and d.after_barrier
+        rep = steps[1]
+        assert rep is not None and rep["rank"] == r and rep["bad_ranks"] == [1], rep
+    r1 = dict(res[1].watch)[1]
+    assert r1["local"] and r1["pass"] == "forward" and "on rank 1" in r1["text"]
+    r0 = dict(res[0].watch)[1]
+    assert not r0["local"] and "rank(s) [1]" in r0["text"]
+
+
+# ---- watch under FSDP2 (2 ranks) -----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Fsdp2WatchResult:
+    """scenario_fsdp2_watch's record on one rank."""
+
+    watch: list  # (step, None or the report's fields) per step
 
 
 def scenario_fsdp2_watch(rank, world):
@@ -494,7 +696,78 @@ def scenario_fsdp2_watch(rank, world):
     w.remove()
     torch.distributed.barrier()
     res["watch"] = steps
-    return res
+    return Fsdp2WatchResult(**res)
+
+
+@dist_ok
+def test_watch_under_fsdp2(runs):
+    res = _part(runs, 2, "fsdp2_watch")
+    for r, d in enumerate(res):
+        steps = dict(d.watch)
+        assert steps[0] is None and steps[3] is None, steps
+        assert steps[1]["bad_ranks"] == [0] and steps[1]["rank"] == r
+        assert 1 in steps[2]["bad_ranks"] and steps[2]["rank"] == r
+    # a NaN in rank 0's shard of a gradient: named there as a parameter grad
+    s1 = dict(res[0].watch)[1]
+    assert s1["local"] and s1["module"] == "1.up" and s1["pass"] == "parameter grad", s1
+    assert "weight.grad" in s1["text"]
+    assert not dict(res[1].watch)[1]["local"]
+    # an Inf made in block 2's forward on rank 1
+    s2 = dict(res[1].watch)[2]
+    assert s2["local"] and s2["pass"] == "forward" and s2["module"].startswith("2"), s2
+
+
+# ---- tensor parallel attention and norms (2 and 4 ranks) -----------------------------------------
+
+
+@dataclasses.dataclass
+class TpResult:
+    """scenario_tp's record on one rank: {(case, placement name): comparison}
+    per part (_tp_attention, _tp_norms), the plan's comparison (_tp_plan)."""
+
+    attention: dict
+    norms: dict
+    plan: dict
+    attention2d: dict | None = None  # 4 ranks: on a 2 x 2 mesh
+    norms2d: dict | None = None
+
+
+def scenario_tp(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    att = {"batch": [Shard(0)], "heads": [Shard(1)], "seq": [Shard(2)], "replicate": [Replicate()]}
+    nrm = {"batch": [Shard(0)], "seq": [Shard(1)], "hidden": [Shard(2)], "replicate": [Replicate()]}
+    res = {"attention": _tp_attention(rank, world, mesh, att), "norms": _tp_norms(rank, world, mesh, nrm)}
+    try:
+        res["plan"] = _tp_plan(rank, world, mesh)
+    except Exception:
+        res["plan"] = {"error": traceback.format_exc()}
+    if world == 4:
+        mesh2 = init_device_mesh("cpu", (2, 2))
+        res["attention2d"] = _tp_attention(rank, world, mesh2, {"batch_heads": [Shard(0), Shard(1)]})
+        res["norms2d"] = _tp_norms(rank, world, mesh2, {"batch_seq": [Shard(0), Shard(1)],
+                                                       "seq_hidden": [Shard(1), Shard(2)]})
+    return TpResult(**res)
+
+
+def _check_tp(cases, op, expect):
+    from conftest import TOLERANCES
+
+    atol, _ = TOLERANCES[op][torch.float32]
+    gatol, _ = TOLERANCES[op + "_grad"][torch.float32] if op + "_grad" in TOLERANCES else (atol, 0)
+    for key, c in cases.items():
+        if not isinstance(key, tuple):
+            continue
+        assert "error" not in c, c.get("error")
+        assert c["out"] <= atol * (1 + c["scale"]), (key, c)
+        for g in ("dq", "dk", "dv", "dx", "dw", "db"):
+            if g in c:
+                assert c[g] <= gatol * (1 + c["scale"]), (key, g, c)
+        want = expect.get(key, expect.get(key[1]))
+        if want is not None:
+            assert c["out_placements"] == want, (key, c["out_placements"])
 
 
 def _tp_attention(rank, world, mesh, placements_list):
@@ -549,6 +822,22 @@ def _tp_attention(rank, world, mesh, placements_list):
     return out
 
 
+@dist_ok
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_attention_matches_unsharded(runs, world):
+    for d in _part(runs, world, "tp"):
+        # batch and heads stay sharded (no gather); a sequence shard is redistributed
+        expect = {"batch": "(Shard(dim=0),)", "heads": "(Shard(dim=1),)", "replicate": "(Replicate(),)"}
+        if world == 4:  # 2 key/value heads do not split over 4 ranks: not sharded on heads
+            expect[("gqa_causal", "heads")] = "(Replicate(),)"
+        _check_tp(d.attention, "attention", expect)
+        assert "dropout_p" in d.attention["dropout_error"]
+        if world == 4:
+            _check_tp(d.attention2d, "attention", {})
+            assert d.attention2d[("mqa_mask", "batch_heads")]["out_placements"] == \
+                "(Shard(dim=0), Shard(dim=1))"
+
+
 def _tp_norms(rank, world, mesh, placements_list):
     """stable_layernorm / rms_norm on DTensor activations (weight and bias
     replicated DTensor parameters) against the unsharded op."""
@@ -591,6 +880,18 @@ def _tp_norms(rank, world, mesh, placements_list):
             except Exception:
                 out[(kind, pname)] = {"error": traceback.format_exc()}
     return out
+
+
+@dist_ok
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_norms_match_unsharded(runs, world):
+    for d in _part(runs, world, "tp"):
+        _check_tp(d.norms, "layernorm", {"batch": "(Shard(dim=0),)", "seq": "(Shard(dim=1),)",
+                                             "replicate": "(Replicate(),)"})
+        # the normalized dim sharded: redistributed, never computed on a part of a row
+        assert all("Shard(dim=2)" not in c["out_placements"] for k, c in d.norms.items())
+        if world == 4:
+            _check_tp(d.norms2d, "layernorm", {"batch_seq": "(Shard(dim=0), Shard(dim=1))"})
 
 
 class TPBlock(torch.nn.Module):
@@ -658,24 +959,34 @@ def _tp_plan(rank, world, mesh):
     return out
 
 
-def scenario_tp(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
+@dist_ok
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_plan_block_matches_unsharded(runs, world):
+    """parallelize_module with SequenceParallel norms and Colwise / Rowwise
+    projections: nanguard's modules receive DTensors and stay sharded."""
+    from conftest import TOLERANCES
 
-    mesh = init_device_mesh("cpu", (world,))
-    att = {"batch": [Shard(0)], "heads": [Shard(1)], "seq": [Shard(2)], "replicate": [Replicate()]}
-    nrm = {"batch": [Shard(0)], "seq": [Shard(1)], "hidden": [Shard(2)], "replicate": [Replicate()]}
-    res = {"attention": _tp_attention(rank, world, mesh, att), "norms": _tp_norms(rank, world, mesh, nrm)}
-    try:
-        res["plan"] = _tp_plan(rank, world, mesh)
-    except Exception:
-        res["plan"] = {"error": traceback.format_exc()}
-    if world == 4:
-        mesh2 = init_device_mesh("cpu", (2, 2))
-        res["attention2d"] = _tp_attention(rank, world, mesh2, {"batch_heads": [Shard(0), Shard(1)]})
-        res["norms2d"] = _tp_norms(rank, world, mesh2, {"batch_seq": [Shard(0), Shard(1)],
-                                                       "seq_hidden": [Shard(1), Shard(2)]})
-    return res
+    for d in _part(runs, world, "tp"):
+        c = d.plan
+        assert "error" not in c, c.get("error")
+        assert c["seen"] == {"norm_out": "(Shard(dim=1),)", "attn_in": ["(Shard(dim=1),)"] * 3}, c["seen"]
+        atol = TOLERANCES["attention"][torch.float32][0]
+        gatol = TOLERANCES["attention_grad"][torch.float32][0]
+        assert c["out"] <= atol * (1 + c["scale"]), c
+        grads = {k: v for k, v in c.items() if k.startswith("d_")}
+        assert len(grads) == 5 and max(grads.values()) <= gatol * (1 + c["scale"]), c
+
+
+# ---- a small Llama, patched, FSDP2 bf16, guard and watch in the loop (2 ranks) -------------------
+
+
+@dataclasses.dataclass
+class LlamaResult:
+    """scenario_llama's record on one rank."""
+
+    steps: list  # per step: loss, norms, collectives, the report, untouched
+    patched: str  # nanguard.patch's summary
+    param_checksum: float  # sum of the full parameters after the loop
 
 
 def scenario_llama(rank, world):
@@ -737,7 +1048,31 @@ def scenario_llama(rank, world):
     w.remove()
     # every rank holds the same full parameters afterwards
     res["param_checksum"] = float(sum(p.full_tensor().double().sum() for p in params))
-    return res
+    return LlamaResult(**res)
+
+
+@dist_ok
+def test_llama_fsdp2_training_loop_with_guard_and_watch(runs):
+    pytest.importorskip("transformers")
+    res = runs("llama", 2)
+    for r, d in enumerate(res):
+        assert "safe_sdpa" in d.patched and "RMSNorm" in d.patched
+        for s in d.steps:
+            _only_all_reduces(s["collectives"], [(0, 1)])
+            assert s["norm_type"] == "DTensor"
+            if s["step"] == 2:  # NaN made on rank 1: every rank raises and skips
+                assert math.isnan(s["nanguard_norm"]) and s["untouched"]
+                assert s["report"] is not None and s["report"]["rank"] == r
+                assert 1 in s["report"]["bad_ranks"]
+            else:
+                assert s["report"] is None and math.isfinite(s["loss"])
+                assert _rel(s["nanguard_norm"], s["torch_norm"]) <= NORM_RTOL_TORCH, s
+    bad = res[1].steps[2]["report"]
+    assert bad["local"] and bad["pass"] == "forward" and bad["module"].startswith("model.layers.1")
+    assert res[0].param_checksum == res[1].param_checksum
+
+
+# ---- the launches and the worker -----------------------------------------------------------------
 
 
 def scenario_two(rank, world):
@@ -774,275 +1109,7 @@ def _worker(scenario, rank, world, port, out):
     dist.destroy_process_group()
 
 
-# ---- the tests ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    cache = {}
-
-    def get(scenario, world):
-        if (scenario, world) not in cache:
-            cache[(scenario, world)] = launch(scenario, world, tmp_path_factory.mktemp(f"{scenario}{world}"))
-        return cache[(scenario, world)]
-
-    return get
-
-
-def _rel(a, b):
-    return abs(a - b) / abs(b)
-
-
-def two(runs):
-    return runs("two", 2)
-
-
-def four(runs):
-    return runs("four", 4)
-
-
-def _part(runs, world, key):
-    return [r[key] for r in (two(runs) if world == 2 else four(runs))]
-
-
-def _only_all_reduces(calls, groups):
-    """calls is exactly one all_reduce per group in `groups` (sets of ranks)."""
-    assert [c[0] for c in calls] == ["all_reduce"] * len(groups), calls
-    assert sorted(tuple(c[1]) for c in calls) == sorted(tuple(g) for g in groups), calls
-
-
-# ---- gradient guard ------------------------------------------------------------------------
-
-
-@dist_ok
-@pytest.mark.parametrize("world", [2, 4])
-def test_fsdp2_bf16_norm_and_clip_match_pytorch(runs, world):
-    res = _part(runs, world, "fsdp2")
-    for d in res:
-        assert d["placements"] == ["(Shard(dim=0),)"] and d["grad_dtypes"] == ["torch.float32"]
-        for key in ("l2", "l2_noclip"):
-            c = d[key]
-            assert _rel(c["nanguard_norm"], c["torch_norm"]) <= NORM_RTOL_TORCH, c
-            assert _rel(c["nanguard_norm"], c["ref64"]) <= NORM_RTOL_FP64, c
-            assert c["grad_rel"] <= GRAD_RTOL_TORCH and c["grad_rel_ref"] <= GRAD_RTOL_FP64, c
-            # the type PyTorch returns: a replicated fp32 DTensor
-            assert c["nanguard_type"] == c["torch_type"] == ("DTensor", "(Replicate(),)", torch.float32)
-            _only_all_reduces(c["collectives"], [range(world)])
-        assert d["l2"]["clip_ref"] < 1.0 < d["l2_noclip"]["clip_ref"]  # one clips, one does not
-    assert len({d["l2"]["nanguard_norm"] for d in res}) == 1
-
-
-@dist_ok
-@pytest.mark.parametrize("world", [2, 4])
-def test_fsdp2_inf_norm_is_the_exact_max(runs, world):
-    for d in _part(runs, world, "fsdp2"):
-        c = d["linf"]
-        assert c["nanguard_norm"] == c["ref64"]  # a max is exact
-        assert c["grad_rel_ref"] <= GRAD_RTOL_FP64
-        if c["torch_error"] is None:  # PyTorch refuses an empty shard (4 ranks)
-            assert c["torch_norm"] == c["nanguard_norm"] and c["grad_rel"] <= GRAD_RTOL_TORCH
-            assert c["torch_type"][0] == "DTensor"
-        assert c["nanguard_type"][0] == "DTensor"
-        _only_all_reduces(c["collectives"], [range(world)])
-
-
-@dist_ok
-@pytest.mark.parametrize("world", [2, 4])
-def test_fsdp2_nan_on_one_rank_skips_every_rank(runs, world):
-    for d in _part(runs, world, "fsdp2"):
-        n = d["nan"]
-        assert math.isnan(n["norm"]) and n["found_inf"] == 1.0 and n["untouched"], n
-        assert n["nan_count"] == 1  # counted once, over every rank
-
-
-@dist_ok
-@pytest.mark.parametrize("world", [2, 4])
-def test_fsdp2_grad_scaler(runs, world):
-    for d in _part(runs, world, "fsdp2"):
-        s = d["scaler"]
-        assert _rel(s["nanguard_norm"], s["torch_norm"]) <= NORM_RTOL_TORCH, s
-        assert s["grad_rel"] <= GRAD_RTOL_TORCH and s["type"] == "DTensor"
-        assert s["stepped"]
-        # an Inf on rank 0 only: every rank skipped the step and backed off
-        assert s["skipped_unchanged"] and s["scale_after"] == 512.0 and s["skipped"] == [(0, 1)]
-
-
-@dist_ok
-@pytest.mark.parametrize("world", [2, 4])
-def test_mixed_meshes_placements_and_plain_tensors(runs, world):
-    for d in _part(runs, world, "fsdp2"):
-        m = d["mixed"]
-        assert _rel(m["l2"]["norm"], m["ref64"]) <= NORM_RTOL_FP64, m
-        assert m["linf"]["norm"] == m["refinf"]
-        for key in ("l2", "linf"):
-            assert m[key]["grad_rel"] <= GRAD_RTOL_FP64, m
-            assert m[key]["type"] == "Tensor"  # PyTorch refuses this mix; a plain tensor
-            calls = m[key]["collectives"]
-            if world == 2:
-                _only_all_reduces(calls, [(0, 1)])
-            else:  # the 1-D mesh (all ranks), then each dim of the 2 x 2 mesh
-                assert [c[0] for c in calls] == ["all_reduce"] * 3, calls
-                assert [len(c[1]) for c in calls] == [4, 2, 2], calls
-        n = m["nan"]
-        assert math.isnan(n["norm"]) and n["found_inf"] == 1.0 and n["untouched"], n
-        assert "grads[0]" in d["partial_error"] and "Partial" in d["partial_error"]
-
-
-@dist_ok
-def test_hsdp_2x2_matches_pytorch_and_counts_each_element_once(runs):
-    for d in _part(runs, 4, "hsdp"):
-        assert d["placements"] == ["(Replicate(), Shard(dim=0))"]
-        c = d["l2"]
-        assert _rel(c["nanguard_norm"], c["torch_norm"]) <= NORM_RTOL_TORCH, c
-        assert _rel(c["nanguard_norm"], c["ref64"]) <= NORM_RTOL_FP64, c
-        assert c["grad_rel"] <= GRAD_RTOL_TORCH and c["grad_rel_ref"] <= GRAD_RTOL_FP64
-        assert c["nanguard_type"] == c["torch_type"]
-        li = d["linf"]
-        assert li["nanguard_norm"] == li["ref64"] and li["grad_rel_ref"] <= GRAD_RTOL_FP64
-        for calls in (c["collectives"], li["collectives"]):  # one per mesh dim group
-            assert [x[0] for x in calls] == ["all_reduce"] * 2 and [len(x[1]) for x in calls] == [2, 2]
-            assert calls[0][1] != calls[1][1]
-        # a NaN on one replica of one shard (rank 3 only): every rank skips
-        n = d["nan"]
-        assert math.isnan(n["norm"]) and n["found_inf"] == 1.0 and n["untouched"], n
-
-
-@dist_ok
-def test_ddp_guard_needs_no_collective(runs):
-    for d in _part(runs, 2, "ddp_watch"):
-        c = d["l2"]
-        assert _rel(c["nanguard_norm"], c["torch_norm"]) <= NORM_RTOL_TORCH
-        assert c["grad_rel"] <= GRAD_RTOL_TORCH and c["nanguard_type"] == c["torch_type"]
-        assert c["collectives"] == []  # DDP gradients are already identical on every rank
-
-
-# ---- watch ---------------------------------------------------------------------------------
-
-
-@dist_ok
-def test_watch_under_ddp_every_rank_raises_in_the_same_step(runs):
-    res = _part(runs, 2, "ddp_watch")
-    for r, d in enumerate(res):
-        steps = dict(d["watch"])
-        assert steps[0] is None and steps[2] is None and d["after_barrier"]
-        rep = steps[1]
-        assert rep is not None and rep["rank"] == r and rep["bad_ranks"] == [1], rep
-    r1 = dict(res[1]["watch"])[1]
-    assert r1["local"] and r1["pass"] == "forward" and "on rank 1" in r1["text"]
-    r0 = dict(res[0]["watch"])[1]
-    assert not r0["local"] and "rank(s) [1]" in r0["text"]
-
-
-@dist_ok
-def test_watch_under_fsdp2(runs):
-    res = _part(runs, 2, "fsdp2_watch")
-    for r, d in enumerate(res):
-        steps = dict(d["watch"])
-        assert steps[0] is None and steps[3] is None, steps
-        assert steps[1]["bad_ranks"] == [0] and steps[1]["rank"] == r
-        assert 1 in steps[2]["bad_ranks"] and steps[2]["rank"] == r
-    # a NaN in rank 0's shard of a gradient: named there as a parameter grad
-    s1 = dict(res[0]["watch"])[1]
-    assert s1["local"] and s1["module"] == "1.up" and s1["pass"] == "parameter grad", s1
-    assert "weight.grad" in s1["text"]
-    assert not dict(res[1]["watch"])[1]["local"]
-    # an Inf made in block 2's forward on rank 1
-    s2 = dict(res[1]["watch"])[2]
-    assert s2["local"] and s2["pass"] == "forward" and s2["module"].startswith("2"), s2
-
-
-# ---- tensor parallel attention and norms ----------------------------------------------------
-
-
-def _check_tp(cases, op, expect):
-    from conftest import TOLERANCES
-
-    atol, _ = TOLERANCES[op][torch.float32]
-    gatol, _ = TOLERANCES[op + "_grad"][torch.float32] if op + "_grad" in TOLERANCES else (atol, 0)
-    for key, c in cases.items():
-        if not isinstance(key, tuple):
-            continue
-        assert "error" not in c, c.get("error")
-        assert c["out"] <= atol * (1 + c["scale"]), (key, c)
-        for g in ("dq", "dk", "dv", "dx", "dw", "db"):
-            if g in c:
-                assert c[g] <= gatol * (1 + c["scale"]), (key, g, c)
-        want = expect.get(key, expect.get(key[1]))
-        if want is not None:
-            assert c["out_placements"] == want, (key, c["out_placements"])
-
-
-@dist_ok
-@pytest.mark.parametrize("world", [2, 4])
-def test_tp_attention_matches_unsharded(runs, world):
-    for d in _part(runs, world, "tp"):
-        # batch and heads stay sharded (no gather); a sequence shard is redistributed
-        expect = {"batch": "(Shard(dim=0),)", "heads": "(Shard(dim=1),)", "replicate": "(Replicate(),)"}
-        if world == 4:  # 2 key/value heads do not split over 4 ranks: not sharded on heads
-            expect[("gqa_causal", "heads")] = "(Replicate(),)"
-        _check_tp(d["attention"], "attention", expect)
-        assert "dropout_p" in d["attention"]["dropout_error"]
-        if world == 4:
-            _check_tp(d["attention2d"], "attention", {})
-            assert d["attention2d"][("mqa_mask", "batch_heads")]["out_placements"] == \
-                "(Shard(dim=0), Shard(dim=1))"
-
-
-@dist_ok
-@pytest.mark.parametrize("world", [2, 4])
-def test_tp_norms_match_unsharded(runs, world):
-    for d in _part(runs, world, "tp"):
-        _check_tp(d["norms"], "layernorm", {"batch": "(Shard(dim=0),)", "seq": "(Shard(dim=1),)",
-                                             "replicate": "(Replicate(),)"})
-        # the normalized dim sharded: redistributed, never computed on a part of a row
-        assert all("Shard(dim=2)" not in c["out_placements"] for k, c in d["norms"].items())
-        if world == 4:
-            _check_tp(d["norms2d"], "layernorm", {"batch_seq": "(Shard(dim=0), Shard(dim=1))"})
-
-
-@dist_ok
-@pytest.mark.parametrize("world", [2, 4])
-def test_tp_plan_block_matches_unsharded(runs, world):
-    """parallelize_module with SequenceParallel norms and Colwise / Rowwise
-    projections: nanguard's modules receive DTensors and stay sharded."""
-    from conftest import TOLERANCES
-
-    for d in _part(runs, world, "tp"):
-        c = d["plan"]
-        assert "error" not in c, c.get("error")
-        assert c["seen"] == {"norm_out": "(Shard(dim=1),)", "attn_in": ["(Shard(dim=1),)"] * 3}, c["seen"]
-        atol = TOLERANCES["attention"][torch.float32][0]
-        gatol = TOLERANCES["attention_grad"][torch.float32][0]
-        assert c["out"] <= atol * (1 + c["scale"]), c
-        grads = {k: v for k, v in c.items() if k.startswith("d_")}
-        assert len(grads) == 5 and max(grads.values()) <= gatol * (1 + c["scale"]), c
-
-
-# ---- a small Llama, patched, FSDP2 bf16, guard and watch in the loop ---------------------------
-
-
-@dist_ok
-def test_llama_fsdp2_training_loop_with_guard_and_watch(runs):
-    pytest.importorskip("transformers")
-    res = runs("llama", 2)
-    for r, d in enumerate(res):
-        assert "safe_sdpa" in d["patched"] and "RMSNorm" in d["patched"]
-        for s in d["steps"]:
-            _only_all_reduces(s["collectives"], [(0, 1)])
-            assert s["norm_type"] == "DTensor"
-            if s["step"] == 2:  # NaN made on rank 1: every rank raises and skips
-                assert math.isnan(s["nanguard_norm"]) and s["untouched"]
-                assert s["report"] is not None and s["report"]["rank"] == r
-                assert 1 in s["report"]["bad_ranks"]
-            else:
-                assert s["report"] is None and math.isfinite(s["loss"])
-                assert _rel(s["nanguard_norm"], s["torch_norm"]) <= NORM_RTOL_TORCH, s
-    bad = res[1]["steps"][2]["report"]
-    assert bad["local"] and bad["pass"] == "forward" and bad["module"].startswith("model.layers.1")
-    assert res[0]["param_checksum"] == res[1]["param_checksum"]
-
-
-# ---- one process ----------------------------------------------------------------------------
+# ---- one process ---------------------------------------------------------------------------------
 
 
 def test_without_dtensors_nothing_changes():
@@ -1059,4 +1126,8 @@ def test_without_dtensors_nothing_changes():
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
-    _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    # run the scenario from the module as pytest imports it, so that the
+    # result dataclasses are pickled as test_distributed.*, not __main__.*
+    import test_distributed
+
+    test_distributed._worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])

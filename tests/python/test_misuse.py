@@ -1,12 +1,15 @@
-"""Hostile inputs: every public function and every ``torch.ops.nanguard``
-overload under misuse.
+"""Misuse: every public function and every ``torch.ops.nanguard`` overload
+under wrong or hostile arguments.
 
 Two parts:
 
-1. Regressions for the findings of ``shared/reviews/op-layer-review.md``
-   (L1 leak on error paths, W1 meta tensors, W3 version counters and leaf
-   checks, A3 copy-on-write inputs, W5 thread-pool failures, W6 partial
-   clipping): each test here failed before its fix.
+1. Invariants of the op layer, each with a test that failed before the op
+   layer kept it: a failing call releases every tensor argument it was
+   given; a meta tensor among CPU ones raises instead of returning
+   uninitialised memory; in-place ops bump version counters and refuse
+   leaves that require grad; read-only inputs stay copy-on-write; a failure
+   inside PyTorch's thread pool never applies work twice; a gradient list is
+   checked for overlapping gradients before any gradient is written.
 2. A generated suite: for each overload and public function, each argument
    in turn is made wrong in each way (dtype, device incl. meta, layout,
    size, rank, bad scalars). Every case either raises a Python exception
@@ -38,7 +41,7 @@ def rng(seed=0, offset=0):
     return torch.tensor([seed, offset], dtype=torch.int64)
 
 
-# ---- 1. regressions -----------------------------------------------------------
+# ---- 1. op-layer invariants ---------------------------------------------------
 
 
 def _failing_calls():
@@ -80,8 +83,8 @@ def _failing_calls():
 
 @pytest.mark.parametrize("case", [c[0] for c in _failing_calls()])
 def test_failed_call_releases_every_later_tensor_argument(case):
-    """L1: a check that fails on the first argument must release the ones the
-    op had not read yet (use counts back to where they were)."""
+    """A check that fails on the first argument must release the ones the op
+    had not read yet (use counts back to where they were)."""
     _, call, trailing = next(c for c in _failing_calls() if c[0] == case)
     before = [t._use_count() for t in trailing]
     for _ in range(3):
@@ -131,7 +134,7 @@ def test_a_thousand_failing_calls_leave_rss_and_use_counts_flat():
 
 
 def test_meta_tensor_among_cpu_tensors_raises_naming_it():
-    """W1: a meta tensor among CPU ones selects the fake kernel; it must raise,
+    """A meta tensor among CPU ones selects the fake kernel; it must raise,
     not return uninitialised CPU memory."""
     x, w = torch.randn(3, 4), torch.randn(4)
     with pytest.raises(RuntimeError, match="weight"):
@@ -162,7 +165,8 @@ def test_all_meta_calls_still_give_shapes():
 
 
 def test_inplace_ops_bump_version_counters():
-    """W3: autograd must see the in-place writes."""
+    """Every tensor an in-place op writes gets its version counter bumped, so
+    autograd sees the write."""
     g = torch.randn(4)
     f = torch.zeros(1)
     v0, f0 = g._version, f._version
@@ -180,8 +184,8 @@ def test_inplace_ops_bump_version_counters():
 
 
 def test_inplace_change_to_a_saved_tensor_is_an_autograd_error():
-    """W3: the gradient-penalty case: a tensor saved for backward, then
-    clipped in place, must make backward raise instead of using new values."""
+    """The gradient-penalty case: a tensor saved for backward, then clipped in
+    place, must make backward raise instead of using new values."""
     x = torch.randn(5, requires_grad=True)
     y = x * 2.0
     z = (y * y).sum()  # saves y
@@ -218,7 +222,7 @@ def _cow(t):
 
 
 def test_read_only_inputs_stay_copy_on_write():
-    """A3: an op that only reads a tensor must not materialise a lazy
+    """An op that only reads a tensor must not materialise a lazy
     (copy-on-write) clone of it."""
     is_cow = torch._C._is_cow_tensor
     x, w, b = _cow(torch.randn(3, 8)), _cow(torch.randn(8)), _cow(torch.randn(8))
@@ -248,7 +252,7 @@ def test_read_only_inputs_stay_copy_on_write():
 
 
 def test_a_failing_thread_pool_never_applies_work_twice():
-    """W5: when PyTorch's parallel_for fails after part of the range ran, the
+    """When PyTorch's parallel_for fails after part of the range ran, the
     op raises instead of re-running the whole range (which would scale
     gradients in place twice). The library's self-test runs a range function
     that adds 1 to every element it is given and fails on its first call."""
@@ -276,7 +280,7 @@ def test_empty_gradients_of_any_shape_are_guarded():
 
 
 def test_clip_grad_norm_rejects_overlapping_grads_before_writing():
-    """W6: a gradient whose elements overlap (an expanded view) cannot be
+    """A gradient whose elements overlap (an expanded view) cannot be
     written back; it is refused before any other gradient is clipped."""
     p1, p2 = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
     p1.grad = torch.full((4,), 10.0)
@@ -750,8 +754,9 @@ def test_every_failing_case_in_a_loop_leaks_nothing():
 
 
 def test_scalar_tensors_name_the_one_dtype_they_take():
-    """inv_scale and found_inf take float32 only; an integer one is told so
-    (review S3: the message used to list the four float dtypes)."""
+    """inv_scale and found_inf take float32 only; the message for an integer
+    one names float32 and the dtype it got, not a list of float dtypes the
+    op does not take."""
     g = [torch.randn(3)]
     with pytest.raises(RuntimeError, match="found_inf must be a float32 tensor with one element.*int64"):
         ops.fused_unscale_clip_(g, torch.ones(1), torch.zeros(1, dtype=torch.int64), 1.0, 2.0)
