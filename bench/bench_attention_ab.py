@@ -103,7 +103,8 @@ def main() -> None:
                 for case, t in r.items():
                     res.setdefault((isa, case), {}).setdefault(side, []).append(t)
         print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    print(f"threads {args.threads}, {args.rounds} rounds x {args.repeats} calls (CPU ms of the process: median over rounds)")
+    print(f"threads {args.threads}, {args.rounds} rounds x {args.repeats} calls "
+          "(CPU ms of the process: median over rounds)")
     print("| ISA | case | before ms | after ms | after/before | per-round ratio min..max |")
     print("|---|---|---:|---:|---:|---|")
     for (isa, case), d in res.items():

@@ -89,9 +89,9 @@ static void ng_attn_fail(ng_attn_ctx *c) { atomic_store(&c->failed, 1); }
  * group of keys done, so that misses stay in flight during the arithmetic
  * instead of stalling it in one burst. */
 typedef struct ng_pf {
-    const char *p;         /* row 0 (NULL: nothing to fetch) */
-    size_t ld, width;      /* bytes between rows, bytes of a row */
-    int64_t n;             /* rows */
+    const char *p;    /* row 0 (NULL: nothing to fetch) */
+    size_t ld, width; /* bytes between rows, bytes of a row */
+    int64_t n;        /* rows */
 } ng_pf;
 
 /* Rows [j0, j1) of pf, those that exist. */
@@ -99,7 +99,8 @@ static inline void ng_pf_rows(const ng_pf *pf, int64_t j0, int64_t j1) {
 #if defined(__GNUC__)
     if (!pf->p) return;
     for (int64_t j = j0; j < j1 && j < pf->n; j++)
-        for (size_t x = 0; x < pf->width; x += 64) __builtin_prefetch(pf->p + (size_t)j * pf->ld + x);
+        for (size_t x = 0; x < pf->width; x += 64)
+            __builtin_prefetch(pf->p + (size_t)j * pf->ld + x);
 #else
     (void)pf, (void)j0, (void)j1;
 #endif
@@ -133,8 +134,8 @@ static inline float ng_expf_poly(float x) {
  * A's element (i, k) is A[i * sai + k * sak], so A may be read transposed
  * (P^T dout, dS^T Q in the backward) without a copy. */
 
-#define NG_GEMM_PLAIN(NAME, T)                                                                    \
-    static void NAME(int64_t M, int64_t N, int64_t K, const T *A, int64_t sai, int64_t sak,       \
+#define NG_GEMM_PLAIN(NAME, T)                                                                     \
+    static void NAME(int64_t M, int64_t N, int64_t K, const T *A, int64_t sai, int64_t sak,        \
                      const T *B, int64_t ldb, T *C, int64_t ldc, int acc) {                        \
         for (int64_t i = 0; i < M; i += 4)                                                         \
             for (int64_t n = 0; n < N; n += 8) {                                                   \
@@ -171,33 +172,34 @@ NG_GEMM_PLAIN(ng_gemm_f64_base, double)
 #if NG_X86
 /* R rows x 16 floats at rows i.. (R = 4 or 6): 2R ymm accumulators, 2 loads
  * + R broadcasts per 2R FMAs. */
-#define NG_GEMM_F32_ROWS(R)                                                                               \
-    for (int64_t n = 0; n < N; n += 16) {                                                                \
-        __m256 c[R][2];                                                                                  \
-        for (int r = 0; r < R; r++) {                                                                    \
-            c[r][0] = acc ? _mm256_loadu_ps(C + (i + r) * ldc + n) : _mm256_setzero_ps();                \
-            c[r][1] = acc ? _mm256_loadu_ps(C + (i + r) * ldc + n + 8) : _mm256_setzero_ps();            \
-        }                                                                                                \
-        const float *b = B + n, *a = A + i * sai;                                                        \
-        for (int64_t k = 0; k < K; k++, b += ldb, a += sak) {                                            \
-            const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);                          \
-            for (int r = 0; r < R; r++) {                                                                \
-                const __m256 x = _mm256_broadcast_ss(a + r * sai);                                       \
-                c[r][0] = _mm256_fmadd_ps(x, b0, c[r][0]);                                               \
-                c[r][1] = _mm256_fmadd_ps(x, b1, c[r][1]);                                               \
-            }                                                                                            \
-        }                                                                                                \
-        for (int r = 0; r < R; r++) {                                                                    \
-            _mm256_storeu_ps(C + (i + r) * ldc + n, c[r][0]);                                            \
-            _mm256_storeu_ps(C + (i + r) * ldc + n + 8, c[r][1]);                                        \
-        }                                                                                                \
+#define NG_GEMM_F32_ROWS(R)                                                                        \
+    for (int64_t n = 0; n < N; n += 16) {                                                          \
+        __m256 c[R][2];                                                                            \
+        for (int r = 0; r < R; r++) {                                                              \
+            c[r][0] = acc ? _mm256_loadu_ps(C + (i + r) * ldc + n) : _mm256_setzero_ps();          \
+            c[r][1] = acc ? _mm256_loadu_ps(C + (i + r) * ldc + n + 8) : _mm256_setzero_ps();      \
+        }                                                                                          \
+        const float *b = B + n, *a = A + i * sai;                                                  \
+        for (int64_t k = 0; k < K; k++, b += ldb, a += sak) {                                      \
+            const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);                     \
+            for (int r = 0; r < R; r++) {                                                          \
+                const __m256 x = _mm256_broadcast_ss(a + r * sai);                                 \
+                c[r][0] = _mm256_fmadd_ps(x, b0, c[r][0]);                                         \
+                c[r][1] = _mm256_fmadd_ps(x, b1, c[r][1]);                                         \
+            }                                                                                      \
+        }                                                                                          \
+        for (int r = 0; r < R; r++) {                                                              \
+            _mm256_storeu_ps(C + (i + r) * ldc + n, c[r][0]);                                      \
+            _mm256_storeu_ps(C + (i + r) * ldc + n + 8, c[r][1]);                                  \
+        }                                                                                          \
     }
 
 /* 6-row blocks (12 accumulators keep both FMA ports busy through their
  * latency) and 4-row blocks for the rest: with M % 4 == 0 the remainder
  * never comes to 2 rows (6 is taken only from 6 or from >= 10 rows). */
-NG_TARGET_AVX2 static void ng_gemm_f32_avx2(int64_t M, int64_t N, int64_t K, const float *A, int64_t sai,
-                                            int64_t sak, const float *B, int64_t ldb, float *C, int64_t ldc, int acc) {
+NG_TARGET_AVX2 static void ng_gemm_f32_avx2(int64_t M, int64_t N, int64_t K, const float *A,
+                                            int64_t sai, int64_t sak, const float *B, int64_t ldb,
+                                            float *C, int64_t ldc, int acc) {
     int64_t i = 0;
     while (i < M) {
         const int64_t rem = M - i;
@@ -212,31 +214,33 @@ NG_TARGET_AVX2 static void ng_gemm_f32_avx2(int64_t M, int64_t N, int64_t K, con
 }
 
 /* AVX-512: R rows x NB * 16 floats, NB zmm accumulators per row. */
-#define NG_GEMM_F32_ROWS512(R, NB)                                                                       \
-    {                                                                                                    \
-        __m512 c[R][NB];                                                                                 \
-        for (int r = 0; r < R; r++)                                                                      \
-            for (int x = 0; x < NB; x++)                                                                 \
-                c[r][x] = acc ? _mm512_loadu_ps(C + (i + r) * ldc + n + 16 * x) : _mm512_setzero_ps();   \
-        const float *b = B + n, *a = A + i * sai;                                                        \
-        for (int64_t k = 0; k < K; k++, b += ldb, a += sak) {                                            \
-            __m512 y[NB];                                                                                \
-            for (int x = 0; x < NB; x++) y[x] = _mm512_loadu_ps(b + 16 * x);                             \
-            for (int r = 0; r < R; r++) {                                                                \
-                const __m512 xa = _mm512_set1_ps(a[r * sai]);                                            \
-                for (int x = 0; x < NB; x++) c[r][x] = _mm512_fmadd_ps(xa, y[x], c[r][x]);               \
-            }                                                                                            \
-        }                                                                                                \
-        for (int r = 0; r < R; r++)                                                                      \
-            for (int x = 0; x < NB; x++) _mm512_storeu_ps(C + (i + r) * ldc + n + 16 * x, c[r][x]);      \
+#define NG_GEMM_F32_ROWS512(R, NB)                                                                 \
+    {                                                                                              \
+        __m512 c[R][NB];                                                                           \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int x = 0; x < NB; x++)                                                           \
+                c[r][x] =                                                                          \
+                    acc ? _mm512_loadu_ps(C + (i + r) * ldc + n + 16 * x) : _mm512_setzero_ps();   \
+        const float *b = B + n, *a = A + i * sai;                                                  \
+        for (int64_t k = 0; k < K; k++, b += ldb, a += sak) {                                      \
+            __m512 y[NB];                                                                          \
+            for (int x = 0; x < NB; x++) y[x] = _mm512_loadu_ps(b + 16 * x);                       \
+            for (int r = 0; r < R; r++) {                                                          \
+                const __m512 xa = _mm512_set1_ps(a[r * sai]);                                      \
+                for (int x = 0; x < NB; x++) c[r][x] = _mm512_fmadd_ps(xa, y[x], c[r][x]);         \
+            }                                                                                      \
+        }                                                                                          \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int x = 0; x < NB; x++)                                                           \
+                _mm512_storeu_ps(C + (i + r) * ldc + n + 16 * x, c[r][x]);                         \
     }
 
 /* The AVX2 kernel's blocking with 32 columns per step (16 for a tail): each
  * C element is the same sequence of FMAs over k, so the results are those of
  * ng_gemm_f32_avx2 bit for bit, at twice the width. */
-NG_TARGET_AVX512 static void ng_gemm_f32_avx512(int64_t M, int64_t N, int64_t K, const float *A, int64_t sai,
-                                                int64_t sak, const float *B, int64_t ldb, float *C, int64_t ldc,
-                                                int acc) {
+NG_TARGET_AVX512 static void ng_gemm_f32_avx512(int64_t M, int64_t N, int64_t K, const float *A,
+                                                int64_t sai, int64_t sak, const float *B,
+                                                int64_t ldb, float *C, int64_t ldc, int acc) {
     int64_t i = 0;
     while (i < M) {
         const int64_t rem = M - i;
@@ -259,18 +263,23 @@ NG_TARGET_AVX512 static void ng_gemm_f32_avx512(int64_t M, int64_t N, int64_t K,
 }
 
 /* 4 rows x 8 doubles. */
-NG_TARGET_AVX2 static void ng_gemm_f64_avx2(int64_t M, int64_t N, int64_t K, const double *A, int64_t sai,
-                                            int64_t sak, const double *B, int64_t ldb, double *C, int64_t ldc, int acc) {
+NG_TARGET_AVX2 static void ng_gemm_f64_avx2(int64_t M, int64_t N, int64_t K, const double *A,
+                                            int64_t sai, int64_t sak, const double *B, int64_t ldb,
+                                            double *C, int64_t ldc, int acc) {
     for (int64_t i = 0; i < M; i += 4) {
         const double *a0 = A + i * sai, *a1 = a0 + sai, *a2 = a1 + sai, *a3 = a2 + sai;
         double *r0 = C + i * ldc, *r1 = r0 + ldc, *r2 = r1 + ldc, *r3 = r2 + ldc;
         for (int64_t n = 0; n < N; n += 8) {
             __m256d c00, c01, c10, c11, c20, c21, c30, c31;
             if (acc) {
-                c00 = _mm256_loadu_pd(r0 + n); c01 = _mm256_loadu_pd(r0 + n + 4);
-                c10 = _mm256_loadu_pd(r1 + n); c11 = _mm256_loadu_pd(r1 + n + 4);
-                c20 = _mm256_loadu_pd(r2 + n); c21 = _mm256_loadu_pd(r2 + n + 4);
-                c30 = _mm256_loadu_pd(r3 + n); c31 = _mm256_loadu_pd(r3 + n + 4);
+                c00 = _mm256_loadu_pd(r0 + n);
+                c01 = _mm256_loadu_pd(r0 + n + 4);
+                c10 = _mm256_loadu_pd(r1 + n);
+                c11 = _mm256_loadu_pd(r1 + n + 4);
+                c20 = _mm256_loadu_pd(r2 + n);
+                c21 = _mm256_loadu_pd(r2 + n + 4);
+                c30 = _mm256_loadu_pd(r3 + n);
+                c31 = _mm256_loadu_pd(r3 + n + 4);
             } else {
                 c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = _mm256_setzero_pd();
             }
@@ -278,18 +287,26 @@ NG_TARGET_AVX2 static void ng_gemm_f64_avx2(int64_t M, int64_t N, int64_t K, con
             for (int64_t k = 0; k < K; k++, b += ldb) {
                 __m256d b0 = _mm256_loadu_pd(b), b1 = _mm256_loadu_pd(b + 4);
                 __m256d x = _mm256_broadcast_sd(a0 + k * sak);
-                c00 = _mm256_fmadd_pd(x, b0, c00); c01 = _mm256_fmadd_pd(x, b1, c01);
+                c00 = _mm256_fmadd_pd(x, b0, c00);
+                c01 = _mm256_fmadd_pd(x, b1, c01);
                 x = _mm256_broadcast_sd(a1 + k * sak);
-                c10 = _mm256_fmadd_pd(x, b0, c10); c11 = _mm256_fmadd_pd(x, b1, c11);
+                c10 = _mm256_fmadd_pd(x, b0, c10);
+                c11 = _mm256_fmadd_pd(x, b1, c11);
                 x = _mm256_broadcast_sd(a2 + k * sak);
-                c20 = _mm256_fmadd_pd(x, b0, c20); c21 = _mm256_fmadd_pd(x, b1, c21);
+                c20 = _mm256_fmadd_pd(x, b0, c20);
+                c21 = _mm256_fmadd_pd(x, b1, c21);
                 x = _mm256_broadcast_sd(a3 + k * sak);
-                c30 = _mm256_fmadd_pd(x, b0, c30); c31 = _mm256_fmadd_pd(x, b1, c31);
+                c30 = _mm256_fmadd_pd(x, b0, c30);
+                c31 = _mm256_fmadd_pd(x, b1, c31);
             }
-            _mm256_storeu_pd(r0 + n, c00); _mm256_storeu_pd(r0 + n + 4, c01);
-            _mm256_storeu_pd(r1 + n, c10); _mm256_storeu_pd(r1 + n + 4, c11);
-            _mm256_storeu_pd(r2 + n, c20); _mm256_storeu_pd(r2 + n + 4, c21);
-            _mm256_storeu_pd(r3 + n, c30); _mm256_storeu_pd(r3 + n + 4, c31);
+            _mm256_storeu_pd(r0 + n, c00);
+            _mm256_storeu_pd(r0 + n + 4, c01);
+            _mm256_storeu_pd(r1 + n, c10);
+            _mm256_storeu_pd(r1 + n + 4, c11);
+            _mm256_storeu_pd(r2 + n, c20);
+            _mm256_storeu_pd(r2 + n + 4, c21);
+            _mm256_storeu_pd(r3 + n, c30);
+            _mm256_storeu_pd(r3 + n + 4, c31);
         }
     }
 }
@@ -302,15 +319,16 @@ NG_TARGET_AVX2 static void ng_gemm_f64_avx2(int64_t M, int64_t N, int64_t K, con
  * layout, so nothing is transposed. */
 
 #define NG_DOTS_PLAIN(NAME, T)                                                                     \
-    static void NAME(int64_t M, int64_t nk, int64_t n, const T *Q, int64_t ldq, const T *K,         \
-                     int64_t ldk, T *S, int64_t lds, const ng_pf *pf) {                             \
+    static void NAME(int64_t M, int64_t nk, int64_t n, const T *Q, int64_t ldq, const T *K,        \
+                     int64_t ldk, T *S, int64_t lds, const ng_pf *pf) {                            \
         ng_pf_rows(pf, nk, pf->n);                                                                 \
         for (int64_t j = 0; j < nk; j++) {                                                         \
             ng_pf_rows(pf, j, j + 1);                                                              \
             for (int64_t r = 0; r < M; r++) {                                                      \
                 const T *q = Q + r * ldq, *k = K + j * ldk;                                        \
                 T d = 0;                                                                           \
-                _Pragma("omp simd reduction(+ : d)") for (int64_t e = 0; e < n; e++) d += q[e] * k[e]; \
+                _Pragma("omp simd reduction(+ : d)") for (int64_t e = 0; e < n; e++) d +=          \
+                    q[e] * k[e];                                                                   \
                 S[r * lds + j] = d;                                                                \
             }                                                                                      \
         }                                                                                          \
@@ -325,8 +343,8 @@ NG_DOTS_PLAIN(ng_dots_f64_base, double)
  * every V row of the tile once per strip. */
 
 #define NG_PV_PLAIN(NAME, T)                                                                       \
-    static void NAME(int64_t M, int64_t nk, int64_t n, const T *P, int64_t lds, const T *V,         \
-                     int64_t ldv, T *C, int64_t ldc, const ng_pf *pf) {                             \
+    static void NAME(int64_t M, int64_t nk, int64_t n, const T *P, int64_t lds, const T *V,        \
+                     int64_t ldv, T *C, int64_t ldc, const ng_pf *pf) {                            \
         ng_pf_rows(pf, nk, pf->n);                                                                 \
         for (int64_t j = 0; j < nk; j++) {                                                         \
             ng_pf_rows(pf, j, j + 1);                                                              \
@@ -354,15 +372,15 @@ NG_PV_PLAIN(ng_pv_f64_base, double)
 
 /* p[j] = exp(x[j] - m) in place, returns the sum (m finite or NaN). Kept
  * out of line: inlined into the tile loop, GCC 12 leaves it scalar. */
-#define NG_EXP_ROW_F32(NAME, ATTRS)                                            \
-    ATTRS __attribute__((noinline)) static float NAME(float *x, int64_t n, float m) { \
-        float sum = 0.0f;                                                      \
-        _Pragma("omp simd reduction(+ : sum)") for (int64_t j = 0; j < n; j++) { \
-            float p = ng_expf_poly(x[j] - m);                                  \
-            x[j] = p;                                                          \
-            sum += p;                                                          \
-        }                                                                      \
-        return sum;                                                            \
+#define NG_EXP_ROW_F32(NAME, ATTRS)                                                                \
+    ATTRS __attribute__((noinline)) static float NAME(float *x, int64_t n, float m) {              \
+        float sum = 0.0f;                                                                          \
+        _Pragma("omp simd reduction(+ : sum)") for (int64_t j = 0; j < n; j++) {                   \
+            float p = ng_expf_poly(x[j] - m);                                                      \
+            x[j] = p;                                                                              \
+            sum += p;                                                                              \
+        }                                                                                          \
+        return sum;                                                                                \
     }
 
 NG_EXP_ROW_F32(ng_exp_row_f32_base, )
@@ -383,13 +401,15 @@ NG_TARGET_AVX2 static inline __m256 ng_exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-    y = _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), y);          /* exp(-inf) = 0 */
+    y = _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), y);        /* exp(-inf) = 0 */
     return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)); /* NaN stays NaN */
 }
 
-NG_TARGET_AVX2 __attribute__((noinline)) static float ng_exp_row_f32_avx2(float *x, int64_t n, float m) {
+NG_TARGET_AVX2 __attribute__((noinline)) static float ng_exp_row_f32_avx2(float *x, int64_t n,
+                                                                          float m) {
     const __m256 vm = _mm256_set1_ps(m);
     __m256 acc = _mm256_setzero_ps();
     int64_t j = 0;
@@ -400,7 +420,8 @@ NG_TARGET_AVX2 __attribute__((noinline)) static float ng_exp_row_f32_avx2(float 
     }
     float lanes[8];
     _mm256_storeu_ps(lanes, acc);
-    float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+                ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
     for (; j < n; j++) {
         x[j] = ng_expf_poly(x[j] - m);
         sum += x[j];
@@ -426,7 +447,8 @@ typedef double ng_attn_real_f64;
 /* Row (b, h, i) of a [batch, head, seq, dim] tensor with element strides st
  * and elements of es bytes (writable for the outputs; inputs take it as
  * const char *). */
-static inline char *ng_attn_row(const void *base, const int64_t st[3], size_t es, int64_t b, int64_t h, int64_t i) {
+static inline char *ng_attn_row(const void *base, const int64_t st[3], size_t es, int64_t b,
+                                int64_t h, int64_t i) {
     return (char *)base + (size_t)(b * st[0] + h * st[1] + i * st[2]) * es;
 }
 
@@ -479,8 +501,8 @@ typedef struct ng_attn_variant {
     ng_range_fn fwd, bwd_prep, bwd, dq_store, dec, dec_combine;
 } ng_attn_variant;
 
-#define NG_ATTN_VARIANT(T, ISA)                                                                        \
-    {fwd_range_##T##_##ISA,      bwd_prep_range_##T##_##ISA, bwd_range_##T##_##ISA,                    \
+#define NG_ATTN_VARIANT(T, ISA)                                                                    \
+    {fwd_range_##T##_##ISA,      bwd_prep_range_##T##_##ISA, bwd_range_##T##_##ISA,                \
      dq_store_range_##T##_##ISA, dec_range_##T##_##ISA,      dec_combine_range_##T##_##ISA}
 #if NG_X86
 #define NG_ATTN_X86_VARIANT(T, ISA) NG_ATTN_VARIANT(T, ISA)
@@ -494,7 +516,9 @@ static const ng_attn_variant ng_attn_variants[2][NG_ISA_AVX512 + 1] = {
     {NG_ATTN_VARIANT(f64, base), NG_ATTN_X86_VARIANT(f64, avx2), NG_ATTN_X86_VARIANT(f64, avx2)},
 };
 
-static ng_attn_variant ng_attn_pick(ng_dtype t) { return ng_attn_variants[t == NG_F64][ng_cpu_isa_active()]; }
+static ng_attn_variant ng_attn_pick(ng_dtype t) {
+    return ng_attn_variants[t == NG_F64][ng_cpu_isa_active()];
+}
 
 static int ng_attn_strides_ok(const void *p, const int64_t st[3]) {
     return p != NULL && st[0] >= 0 && st[1] >= 0 && st[2] >= 0;
@@ -508,15 +532,16 @@ ng_status ng_attention_check(const ng_attention_args *a, int backward) {
         return NG_ERR_INVALID_ARG;
     if (a->E < 1 || a->Ev < 1 || a->E > NG_ATTN_MAX_HEAD_DIM || a->Ev > NG_ATTN_MAX_HEAD_DIM)
         return NG_ERR_INVALID_ARG;
-    if (!(a->dropout_p >= 0.0 && a->dropout_p < 1.0) || !isfinite(a->scale) || a->max_score != a->max_score ||
-        a->softcap != a->softcap)
+    if (!(a->dropout_p >= 0.0 && a->dropout_p < 1.0) || !isfinite(a->scale) ||
+        a->max_score != a->max_score || a->softcap != a->softcap)
         return NG_ERR_INVALID_ARG;
     if (a->mask_kind != NG_MASK_NONE && a->mask_kind != NG_MASK_BOOL && a->mask_kind != NG_MASK_ADD)
         return NG_ERR_INVALID_ARG;
     if (a->B == 0) return NG_OK; /* nothing to read or write */
     /* empty tensors may carry NULL data: pointers are required only when read */
     const int has_q = a->L > 0, has_k = a->S > 0;
-    if (has_q && (!ng_attn_strides_ok(a->q, a->q_stride) || !ng_attn_strides_ok(a->out, a->out_stride) || !a->lse))
+    if (has_q && (!ng_attn_strides_ok(a->q, a->q_stride) ||
+                  !ng_attn_strides_ok(a->out, a->out_stride) || !a->lse))
         return NG_ERR_INVALID_ARG;
     if (has_k && (!ng_attn_strides_ok(a->k, a->k_stride) || !ng_attn_strides_ok(a->v, a->v_stride)))
         return NG_ERR_INVALID_ARG;
@@ -529,9 +554,11 @@ ng_status ng_attention_check(const ng_attention_args *a, int backward) {
             return NG_ERR_DTYPE;
     }
     if (backward) {
-        if (has_q && (!ng_attn_strides_ok(a->dout, a->dout_stride) || !ng_attn_strides_ok(a->dq, a->dq_stride)))
+        if (has_q && (!ng_attn_strides_ok(a->dout, a->dout_stride) ||
+                      !ng_attn_strides_ok(a->dq, a->dq_stride)))
             return NG_ERR_INVALID_ARG;
-        if (has_k && (!ng_attn_strides_ok(a->dk, a->dk_stride) || !ng_attn_strides_ok(a->dv, a->dv_stride)))
+        if (has_k &&
+            (!ng_attn_strides_ok(a->dk, a->dk_stride) || !ng_attn_strides_ok(a->dv, a->dv_stride)))
             return NG_ERR_INVALID_ARG;
     }
     return NG_OK;
@@ -574,7 +601,8 @@ static ng_status ng_attn_decode(const ng_attention_args *a, ng_parallel_fn par) 
         }
     }
     ng_parallel_run(par, groups * c.nsplit, 1, v.dec, &c);
-    if (c.nsplit > 1 && !atomic_load(&c.failed)) ng_parallel_run(par, a->B * a->Hq * a->L, 16, v.dec_combine, &c);
+    if (c.nsplit > 1 && !atomic_load(&c.failed))
+        ng_parallel_run(par, a->B * a->Hq * a->L, 16, v.dec_combine, &c);
     free(c.part_ml);
     free(c.part_acc);
     return atomic_load(&c.failed) ? NG_ERR_ALLOC : NG_OK;

@@ -42,12 +42,12 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kFwdRows = 4;                   /* query rows per warp, forward */
-constexpr int kFwdBQ = kWarps * kFwdRows;     /* 32 query rows per block */
-constexpr int kBK = 32;                       /* keys per shared tile, one per lane */
-constexpr int kBwdPer = 2;                    /* keys (dkdv) or rows (dq) per warp */
-constexpr int kBwdBlock = kWarps * kBwdPer;   /* 16 keys or rows per block */
-constexpr int kBwdBQ = 16;                    /* query rows per shared tile in dkdv */
+constexpr int kFwdRows = 4;                 /* query rows per warp, forward */
+constexpr int kFwdBQ = kWarps * kFwdRows;   /* 32 query rows per block */
+constexpr int kBK = 32;                     /* keys per shared tile, one per lane */
+constexpr int kBwdPer = 2;                  /* keys (dkdv) or rows (dq) per warp */
+constexpr int kBwdBlock = kWarps * kBwdPer; /* 16 keys or rows per block */
+constexpr int kBwdBQ = 16;                  /* query rows per shared tile in dkdv */
 constexpr unsigned kFull = 0xffffffffu;
 
 /* This block's place in a one-dimensional grid of nblk blocks per (batch,
@@ -76,16 +76,17 @@ __device__ __forceinline__ float ld(const void *p, int64_t i) {
 }
 
 /* The mask's value at (b, h, i, j): 0 without a mask, -inf where masked. */
-__device__ __forceinline__ double mask_value(const ng_attention_args &a, int64_t b, int64_t h, int64_t i,
-                                             int64_t j) {
+__device__ __forceinline__ double mask_value(const ng_attention_args &a, int64_t b, int64_t h,
+                                             int64_t i, int64_t j) {
     if (a.mask_kind == NG_MASK_NONE) return 0.0;
-    const int64_t off = b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2] + j * a.mask_stride[3];
+    const int64_t off =
+        b * a.mask_stride[0] + h * a.mask_stride[1] + i * a.mask_stride[2] + j * a.mask_stride[3];
     return ng_attn_mask_value(a.mask, a.mask_kind, a.mask_dtype, off);
 }
 
 /* Scaled raw score -> guarded, masked score (-inf where masked). */
-__device__ __forceinline__ float guarded_score(const ng_attention_args &a, float raw, int64_t b, int64_t h,
-                                               int64_t i, int64_t j) {
+__device__ __forceinline__ float guarded_score(const ng_attention_args &a, float raw, int64_t b,
+                                               int64_t h, int64_t i, int64_t j) {
     float s = ng_attn_transform_f32(raw, (float)a.max_score, (float)a.softcap);
     if (a.is_causal && ng_attn_causal_masked(i, j)) return -INFINITY;
     if (a.mask_kind != NG_MASK_NONE) {
@@ -96,19 +97,20 @@ __device__ __forceinline__ float guarded_score(const ng_attention_args &a, float
     return s;
 }
 
-__device__ __forceinline__ float dropout_scale(const ng_attention_args &a, int64_t b, int64_t h, int64_t i,
-                                               int64_t j) {
+__device__ __forceinline__ float dropout_scale(const ng_attention_args &a, int64_t b, int64_t h,
+                                               int64_t i, int64_t j) {
     if (!(a.dropout_p > 0.0)) return 1.0f;
     uint64_t e = (uint64_t)(((b * a.Hq + h) * a.L + i) * a.S + j);
-    return ng_attn_dropout_keep(a.seed, a.offset, e, (float)a.dropout_p) ? (float)(1.0 / (1.0 - a.dropout_p))
-                                                                          : 0.0f;
+    return ng_attn_dropout_keep(a.seed, a.offset, e, (float)a.dropout_p)
+               ? (float)(1.0 / (1.0 - a.dropout_p))
+               : 0.0f;
 }
 
 /* Stage rows [r0, r0+n) of a [seq, dim] slice as fp32 into `rows` tile rows
  * tile_ld floats apart (zeros past n), by the block's NTHREADS threads. */
 template <ng_dtype T, int NTHREADS = kThreads>
-__device__ __forceinline__ void stage(float *tile, int64_t tile_ld, int rows, const void *base, int64_t rs,
-                                      int64_t r0, int64_t n, int64_t dim) {
+__device__ __forceinline__ void stage(float *tile, int64_t tile_ld, int rows, const void *base,
+                                      int64_t rs, int64_t r0, int64_t n, int64_t dim) {
     for (int x = threadIdx.x; x < rows * dim; x += NTHREADS) {
         int r = x / (int)dim, d = x % (int)dim;
         tile[r * tile_ld + d] = r < n ? ld<T>(base, (r0 + r) * rs + d) : 0.0f;
@@ -118,8 +120,8 @@ __device__ __forceinline__ void stage(float *tile, int64_t tile_ld, int rows, co
 /* A finished query row i of head h: out = acc / l (the lane holds columns
  * lane + 32 u) and lse = m + log l (-inf and zeros for an empty row). */
 template <ng_dtype T, int NT>
-__device__ __forceinline__ void store_row(const ng_attention_args &a, int64_t b, int64_t h, int64_t i,
-                                          const float (&acc)[NT], float m, float l) {
+__device__ __forceinline__ void store_row(const ng_attention_args &a, int64_t b, int64_t h,
+                                          int64_t i, const float (&acc)[NT], float m, float l) {
     const int lane = threadIdx.x & 31;
     const float inv = ng_attn_inv_sum_f32(l);
     const int64_t ob = b * a.out_stride[0] + h * a.out_stride[1] + i * a.out_stride[2];
@@ -188,7 +190,8 @@ static __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(ng_atten
                 float dot = warp_sum(part);
                 if (lane == jj) mine = dot;
             }
-            float s = (i < a.L && lane < nk) ? guarded_score(a, mine * scale, b, h, i, j) : -INFINITY;
+            float s =
+                (i < a.L && lane < nk) ? guarded_score(a, mine * scale, b, h, i, j) : -INFINITY;
             float m_new = ng_attn_max_nan_f32(m[r], warp_max_nan(s));
             float alpha = ng_attn_rescale_f32(m[r], m_new);
             float p = ng_attn_exp_shift_f32(s, m_new);
@@ -241,8 +244,8 @@ constexpr int kDecWarps = 4;
 constexpr int kDecThreads = kDecWarps * 32;
 constexpr int kDecRowsPerWarp = 4;
 constexpr int kDecRows = kDecWarps * kDecRowsPerWarp; /* 16 query rows per block */
-constexpr int64_t kDecBlocks = 256;   /* split until there are this many blocks */
-constexpr int64_t kDecMinSplit = 128; /* but no split shorter than this (keys) */
+constexpr int64_t kDecBlocks = 256;                   /* split until there are this many blocks */
+constexpr int64_t kDecMinSplit = 128;                 /* but no split shorter than this (keys) */
 
 struct dec_plan {
     int64_t groups;    /* row groups of kDecRows per (batch, kv head) */
@@ -267,8 +270,8 @@ dec_plan plan_decode(const ng_attention_args *a, int can_split) {
 
 /* ws: nsplit > 1 only; [nsplit][B*Hq*L][2] (m, l), then [nsplit][B*Hq*L][Ev]. */
 template <ng_dtype T, int NT>
-static __global__ void __launch_bounds__(kDecThreads) attention_decode_kernel(ng_attention_args a, dec_plan p,
-                                                                              float *ws) {
+static __global__ void __launch_bounds__(kDecThreads)
+    attention_decode_kernel(ng_attention_args a, dec_plan p, float *ws) {
     NG_DYNAMIC_SMEM(float, smem);
     const int E = (int)a.E, Ev = (int)a.Ev, kst = E + 1;
     float *qs = smem, *kv = qs + kDecRows * E; /* the K tile, then the V tile */
@@ -305,7 +308,9 @@ static __global__ void __launch_bounds__(kDecThreads) attention_decode_kernel(ng
             __syncthreads(); /* also: every thread has read the previous tile's flag */
             for (int x = threadIdx.x; x < kDecRows * kBK; x += kDecThreads) {
                 const int64_t r = r0 + x / kBK, j = x % kBK;
-                if (r < M && j < nk && mask_value(a, b, hk * G + r / a.L, r % a.L, j0 + j) != -INFINITY) live = 1;
+                if (r < M && j < nk &&
+                    mask_value(a, b, hk * G + r / a.L, r % a.L, j0 + j) != -INFINITY)
+                    live = 1;
             }
             __syncthreads();
             if (!live) continue; /* block-uniform */
@@ -371,9 +376,8 @@ static __global__ void __launch_bounds__(kDecThreads) attention_decode_kernel(ng
  * order, then out = acc / l and lse = m + log l. A split that saw only
  * masked keys has m = -inf and weighs 0; a NaN m makes the row NaN. */
 template <ng_dtype T, int NT>
-static __global__ void __launch_bounds__(kDecThreads) attention_decode_combine_kernel(ng_attention_args a,
-                                                                                      int64_t nsplit,
-                                                                                      const float *ws) {
+static __global__ void __launch_bounds__(kDecThreads)
+    attention_decode_combine_kernel(ng_attention_args a, int64_t nsplit, const float *ws) {
     const int lane = threadIdx.x & 31;
     const int64_t rows = dec_rows(a), row = (int64_t)blockIdx.x * kDecWarps + (threadIdx.x >> 5);
     if (row >= rows) return;
@@ -406,9 +410,9 @@ struct bwd_terms {
  * past L, checked before the mask is read; a masked pair; a probability
  * that underflows) contributes exactly nothing, whatever NaN dout, out or v
  * hold: the rule the CPU kernel follows too (attention_cpu.inc). */
-__device__ __forceinline__ bwd_terms bwd_score_keep(const ng_attention_args &a, float qk, float dp, float lse,
-                                                    float D, int64_t b, int64_t h, int64_t i, int64_t j,
-                                                    float keep) {
+__device__ __forceinline__ bwd_terms bwd_score_keep(const ng_attention_args &a, float qk, float dp,
+                                                    float lse, float D, int64_t b, int64_t h,
+                                                    int64_t i, int64_t j, float keep) {
     bwd_terms o = {0.0f, 0.0f, 0.0f};
     if (lse == -INFINITY) return o;
     const float scale = (float)a.scale;
@@ -419,12 +423,14 @@ __device__ __forceinline__ bwd_terms bwd_score_keep(const ng_attention_args &a, 
     if (p == 0.0f) return o;
     o.p = p;
     o.pd = p * keep;
-    o.ds = p * (dp * keep - D) * scale * ng_attn_transform_grad_f32(raw, (float)a.max_score, (float)a.softcap);
+    o.ds = p * (dp * keep - D) * scale *
+           ng_attn_transform_grad_f32(raw, (float)a.max_score, (float)a.softcap);
     return o;
 }
 
-__device__ __forceinline__ bwd_terms bwd_score(const ng_attention_args &a, float qk, float dp, float lse,
-                                               float D, int64_t b, int64_t h, int64_t i, int64_t j) {
+__device__ __forceinline__ bwd_terms bwd_score(const ng_attention_args &a, float qk, float dp,
+                                               float lse, float D, int64_t b, int64_t h, int64_t i,
+                                               int64_t j) {
     return bwd_score_keep(a, qk, dp, lse, D, b, h, i, j, dropout_scale(a, b, h, i, j));
 }
 
@@ -465,7 +471,8 @@ static __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(ng_
                 float part = 0.0f;
                 if (r < nq)
                     for (int64_t d = lane; d < a.Ev; d += 32)
-                        part += ld<T>(gb, (i0 + r) * a.dout_stride[2] + d) * ld<T>(ob, (i0 + r) * a.out_stride[2] + d);
+                        part += ld<T>(gb, (i0 + r) * a.dout_stride[2] + d) *
+                                ld<T>(ob, (i0 + r) * a.out_stride[2] + d);
                 part = warp_sum(part);
                 if (lane == 0) {
                     Ds[r] = part;
@@ -600,8 +607,8 @@ static __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(ng_at
 
 constexpr int kMmaWarps = 4;
 constexpr int kMmaThreads = kMmaWarps * 32;
-constexpr int kMmaRows = 64;            /* rows per block and per staged tile */
-constexpr int kMmaNT = kMmaRows / 8;    /* n-tiles of 8 across a staged tile */
+constexpr int kMmaRows = 64;         /* rows per block and per staged tile */
+constexpr int kMmaNT = kMmaRows / 8; /* n-tiles of 8 across a staged tile */
 
 template <ng_dtype T>
 __device__ __forceinline__ uint32_t pack_f32x2(float lo, float hi) {
@@ -616,13 +623,12 @@ __device__ __forceinline__ uint32_t pack_f32x2(float lo, float hi) {
     return u;
 }
 
-
 /* Rows [r0, r0 + n) of a [seq, D] slice (row stride rs) into a 64-row tile,
  * zeros past n. vec: every row start is 16-byte aligned (one 128-bit load per
  * 8 elements); otherwise element loads. */
 template <int D>
-__device__ __forceinline__ void mma_stage(uint16_t *tile, const uint16_t *base, int64_t rs, int64_t r0, int64_t n,
-                                          int vec) {
+__device__ __forceinline__ void mma_stage(uint16_t *tile, const uint16_t *base, int64_t rs,
+                                          int64_t r0, int64_t n, int vec) {
     constexpr int kLd = D + 8, kChunks = D / 8;
     for (int x = threadIdx.x; x < kMmaRows * kChunks; x += kMmaThreads) {
         const int r = x / kChunks, c = (x % kChunks) * 8;
@@ -645,8 +651,9 @@ __device__ __forceinline__ void mma_stage(uint16_t *tile, const uint16_t *base, 
 /* The 64-key tile at j0 of K and V (n valid rows) into ks and vs, between
  * barriers, as stage_kv does for the SIMT kernels. */
 template <int D>
-__device__ __forceinline__ void mma_stage_kv(uint16_t *ks, uint16_t *vs, const uint16_t *kb, const uint16_t *vb,
-                                             const ng_attention_args &a, int64_t j0, int64_t n, int vec) {
+__device__ __forceinline__ void mma_stage_kv(uint16_t *ks, uint16_t *vs, const uint16_t *kb,
+                                             const uint16_t *vb, const ng_attention_args &a,
+                                             int64_t j0, int64_t n, int vec) {
     __syncthreads();
     mma_stage<D>(ks, kb, a.k_stride[2], j0, n, vec);
     mma_stage<D>(vs, vb, a.v_stride[2], j0, n, vec);
@@ -656,8 +663,8 @@ __device__ __forceinline__ void mma_stage_kv(uint16_t *ks, uint16_t *vs, const u
 /* c[16 x 64] += X Y^T: the 16 rows of tile x from row xr0 against the 64
  * rows of tile y (n-tile nt = rows 8 nt .. 8 nt + 7), over the D columns. */
 template <ng_dtype T, int D>
-__device__ __forceinline__ void mma_xyt(float c[kMmaNT][4], const uint16_t *x, int xr0, const uint16_t *y,
-                                        int lane) {
+__device__ __forceinline__ void mma_xyt(float c[kMmaNT][4], const uint16_t *x, int xr0,
+                                        const uint16_t *y, int lane) {
     constexpr int kLd = D + 8;
 #pragma unroll
     for (int k0 = 0; k0 < D; k0 += 16) {
@@ -675,8 +682,8 @@ __device__ __forceinline__ void mma_xyt(float c[kMmaNT][4], const uint16_t *x, i
 /* acc[16 x D] += W[16 x 64] Y, W given as C fragments (w[nt][4], fp32) that
  * are rounded to T here, Y a 64-row tile. */
 template <ng_dtype T, int D>
-__device__ __forceinline__ void mma_wy(float acc[D / 8][4], const float w[kMmaNT][4], const uint16_t *y,
-                                       int lane) {
+__device__ __forceinline__ void mma_wy(float acc[D / 8][4], const float w[kMmaNT][4],
+                                       const uint16_t *y, int lane) {
     constexpr int kLd = D + 8;
 #pragma unroll
     for (int kt = 0; kt < kMmaNT / 2; kt++) {
@@ -704,7 +711,8 @@ __device__ __forceinline__ void mma_scale_ds(float ds[kMmaNT][4], float acc[D / 
 #pragma unroll
     for (int nt = 0; nt < kMmaNT; nt++)
 #pragma unroll
-        for (int c = 0; c < 4; c++) mx[c >> 1] = fmaxf(mx[c >> 1], fabsf(ds[nt][c])); /* fmaxf skips NaN */
+        for (int c = 0; c < 4; c++)
+            mx[c >> 1] = fmaxf(mx[c >> 1], fabsf(ds[nt][c])); /* fmaxf skips NaN */
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFull, mx[r], 1));
@@ -733,14 +741,17 @@ __device__ __forceinline__ void mma_scale_ds(float ds[kMmaNT][4], float acc[D / 
 
 /* Row r (0: g, 1: g + 8) and column of C-fragment element c of n-tile nt. */
 __device__ __forceinline__ int frag_row(int lane, int c) { return (lane >> 2) + 8 * (c >> 1); }
-__device__ __forceinline__ int frag_col(int lane, int nt, int c) { return nt * 8 + 2 * (lane & 3) + (c & 1); }
+__device__ __forceinline__ int frag_col(int lane, int nt, int c) {
+    return nt * 8 + 2 * (lane & 3) + (c & 1);
+}
 
 /* Dropout keep bits of a lane's 32 C-fragment elements of a tile (bit
  * 4 * nt + c), rows from row0 and columns from col0; rows are keys and
  * columns queries when keys_are_rows. A loop that is not unrolled, so each
  * kernel carries one Philox body rather than one per fragment element. */
-__device__ __forceinline__ uint32_t mma_keep_bits(const ng_attention_args &a, int64_t b, int64_t h, int64_t row0,
-                                                  int64_t col0, int keys_are_rows, int lane) {
+__device__ __forceinline__ uint32_t mma_keep_bits(const ng_attention_args &a, int64_t b, int64_t h,
+                                                  int64_t row0, int64_t col0, int keys_are_rows,
+                                                  int lane) {
     uint32_t bits = 0;
 #pragma unroll 1
     for (int x = 0; x < 4 * kMmaNT; x++) {
@@ -762,8 +773,9 @@ __device__ __forceinline__ float keep_factor(uint32_t bits, int nt, int c, float
 /* Store a warp's 16 x D accumulator rows, row r times mul[r], to rows
  * row0 + frag_row of a [seq, D] slice; rows >= n are skipped. */
 template <ng_dtype T, int D>
-__device__ __forceinline__ void mma_store_rows(void *dst, int64_t base, int64_t rs, int64_t row0, int64_t n,
-                                               const float acc[D / 8][4], const float mul[2], int lane) {
+__device__ __forceinline__ void mma_store_rows(void *dst, int64_t base, int64_t rs, int64_t row0,
+                                               int64_t n, const float acc[D / 8][4],
+                                               const float mul[2], int lane) {
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int64_t i = row0 + frag_row(lane, 2 * r);
@@ -779,8 +791,9 @@ __device__ __forceinline__ void mma_store_rows(void *dst, int64_t base, int64_t 
 /* dout . out for rows [i0, i0 + 64) into dl[64] (one warp per row) and their
  * logsumexp into ls[64] (-inf past L, so those rows get p = 0). */
 template <ng_dtype T, int D>
-__device__ __forceinline__ void mma_row_terms(float *dl, float *ls, const ng_attention_args &a, const void *gb,
-                                              const void *ob, const float *lse, int64_t i0) {
+__device__ __forceinline__ void mma_row_terms(float *dl, float *ls, const ng_attention_args &a,
+                                              const void *gb, const void *ob, const float *lse,
+                                              int64_t i0) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int r = warp; r < kMmaRows; r += kMmaWarps) {
         const int64_t i = i0 + r;
@@ -797,7 +810,8 @@ __device__ __forceinline__ void mma_row_terms(float *dl, float *ls, const ng_att
 }
 
 template <ng_dtype T, int D>
-static __global__ void __launch_bounds__(kMmaThreads) attention_fwd_mma_kernel(ng_attention_args a, int vec) {
+static __global__ void __launch_bounds__(kMmaThreads)
+    attention_fwd_mma_kernel(ng_attention_args a, int vec) {
     constexpr int kTile = kMmaRows * (D + 8);
     NG_DYNAMIC_SMEM(uint4, mma_smem);
     uint16_t *qs = (uint16_t *)mma_smem, *ks = qs + kTile, *vs = ks + kTile;
@@ -825,8 +839,11 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_fwd_mma_kernel(n
         for (int nt = 0; nt < kMmaNT; nt++)
 #pragma unroll
             for (int c = 0; c < 4; c++) {
-                const int64_t i = q0 + warp * 16 + frag_row(lane, c), j = j0 + frag_col(lane, nt, c);
-                const float x = (i < a.L && j < kend) ? guarded_score(a, s[nt][c] * scale, b, h, i, j) : -INFINITY;
+                const int64_t i = q0 + warp * 16 + frag_row(lane, c),
+                              j = j0 + frag_col(lane, nt, c);
+                const float x = (i < a.L && j < kend)
+                                    ? guarded_score(a, s[nt][c] * scale, b, h, i, j)
+                                    : -INFINITY;
                 s[nt][c] = x;
                 bm[c >> 1] = ng_attn_max_nan_f32(bm[c >> 1], x);
             }
@@ -867,10 +884,11 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_fwd_mma_kernel(n
         l[r] += __shfl_xor_sync(kFull, l[r], 2);
         inv[r] = ng_attn_inv_sum_f32(l[r]) * inv_keep;
         const int64_t i = q0 + warp * 16 + frag_row(lane, 2 * r);
-        if ((lane & 3) == 0 && i < a.L) ((float *)a.lse)[(b * a.Hq + h) * a.L + i] = ng_attn_lse_f32(m[r], l[r]);
+        if ((lane & 3) == 0 && i < a.L)
+            ((float *)a.lse)[(b * a.Hq + h) * a.L + i] = ng_attn_lse_f32(m[r], l[r]);
     }
-    mma_store_rows<T, D>(a.out, b * a.out_stride[0] + h * a.out_stride[1], a.out_stride[2], q0 + warp * 16,
-                         a.L, o, inv, lane);
+    mma_store_rows<T, D>(a.out, b * a.out_stride[0] + h * a.out_stride[1], a.out_stride[2],
+                         q0 + warp * 16, a.L, o, inv, lane);
 }
 
 /* One warp's backward scores against a staged 64-row tile, in C fragments:
@@ -884,11 +902,11 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_fwd_mma_kernel(n
  * indexed by the query's position in its 64-row block); keys >= kend are
  * out of range. */
 template <ng_dtype T, int D, bool KeyRows>
-__device__ __forceinline__ void mma_bwd_scores(float pd[kMmaNT][4], float ds[kMmaNT][4], const ng_attention_args &a,
-                                               const uint16_t *x, const uint16_t *y, const uint16_t *x2,
-                                               const uint16_t *y2, const float *ls, const float *dl, int64_t b,
-                                               int64_t h, int64_t row0, int64_t col0, int rl0, int64_t kend,
-                                               int lane) {
+__device__ __forceinline__ void
+mma_bwd_scores(float pd[kMmaNT][4], float ds[kMmaNT][4], const ng_attention_args &a,
+               const uint16_t *x, const uint16_t *y, const uint16_t *x2, const uint16_t *y2,
+               const float *ls, const float *dl, int64_t b, int64_t h, int64_t row0, int64_t col0,
+               int rl0, int64_t kend, int lane) {
     const bool drop = a.dropout_p > 0.0;
     const float inv_keep = drop ? (float)(1.0 / (1.0 - a.dropout_p)) : 1.0f;
     float st[kMmaNT][4] = {}, dpt[kMmaNT][4] = {};
@@ -905,14 +923,16 @@ __device__ __forceinline__ void mma_bwd_scores(float pd[kMmaNT][4], float ds[kMm
             const float kf = drop ? keep_factor(keep, nt, c, inv_keep) : 1.0f;
             bwd_terms w = {0.0f, 0.0f, 0.0f};
             /* rows past L (the last tile's) never reach the mask */
-            if (j < kend && i < a.L) w = bwd_score_keep(a, st[nt][c], dpt[nt][c], ls[ql], dl[ql], b, h, i, j, kf);
+            if (j < kend && i < a.L)
+                w = bwd_score_keep(a, st[nt][c], dpt[nt][c], ls[ql], dl[ql], b, h, i, j, kf);
             pd[nt][c] = kf != 0.0f ? w.p : 0.0f;
             ds[nt][c] = w.ds;
         }
 }
 
 template <ng_dtype T, int D>
-static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dkdv_mma_kernel(ng_attention_args a, int vec) {
+static __global__ void __launch_bounds__(kMmaThreads)
+    attention_bwd_dkdv_mma_kernel(ng_attention_args a, int vec) {
     constexpr int kTile = kMmaRows * (D + 8);
     NG_DYNAMIC_SMEM(uint4, mma_smem);
     uint16_t *ks = (uint16_t *)mma_smem, *vs = ks + kTile, *qs = vs + kTile, *gs = qs + kTile;
@@ -942,8 +962,8 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dkdv_mma_ker
             mma_row_terms<T, D>(dl, ls, a, gb, ob, lse, i0);
             __syncthreads();
             float pd[kMmaNT][4], ds[kMmaNT][4];
-            mma_bwd_scores<T, D, true>(pd, ds, a, ks, qs, vs, gs, ls, dl, b, h, j0 + warp * 16, i0, warp * 16, a.S,
-                                       lane);
+            mma_bwd_scores<T, D, true>(pd, ds, a, ks, qs, vs, gs, ls, dl, b, h, j0 + warp * 16, i0,
+                                       warp * 16, a.S, lane);
             mma_scale_ds<T, D>(ds, dk, ex);
             mma_wy<T, D>(dv, pd, gs, lane);
             mma_wy<T, D>(dk, ds, qs, lane);
@@ -951,15 +971,17 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dkdv_mma_ker
     }
 
     const float inv_keep = a.dropout_p > 0.0 ? (float)(1.0 / (1.0 - a.dropout_p)) : 1.0f;
-    const float vmul[2] = {inv_keep, inv_keep}, kmul[2] = {ldexpf(1.0f, ex[0]), ldexpf(1.0f, ex[1])};
-    mma_store_rows<T, D>(a.dk, b * a.dk_stride[0] + hk * a.dk_stride[1], a.dk_stride[2], j0 + warp * 16, a.S,
-                         dk, kmul, lane);
-    mma_store_rows<T, D>(a.dv, b * a.dv_stride[0] + hk * a.dv_stride[1], a.dv_stride[2], j0 + warp * 16, a.S,
-                         dv, vmul, lane);
+    const float vmul[2] = {inv_keep, inv_keep},
+                kmul[2] = {ldexpf(1.0f, ex[0]), ldexpf(1.0f, ex[1])};
+    mma_store_rows<T, D>(a.dk, b * a.dk_stride[0] + hk * a.dk_stride[1], a.dk_stride[2],
+                         j0 + warp * 16, a.S, dk, kmul, lane);
+    mma_store_rows<T, D>(a.dv, b * a.dv_stride[0] + hk * a.dv_stride[1], a.dv_stride[2],
+                         j0 + warp * 16, a.S, dv, vmul, lane);
 }
 
 template <ng_dtype T, int D>
-static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dq_mma_kernel(ng_attention_args a, int vec) {
+static __global__ void __launch_bounds__(kMmaThreads)
+    attention_bwd_dq_mma_kernel(ng_attention_args a, int vec) {
     constexpr int kTile = kMmaRows * (D + 8);
     NG_DYNAMIC_SMEM(uint4, mma_smem);
     uint16_t *qs = (uint16_t *)mma_smem, *gs = qs + kTile, *ks = gs + kTile, *vs = ks + kTile;
@@ -983,15 +1005,15 @@ static __global__ void __launch_bounds__(kMmaThreads) attention_bwd_dq_mma_kerne
     for (int64_t j0 = 0; j0 < kend; j0 += kMmaRows) {
         mma_stage_kv<D>(ks, vs, kb, vb, a, j0, kend - j0, vec);
         float pd[kMmaNT][4], ds[kMmaNT][4];
-        mma_bwd_scores<T, D, false>(pd, ds, a, qs, ks, gs, vs, ls, dl, b, h, q0 + warp * 16, j0, warp * 16, kend,
-                                    lane);
+        mma_bwd_scores<T, D, false>(pd, ds, a, qs, ks, gs, vs, ls, dl, b, h, q0 + warp * 16, j0,
+                                    warp * 16, kend, lane);
         mma_scale_ds<T, D>(ds, dq, ex);
         mma_wy<T, D>(dq, ds, ks, lane);
     }
 
     const float qmul[2] = {ldexpf(1.0f, ex[0]), ldexpf(1.0f, ex[1])};
-    mma_store_rows<T, D>(a.dq, b * a.dq_stride[0] + h * a.dq_stride[1], a.dq_stride[2], q0 + warp * 16, a.L, dq,
-                         qmul, lane);
+    mma_store_rows<T, D>(a.dq, b * a.dq_stride[0] + h * a.dq_stride[1], a.dq_stride[2],
+                         q0 + warp * 16, a.L, dq, qmul, lane);
 }
 
 /* ---- launch helpers ------------------------------------------------------ */
@@ -1020,8 +1042,11 @@ template <typename Kernel>
 ng_status allow_smem(Kernel kernel, size_t bytes, std::atomic<int> (&allowed)[kMaxDevices]) {
     if (bytes <= 48 * 1024) return NG_OK;
     const int dev = current_device();
-    if (dev >= 0 && dev < kMaxDevices && (size_t)allowed[dev].load(std::memory_order_relaxed) >= bytes) return NG_OK;
-    NG_TRY(ng_cuda_record(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes)));
+    if (dev >= 0 && dev < kMaxDevices &&
+        (size_t)allowed[dev].load(std::memory_order_relaxed) >= bytes)
+        return NG_OK;
+    NG_TRY(ng_cuda_record(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes)));
     if (dev >= 0 && dev < kMaxDevices) {
         int seen = allowed[dev].load(std::memory_order_relaxed);
         while (seen < (int)bytes && !allowed[dev].compare_exchange_weak(seen, (int)bytes)) {
@@ -1072,7 +1097,8 @@ ng_status launch_bwd(const ng_attention_args *a, cudaStream_t st) {
 
 template <ng_dtype T, int D>
 ng_status launch_mma(const ng_attention_args *a, cudaStream_t st, int backward, int vec) {
-    static std::atomic<int> allowed_fwd[kMaxDevices], allowed_dkdv[kMaxDevices], allowed_dq[kMaxDevices];
+    static std::atomic<int> allowed_fwd[kMaxDevices], allowed_dkdv[kMaxDevices],
+        allowed_dq[kMaxDevices];
     const size_t tile = sizeof(uint16_t) * (size_t)(kMmaRows * (D + 8));
     dim3 grid;
     if (!backward) {
@@ -1110,13 +1136,15 @@ ng_status launch_decode(const ng_attention_args *a, cudaStream_t st, float *ws) 
     if (p.nsplit == 1) return NG_OK;
     const int64_t nb = NG_CEIL_DIV(dec_rows(*a), (int64_t)kDecWarps);
     if (nb > 2147483647LL) return NG_ERR_UNSUPPORTED; /* gridDim.x */
-    NG_LAUNCH((attention_decode_combine_kernel<T, NT>), dim3((unsigned)nb), kDecThreads, 0, st, *a, p.nsplit,
-              (const float *)ws);
+    NG_LAUNCH((attention_decode_combine_kernel<T, NT>), dim3((unsigned)nb), kDecThreads, 0, st, *a,
+              p.nsplit, (const float *)ws);
     return cuda_check();
 }
 
 /* A forward the decode kernel takes. */
-int decode_shape(const ng_attention_args *a) { return a->L >= 1 && a->L <= NG_ATTN_DEC_MAX_L && a->S >= NG_ATTN_DEC_MIN_S; }
+int decode_shape(const ng_attention_args *a) {
+    return a->L >= 1 && a->L <= NG_ATTN_DEC_MAX_L && a->S >= NG_ATTN_DEC_MIN_S;
+}
 
 /* A [B, heads, seq, D] operand whose every row starts on 16 bytes. */
 int rows_aligned16(const void *p, const int64_t stride[3]) {
@@ -1145,7 +1173,8 @@ int device_major() {
 /* The tensor-core kernels take fp16 / bf16 with E == Ev in {64, 128} on a
  * device of compute capability 8.0 or newer; everything else runs SIMT. */
 int mma_eligible(const ng_attention_args *a) {
-    if ((a->dtype != NG_F16 && a->dtype != NG_BF16) || a->E != a->Ev || (a->E != 64 && a->E != 128)) return 0;
+    if ((a->dtype != NG_F16 && a->dtype != NG_BF16) || a->E != a->Ev || (a->E != 64 && a->E != 128))
+        return 0;
     return device_major() >= 8;
 }
 
@@ -1160,10 +1189,12 @@ ng_status dispatch_nt(const ng_attention_args *a, cudaStream_t st, int backward,
     }
     if constexpr (T != NG_F32) {
         if (mma_eligible(a)) {
-            const int vec = rows_aligned16(a->q, a->q_stride) && rows_aligned16(a->k, a->k_stride) &&
+            const int vec = rows_aligned16(a->q, a->q_stride) &&
+                            rows_aligned16(a->k, a->k_stride) &&
                             rows_aligned16(a->v, a->v_stride) &&
                             (!backward || rows_aligned16(a->dout, a->dout_stride));
-            return a->E == 64 ? launch_mma<T, 64>(a, st, backward, vec) : launch_mma<T, 128>(a, st, backward, vec);
+            return a->E == 64 ? launch_mma<T, 64>(a, st, backward, vec)
+                              : launch_mma<T, 128>(a, st, backward, vec);
         }
     }
     const int64_t dmax = NG_MAX(a->E, a->Ev);
@@ -1176,12 +1207,14 @@ ng_status dispatch_nt(const ng_attention_args *a, cudaStream_t st, int backward,
 /* The decode plan's workspace: (m, l) and Ev partial outputs per split and
  * row; 0 without splits. Shape-only: the args need not be checked yet. */
 int64_t fwd_workspace_bytes(const ng_attention_args *a) {
-    if (a->dtype == NG_F64 || a->B <= 0 || a->Hkv <= 0 || a->Hq % a->Hkv || !decode_shape(a)) return 0;
+    if (a->dtype == NG_F64 || a->B <= 0 || a->Hkv <= 0 || a->Hq % a->Hkv || !decode_shape(a))
+        return 0;
     const dec_plan p = plan_decode(a, 1);
     return p.nsplit > 1 ? (int64_t)sizeof(float) * p.nsplit * dec_rows(*a) * (a->Ev + 2) : 0;
 }
 
-ng_status dispatch(const ng_attention_args *a, void *stream, int backward, void *ws, int64_t ws_bytes) {
+ng_status dispatch(const ng_attention_args *a, void *stream, int backward, void *ws,
+                   int64_t ws_bytes) {
     NG_TRY(ng_attention_check(a, backward));
     const int64_t need = backward ? 0 : fwd_workspace_bytes(a);
     if (ws && (ws_bytes < need || (uintptr_t)ws % alignof(float))) return NG_ERR_INVALID_ARG;
@@ -1205,8 +1238,8 @@ extern "C" ng_status ng_attention_fwd_cuda(const ng_attention_args *a, void *str
     return dispatch(a, stream, 0, nullptr, 0);
 }
 
-extern "C" ng_status ng_attention_fwd_cuda_ws(const ng_attention_args *a, void *workspace, int64_t workspace_bytes,
-                                             void *stream) {
+extern "C" ng_status ng_attention_fwd_cuda_ws(const ng_attention_args *a, void *workspace,
+                                              int64_t workspace_bytes, void *stream) {
     return dispatch(a, stream, 0, workspace, workspace_bytes);
 }
 

@@ -37,17 +37,25 @@ typedef struct ng_attention_args {
     int64_t B, Hq, Hkv, L, S, E, Ev;
 
     /* forward inputs / outputs: [batch, head, seq] element strides */
-    const void *q; int64_t q_stride[3];
-    const void *k; int64_t k_stride[3];
-    const void *v; int64_t v_stride[3];
-    void *out; int64_t out_stride[3]; /* written by fwd, read by bwd */
-    void *lse;                        /* [B, Hq, L], written by fwd, read by bwd */
+    const void *q;
+    int64_t q_stride[3];
+    const void *k;
+    int64_t k_stride[3];
+    const void *v;
+    int64_t v_stride[3];
+    void *out;
+    int64_t out_stride[3]; /* written by fwd, read by bwd */
+    void *lse;             /* [B, Hq, L], written by fwd, read by bwd */
 
     /* backward only */
-    const void *dout; int64_t dout_stride[3];
-    void *dq; int64_t dq_stride[3];
-    void *dk; int64_t dk_stride[3];
-    void *dv; int64_t dv_stride[3];
+    const void *dout;
+    int64_t dout_stride[3];
+    void *dq;
+    int64_t dq_stride[3];
+    void *dk;
+    int64_t dk_stride[3];
+    void *dv;
+    int64_t dv_stride[3];
 
     /* optional mask broadcastable to [B, Hq, L, S]: strides 0 on broadcast dims */
     const void *mask;
@@ -55,11 +63,11 @@ typedef struct ng_attention_args {
     ng_dtype mask_dtype; /* additive masks only */
     int64_t mask_stride[4];
 
-    int is_causal;     /* top-left: query i attends keys j <= i */
-    double scale;      /* usually 1 / sqrt(E) */
-    double max_score;  /* <= 0: off */
-    double softcap;    /* <= 0: off */
-    double dropout_p;  /* in [0, 1) */
+    int is_causal;    /* top-left: query i attends keys j <= i */
+    double scale;     /* usually 1 / sqrt(E) */
+    double max_score; /* <= 0: off */
+    double softcap;   /* <= 0: off */
+    double dropout_p; /* in [0, 1) */
     uint64_t seed, offset;
 } ng_attention_args;
 
@@ -95,8 +103,8 @@ ng_status ng_attention_bwd_cuda(const ng_attention_args *a, void *stream);
  * ng_attention_fwd_cuda passes) each block reads all the keys. The split
  * sizes depend on the shape alone; the two forms differ only in fp32
  * summation order. A smaller or misaligned workspace is NG_ERR_INVALID_ARG. */
-ng_status ng_attention_fwd_cuda_ws(const ng_attention_args *a, void *workspace, int64_t workspace_bytes,
-                                   void *stream);
+ng_status ng_attention_fwd_cuda_ws(const ng_attention_args *a, void *workspace,
+                                   int64_t workspace_bytes, void *stream);
 /* 0 unless the shape is a decode shape with keys to split. */
 int64_t ng_attention_fwd_cuda_workspace_bytes(const ng_attention_args *a);
 

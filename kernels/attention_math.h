@@ -73,13 +73,9 @@ NG_HD double ng_attn_clamp_grad_f64(double s, double c) {
 }
 
 /* c * tanh(s / c) (c <= 0: off). */
-NG_HD float ng_attn_softcap_f32(float s, float c) {
-    return c > 0.0f ? c * tanhf(s / c) : s;
-}
+NG_HD float ng_attn_softcap_f32(float s, float c) { return c > 0.0f ? c * tanhf(s / c) : s; }
 
-NG_HD double ng_attn_softcap_f64(double s, double c) {
-    return c > 0.0 ? c * tanh(s / c) : s;
-}
+NG_HD double ng_attn_softcap_f64(double s, double c) { return c > 0.0 ? c * tanh(s / c) : s; }
 
 /* d softcap / d s = 1 - tanh^2(s / c). */
 NG_HD float ng_attn_softcap_grad_f32(float s, float c) {
@@ -133,7 +129,7 @@ NG_HD double ng_attn_mask_value(const void *mask, ng_mask_kind kind, ng_dtype dt
                     : dtype == NG_F32 ? -(double)FLT_MAX
                     : dtype == NG_F16 ? -65504.0
                                       : -3.3895313892515355e38; /* bf16 */
-    return v <= lowest ? -INFINITY : v; /* NaN stays NaN */
+    return v <= lowest ? -INFINITY : v;                         /* NaN stays NaN */
 }
 
 NG_HD int ng_attn_causal_masked(int64_t i, int64_t j) { return j > i; }
@@ -144,9 +140,13 @@ NG_HD int ng_attn_causal_masked(int64_t i, int64_t j) { return j > i; }
  * alpha = exp(m - m_new); the block's own terms use exp(s - m_new). */
 
 /* max that propagates NaN (fmaxf would drop it and hide a NaN row). */
-NG_HD float ng_attn_max_nan_f32(float a, float b) { return (a != a) ? a : (b != b || b > a) ? b : a; }
+NG_HD float ng_attn_max_nan_f32(float a, float b) {
+    return (a != a) ? a : (b != b || b > a) ? b : a;
+}
 
-NG_HD double ng_attn_max_nan_f64(double a, double b) { return (a != a) ? a : (b != b || b > a) ? b : a; }
+NG_HD double ng_attn_max_nan_f64(double a, double b) {
+    return (a != a) ? a : (b != b || b > a) ? b : a;
+}
 
 /* exp(x - m) for a row max m; 0 for an empty row (m == -inf), which only
  * happens when every x seen is -inf: the term is 0 and no -inf - -inf forms. */
@@ -164,9 +164,13 @@ NG_HD double ng_attn_rescale_f64(double m_old, double m_new) {
 }
 
 /* logsumexp of a finished row: -inf when it is empty (l == 0). */
-NG_HD float ng_attn_lse_f32(float m, float l) { return l > 0.0f ? m + logf(l) : (l != l || m != m ? NAN : -INFINITY); }
+NG_HD float ng_attn_lse_f32(float m, float l) {
+    return l > 0.0f ? m + logf(l) : (l != l || m != m ? NAN : -INFINITY);
+}
 
-NG_HD double ng_attn_lse_f64(double m, double l) { return l > 0.0 ? m + log(l) : (l != l || m != m ? NAN : -INFINITY); }
+NG_HD double ng_attn_lse_f64(double m, double l) {
+    return l > 0.0 ? m + log(l) : (l != l || m != m ? NAN : -INFINITY);
+}
 
 /* 1 / l for the final normalization; 0 for an empty row (output 0, not 0/0). */
 NG_HD float ng_attn_inv_sum_f32(float l) { return l > 0.0f ? 1.0f / l : (l != l ? l : 0.0f); }
@@ -176,7 +180,9 @@ NG_HD double ng_attn_inv_sum_f64(double l) { return l > 0.0 ? 1.0 / l : (l != l 
 /* Probability in the backward from the saved logsumexp; 0 for an empty row. */
 NG_HD float ng_attn_prob_f32(float s, float lse) { return lse == -INFINITY ? 0.0f : expf(s - lse); }
 
-NG_HD double ng_attn_prob_f64(double s, double lse) { return lse == -INFINITY ? 0.0 : exp(s - lse); }
+NG_HD double ng_attn_prob_f64(double s, double lse) {
+    return lse == -INFINITY ? 0.0 : exp(s - lse);
+}
 
 /* ---- Philox4x32-10 ------------------------------------------------------ */
 
@@ -190,11 +196,17 @@ NG_HD void ng_philox4x32_10(const uint32_t ctr[4], const uint32_t key[2], uint32
         uint32_t n1 = (uint32_t)p1;
         uint32_t n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
         uint32_t n3 = (uint32_t)p0;
-        c0 = n0; c1 = n1; c2 = n2; c3 = n3;
+        c0 = n0;
+        c1 = n1;
+        c2 = n2;
+        c3 = n3;
         k0 += 0x9E3779B9u;
         k1 += 0xBB67AE85u;
     }
-    out[0] = c0; out[1] = c1; out[2] = c2; out[3] = c3;
+    out[0] = c0;
+    out[1] = c1;
+    out[2] = c2;
+    out[3] = c3;
 }
 
 /* The 4 draws of block e / 4 for flat element index e (see header). */
@@ -206,7 +218,9 @@ NG_HD void ng_attn_dropout_block(uint64_t seed, uint64_t offset, uint64_t block,
 }
 
 /* Keep test for one 32-bit draw: 24-bit uniform in [0, 1) against p. */
-NG_HD int ng_attn_keep_word(uint32_t w, float p) { return (float)(w >> 8) * 5.9604644775390625e-8f >= p; }
+NG_HD int ng_attn_keep_word(uint32_t w, float p) {
+    return (float)(w >> 8) * 5.9604644775390625e-8f >= p;
+}
 
 NG_HD int ng_attn_dropout_keep(uint64_t seed, uint64_t offset, uint64_t e, float p) {
     uint32_t w[4];

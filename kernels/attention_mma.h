@@ -54,7 +54,8 @@ NG_HD void ng_mma_frag_a(uint32_t a[4], const uint16_t *tile, int ld, int r0, in
 
 /* B fragment with B[k][n] = tile[n0 + n][k0 + k]: the 16x8 block of Y^T for
  * a product X * Y^T (scores q . k, dp = dout . v). */
-NG_HD void ng_mma_frag_b_rows(uint32_t b[2], const uint16_t *tile, int ld, int n0, int k0, int lane) {
+NG_HD void ng_mma_frag_b_rows(uint32_t b[2], const uint16_t *tile, int ld, int n0, int k0,
+                              int lane) {
     const uint16_t *p = tile + (n0 + (lane >> 2)) * ld + k0 + 2 * (lane & 3);
     b[0] = ng_mma_ld2(p);     /* k = 2t, 2t+1 */
     b[1] = ng_mma_ld2(p + 8); /* k = 2t+8, 2t+9 */
@@ -62,7 +63,8 @@ NG_HD void ng_mma_frag_b_rows(uint32_t b[2], const uint16_t *tile, int ld, int n
 
 /* B fragment with B[k][n] = tile[k0 + k][n0 + n]: the 16x8 block of Y for a
  * product X * Y (p . v, ds . k, ds^T . q, p^T . dout). */
-NG_HD void ng_mma_frag_b_cols(uint32_t b[2], const uint16_t *tile, int ld, int k0, int n0, int lane) {
+NG_HD void ng_mma_frag_b_cols(uint32_t b[2], const uint16_t *tile, int ld, int k0, int n0,
+                              int lane) {
     const uint16_t *p = tile + (k0 + 2 * (lane & 3)) * ld + n0 + (lane >> 2);
     b[0] = ng_mma_pack(p[0], p[ld]);          /* k = 2t, 2t+1 */
     b[1] = ng_mma_pack(p[8 * ld], p[9 * ld]); /* k = 2t+8, 2t+9 */

@@ -37,11 +37,11 @@
 /* Errors are values: every launcher and CPU kernel returns one of these. */
 typedef enum ng_status {
     NG_OK = 0,
-    NG_ERR_INVALID_ARG = 1,  /* a size, stride or pointer the kernel cannot take */
-    NG_ERR_DTYPE = 2,        /* a dtype this kernel has no path for */
-    NG_ERR_ALLOC = 3,        /* host workspace allocation failed */
-    NG_ERR_CUDA = 4,         /* a CUDA launch or runtime call failed */
-    NG_ERR_UNSUPPORTED = 5,  /* a valid request this build cannot serve */
+    NG_ERR_INVALID_ARG = 1, /* a size, stride or pointer the kernel cannot take */
+    NG_ERR_DTYPE = 2,       /* a dtype this kernel has no path for */
+    NG_ERR_ALLOC = 3,       /* host workspace allocation failed */
+    NG_ERR_CUDA = 4,        /* a CUDA launch or runtime call failed */
+    NG_ERR_UNSUPPORTED = 5, /* a valid request this build cannot serve */
 } ng_status;
 
 static inline const char *ng_status_str(ng_status s) {
@@ -57,10 +57,10 @@ static inline const char *ng_status_str(ng_status s) {
 }
 
 /* Propagate a non-OK status from an expression. */
-#define NG_TRY(expr)                                                          \
-    do {                                                                      \
-        ng_status ng_try_s_ = (expr);                                         \
-        if (ng_try_s_ != NG_OK) return ng_try_s_;                             \
+#define NG_TRY(expr)                                                                               \
+    do {                                                                                           \
+        ng_status ng_try_s_ = (expr);                                                              \
+        if (ng_try_s_ != NG_OK) return ng_try_s_;                                                  \
     } while (0)
 
 /* Element types the kernels handle. The op layer maps PyTorch dtypes here. */
@@ -71,9 +71,7 @@ typedef enum ng_dtype {
     NG_BF16 = 3,
 } ng_dtype;
 
-static inline size_t ng_dtype_size(ng_dtype t) {
-    return t == NG_F64 ? 8 : t == NG_F32 ? 4 : 2;
-}
+static inline size_t ng_dtype_size(ng_dtype t) { return t == NG_F64 ? 8 : t == NG_F32 ? 4 : 2; }
 
 static inline const char *ng_dtype_name(ng_dtype t) {
     switch (t) {
@@ -125,8 +123,8 @@ NG_HD uint16_t ng_f32_to_f16(float f) {
     uint32_t u = ng_f32_bits(f);
     uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
     uint32_t a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);      /* NaN */
-    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);     /* rounds to >= 65520: inf */
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);  /* NaN */
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: inf */
     if (a < 0x38800000u) {
         /* result is subnormal or zero: round a * 2^24 to an integer, ties to even */
         float v = ng_bits_f32(a) * 16777216.0f;
@@ -180,8 +178,8 @@ NG_HD void ng_store_f64(void *p, ng_dtype t, int64_t i, double v) {
 typedef void (*ng_range_fn)(int64_t begin, int64_t end, void *ctx);
 typedef void (*ng_parallel_fn)(int64_t n, int64_t grain, ng_range_fn fn, void *ctx);
 
-static inline void ng_parallel_run(ng_parallel_fn par, int64_t n, int64_t grain,
-                                   ng_range_fn fn, void *ctx) {
+static inline void ng_parallel_run(ng_parallel_fn par, int64_t n, int64_t grain, ng_range_fn fn,
+                                   void *ctx) {
     if (n <= 0) return;
     if (par)
         par(n, grain, fn, ctx);

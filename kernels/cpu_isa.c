@@ -35,9 +35,12 @@ ng_cpu_isa ng_cpu_isa_active(void) {
         const char *env = getenv("NANGUARD_CPU_ISA");
         if (env) {
             ng_cpu_isa want = isa;
-            if (strcmp(env, "baseline") == 0) want = NG_ISA_BASELINE;
-            else if (strcmp(env, "avx2") == 0) want = NG_ISA_AVX2;
-            else if (strcmp(env, "avx512") == 0) want = NG_ISA_AVX512;
+            if (strcmp(env, "baseline") == 0)
+                want = NG_ISA_BASELINE;
+            else if (strcmp(env, "avx2") == 0)
+                want = NG_ISA_AVX2;
+            else if (strcmp(env, "avx512") == 0)
+                want = NG_ISA_AVX512;
             if (want < isa) isa = want;
         }
         g_isa = (int)isa;

@@ -148,8 +148,8 @@ GG_INLINE void gg_apply_bf16_body(uint16_t *restrict x, int64_t n, float c) {
 }
 
 /* Fold n bf16 values: widening is a shift, done in the same loop. */
-GG_INLINE void gg_reduce_bf16_body(const uint16_t *restrict x, int64_t n, float s,
-                                   ng_gg_norm p, ng_gg_partial *o) {
+GG_INLINE void gg_reduce_bf16_body(const uint16_t *restrict x, int64_t n, float s, ng_gg_norm p,
+                                   ng_gg_partial *o) {
     float z = 0.0f;
     if (p == NG_GG_NORM_2) {
         double acc = 0.0;
@@ -181,23 +181,19 @@ GG_INLINE void gg_reduce_bf16_body(const uint16_t *restrict x, int64_t n, float 
 
 /* ---- baseline x86-64 (or any other CPU) ----------------------------------- */
 
-static void gg_reduce_f32_base(const void *x, int64_t n, float s, ng_gg_norm p,
-                               ng_gg_partial *o) {
+static void gg_reduce_f32_base(const void *x, int64_t n, float s, ng_gg_norm p, ng_gg_partial *o) {
     gg_reduce_f32_body((const float *)x, n, s, p, o);
 }
 
-static void gg_reduce_f64_base(const void *x, int64_t n, float s, ng_gg_norm p,
-                               ng_gg_partial *o) {
+static void gg_reduce_f64_base(const void *x, int64_t n, float s, ng_gg_norm p, ng_gg_partial *o) {
     gg_reduce_f64_body((const double *)x, n, s, p, o);
 }
 
-static void gg_reduce_bf16_base(const void *x, int64_t n, float s, ng_gg_norm p,
-                                ng_gg_partial *o) {
+static void gg_reduce_bf16_base(const void *x, int64_t n, float s, ng_gg_norm p, ng_gg_partial *o) {
     gg_reduce_bf16_body((const uint16_t *)x, n, s, p, o);
 }
 
-static void gg_reduce_f16_base(const void *x, int64_t n, float s, ng_gg_norm p,
-                               ng_gg_partial *o) {
+static void gg_reduce_f16_base(const void *x, int64_t n, float s, ng_gg_norm p, ng_gg_partial *o) {
     float buf[GG_SUB];
     const uint16_t *h = (const uint16_t *)x;
     for (int64_t i = 0; i < n; i += GG_SUB) {
@@ -250,8 +246,6 @@ static void gg_apply_wide_bf16(void *x, int64_t n, float cf, double cd) {
 
 /* ---- AVX2 + FMA + F16C ------------------------------------------------------ */
 #if NG_X86
-
-
 
 NG_TARGET_AVX2 static void gg_reduce_f64_avx2(const void *x, int64_t n, float s, ng_gg_norm p,
                                               ng_gg_partial *o) {
@@ -385,7 +379,8 @@ NG_TARGET_AVX2 static void gg_apply_f16_avx2(void *x, int64_t n, float cf, doubl
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i)));
-        __m128i r = _mm256_cvtps_ph(_mm256_mul_ps(v, c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m128i r =
+            _mm256_cvtps_ph(_mm256_mul_ps(v, c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         _mm_storeu_si128((__m128i *)(h + i), r);
     }
     for (; i < n; i++) h[i] = ng_f32_to_f16(ng_f16_to_f32(h[i]) * cf);
@@ -420,10 +415,22 @@ static ng_status gg_pick(ng_dtype dt, gg_reduce_fn *r, gg_apply_fn *a) {
 #if NG_X86
     if (avx2) {
         switch (dt) {
-        case NG_F32: *r = gg_reduce_f32_avx2; *a = gg_apply_f32_avx2; break;
-        case NG_F64: *r = gg_reduce_f64_avx2; *a = gg_apply_f64_avx2; break;
-        case NG_F16: *r = gg_reduce_f16_avx2; *a = gg_apply_f16_avx2; break;
-        case NG_BF16: *r = gg_reduce_bf16_avx2; *a = gg_apply_bf16_avx2; break;
+        case NG_F32:
+            *r = gg_reduce_f32_avx2;
+            *a = gg_apply_f32_avx2;
+            break;
+        case NG_F64:
+            *r = gg_reduce_f64_avx2;
+            *a = gg_apply_f64_avx2;
+            break;
+        case NG_F16:
+            *r = gg_reduce_f16_avx2;
+            *a = gg_apply_f16_avx2;
+            break;
+        case NG_BF16:
+            *r = gg_reduce_bf16_avx2;
+            *a = gg_apply_bf16_avx2;
+            break;
         }
     }
 #else
@@ -537,8 +544,8 @@ ng_status ng_grad_guard_reduce(const void *const *grads, const int64_t *numels, 
         free(fc);
         return NG_ERR_ALLOC;
     }
-    gg_ctx ctx = {grads, numels, n_tensors, fc, ng_dtype_size(dtype), *inv_scale, norm,
-                  parts, rf, af, 1.0f, 1.0};
+    gg_ctx ctx = {grads, numels, n_tensors, fc, ng_dtype_size(dtype), *inv_scale, norm, parts,
+                  rf,    af,     1.0f,      1.0};
     ng_parallel_run(total < GG_TASK_ELEMS ? NULL : par, m, gg_grain(m, total), gg_reduce_range,
                     &ctx);
 
@@ -563,8 +570,8 @@ ng_status ng_grad_guard_reduce(const void *const *grads, const int64_t *numels, 
 
 ng_status ng_grad_guard_apply(void *const *grads, const int64_t *numels, int64_t n_tensors,
                               ng_dtype dtype, const float *inv_scale, const double *stats,
-                              double max_norm, ng_gg_norm norm, float *found_inf,
-                              void *total_norm, ng_dtype norm_dtype, ng_parallel_fn par) {
+                              double max_norm, ng_gg_norm norm, float *found_inf, void *total_norm,
+                              ng_dtype norm_dtype, ng_parallel_fn par) {
     int64_t total;
     if (!inv_scale || !stats || (norm != NG_GG_NORM_2 && norm != NG_GG_NORM_INF) ||
         !(max_norm >= 0.0) || (norm_dtype != NG_F32 && norm_dtype != NG_F64))
@@ -597,8 +604,18 @@ ng_status ng_grad_guard_apply(void *const *grads, const int64_t *numels, int64_t
     int64_t m = 0;
     int64_t *fc = gg_first_chunks(numels, n_tensors, &m);
     if (!fc) return NG_ERR_ALLOC;
-    gg_ctx ctx = {(const void *const *)grads, numels, n_tensors, fc, ng_dtype_size(dtype),
-                  *inv_scale, norm, NULL, rf, af, cf, coef};
+    gg_ctx ctx = {(const void *const *)grads,
+                  numels,
+                  n_tensors,
+                  fc,
+                  ng_dtype_size(dtype),
+                  *inv_scale,
+                  norm,
+                  NULL,
+                  rf,
+                  af,
+                  cf,
+                  coef};
     if (wide) {
         switch (dtype) {
         case NG_F32: ctx.apply = gg_apply_wide_f32; break;

@@ -93,26 +93,31 @@ static __device__ __forceinline__ void gg_fold(double x, float s, double &acc, i
     inf += ng_gg_isinf_d(x);
 }
 
-template <typename T> struct gg_load {
+template <typename T>
+struct gg_load {
     static __device__ __forceinline__ float f(typename T::S v) { return T::ld(v); }
 };
-template <> struct gg_load<gg_f64> {
+template <>
+struct gg_load<gg_f64> {
     static __device__ __forceinline__ double f(double v) { return v; }
 };
 
 /* x * coef rounded to the storage type; `wide` when coef is below FLT_MIN. */
-template <typename T> struct gg_scale {
+template <typename T>
+struct gg_scale {
     static __device__ __forceinline__ typename T::S f(typename T::S v, float cf, double cd,
                                                       bool wide) {
         float x = T::ld(v);
         return T::st(wide ? (float)((double)x * cd) : x * cf);
     }
 };
-template <> struct gg_scale<gg_f64> {
+template <>
+struct gg_scale<gg_f64> {
     static __device__ __forceinline__ double f(double v, float, double cd, bool) { return v * cd; }
 };
 
-template <typename S> struct __align__(16) gg_pack {
+template <typename S>
+struct __align__(16) gg_pack {
     S v[16 / sizeof(S)];
 };
 
@@ -270,7 +275,8 @@ static __global__ void __launch_bounds__(GG_THREADS)
         }
         i0 = nv * V;
     }
-    for (int i = i0 + threadIdx.x; i < d.n; i += blockDim.x) x[i] = gg_scale<T>::f(x[i], cf, cd, wide);
+    for (int i = i0 + threadIdx.x; i < d.n; i += blockDim.x)
+        x[i] = gg_scale<T>::f(x[i], cf, cd, wide);
 }
 
 /* ---- launchers ---------------------------------------------------------------- */
@@ -312,12 +318,12 @@ static ng_status gg_for_batches(const void *const *grads, const int64_t *numels,
 
 template <typename T, int P>
 static ng_status gg_reduce_typed(const void *const *grads, const int64_t *numels, int64_t n,
-                                 const float *inv_scale, double *stats, gg_part *parts,
-                                 int64_t m, cudaStream_t st) {
+                                 const float *inv_scale, double *stats, gg_part *parts, int64_t m,
+                                 cudaStream_t st) {
     NG_TRY(gg_for_batches(grads, numels, n, sizeof(typename T::S),
                           [&](const gg_batch &b, int cnt, int64_t first) -> ng_status {
-                              NG_LAUNCH((gg_reduce_kernel<T, P>), cnt, GG_THREADS, 0, st, b, inv_scale,
-                                                                                 parts + first);
+                              NG_LAUNCH((gg_reduce_kernel<T, P>), cnt, GG_THREADS, 0, st, b,
+                                        inv_scale, parts + first);
                               return gg_check(cudaGetLastError());
                           }));
     NG_LAUNCH((gg_final_kernel<P>), 1, GG_THREADS, 0, st, parts, m, stats);
@@ -366,12 +372,12 @@ extern "C" ng_status ng_grad_guard_reduce_cuda(const void *const *grads, const i
 
 template <typename T>
 static ng_status gg_apply_typed(void *const *grads, const int64_t *numels, int64_t n,
-                                const float *inv_scale, const double *stats, double max_norm,
-                                int p, cudaStream_t st) {
+                                const float *inv_scale, const double *stats, double max_norm, int p,
+                                cudaStream_t st) {
     return gg_for_batches((const void *const *)grads, numels, n, sizeof(typename T::S),
                           [&](const gg_batch &b, int cnt, int64_t) -> ng_status {
-                              NG_LAUNCH((gg_apply_kernel<T>), cnt, GG_THREADS, 0, st, b, inv_scale, stats,
-                                                                             max_norm, p);
+                              NG_LAUNCH((gg_apply_kernel<T>), cnt, GG_THREADS, 0, st, b, inv_scale,
+                                        stats, max_norm, p);
                               return gg_check(cudaGetLastError());
                           });
 }
@@ -380,15 +386,14 @@ extern "C" ng_status ng_grad_guard_apply_cuda(void *const *grads, const int64_t 
                                               int64_t n_tensors, ng_dtype dtype,
                                               const float *inv_scale, const double *stats,
                                               double max_norm, ng_gg_norm norm, float *found_inf,
-                                              void *total_norm, ng_dtype norm_dtype,
-                                              void *stream) {
+                                              void *total_norm, ng_dtype norm_dtype, void *stream) {
     if (!inv_scale || !stats || (norm != NG_GG_NORM_2 && norm != NG_GG_NORM_INF) ||
         !(max_norm >= 0.0) || (norm_dtype != NG_F32 && norm_dtype != NG_F64))
         return NG_ERR_INVALID_ARG;
     NG_TRY(gg_check_list((const void *const *)grads, numels, n_tensors));
     cudaStream_t st = (cudaStream_t)stream;
-    NG_LAUNCH((gg_finish_kernel), 1, 1, 0, st, inv_scale, stats, max_norm, (int)norm, found_inf, total_norm,
-                                      norm_dtype == NG_F64);
+    NG_LAUNCH((gg_finish_kernel), 1, 1, 0, st, inv_scale, stats, max_norm, (int)norm, found_inf,
+              total_norm, norm_dtype == NG_F64);
     NG_TRY(gg_check(cudaGetLastError()));
     switch (dtype) {
     case NG_F32:

@@ -34,16 +34,15 @@
  * The result does not depend on the number of threads par uses. */
 NG_EXTERN_C ng_status ng_grad_guard_reduce(const void *const *grads, const int64_t *numels,
                                            int64_t n_tensors, ng_dtype dtype,
-                                           const float *inv_scale, ng_gg_norm norm,
-                                           double *stats, ng_parallel_fn par);
+                                           const float *inv_scale, ng_gg_norm norm, double *stats,
+                                           ng_parallel_fn par);
 
 /* Pass 2. found_inf may be NULL; total_norm (one element of norm_dtype,
  * NG_F32 or NG_F64) may be NULL. */
 NG_EXTERN_C ng_status ng_grad_guard_apply(void *const *grads, const int64_t *numels,
-                                          int64_t n_tensors, ng_dtype dtype,
-                                          const float *inv_scale, const double *stats,
-                                          double max_norm, ng_gg_norm norm, float *found_inf,
-                                          void *total_norm, ng_dtype norm_dtype,
+                                          int64_t n_tensors, ng_dtype dtype, const float *inv_scale,
+                                          const double *stats, double max_norm, ng_gg_norm norm,
+                                          float *found_inf, void *total_norm, ng_dtype norm_dtype,
                                           ng_parallel_fn par);
 
 /* ---- CUDA (libnanguard_cuda; kernels/grad_guard.cu) ------------------------ */
@@ -58,8 +57,7 @@ static inline int64_t ng_grad_guard_num_chunks(const int64_t *numels, int64_t n_
     return m;
 }
 
-static inline int64_t ng_grad_guard_cuda_workspace_bytes(const int64_t *numels,
-                                                         int64_t n_tensors) {
+static inline int64_t ng_grad_guard_cuda_workspace_bytes(const int64_t *numels, int64_t n_tensors) {
     return ng_grad_guard_num_chunks(numels, n_tensors) * NG_GG_CUDA_PARTIAL_BYTES;
 }
 
@@ -77,8 +75,7 @@ NG_EXTERN_C ng_status ng_grad_guard_reduce_cuda(const void *const *grads, const 
 NG_EXTERN_C ng_status ng_grad_guard_apply_cuda(void *const *grads, const int64_t *numels,
                                                int64_t n_tensors, ng_dtype dtype,
                                                const float *inv_scale, const double *stats,
-                                               double max_norm, ng_gg_norm norm,
-                                               float *found_inf, void *total_norm,
-                                               ng_dtype norm_dtype, void *stream);
+                                               double max_norm, ng_gg_norm norm, float *found_inf,
+                                               void *total_norm, ng_dtype norm_dtype, void *stream);
 
 #endif /* NG_KERNELS_GRAD_GUARD_H */

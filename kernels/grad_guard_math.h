@@ -72,7 +72,7 @@ typedef enum ng_gg_norm {
 
 /* Partial result of one block of elements. */
 typedef struct ng_gg_partial {
-    double norm;       /* sum of squares or max |u| */
+    double norm; /* sum of squares or max |u| */
     int64_t nan_count;
     int64_t inf_count;
 } ng_gg_partial;

@@ -65,8 +65,8 @@ typedef struct ln_path {
 static ln_path pick_path(void) {
 #if NG_X86
     if (ng_cpu_isa_active() >= NG_ISA_AVX2)
-        return (ln_path){ln_row_fwd__avx2, ln_row_bwd__avx2, row_to_f32__avx2,
-                         row_from_f32__avx2, sum_blocks__avx2};
+        return (ln_path){ln_row_fwd__avx2, ln_row_bwd__avx2, row_to_f32__avx2, row_from_f32__avx2,
+                         sum_blocks__avx2};
 #endif
     return (ln_path){ln_row_fwd__base, ln_row_bwd__base, row_to_f32__base, row_from_f32__base,
                      sum_blocks__base};
@@ -74,8 +74,8 @@ static ln_path pick_path(void) {
 
 /* ---- fp64 reference-grade loops ---------------------------------------- */
 
-static void ln_row_fwd_f64(const double *x, double *y, const double *w, const double *b,
-                           int64_t n, double eps, int rms, double *mean_out, double *rstd_out) {
+static void ln_row_fwd_f64(const double *x, double *y, const double *w, const double *b, int64_t n,
+                           double eps, int rms, double *mean_out, double *rstd_out) {
     double shift = rms ? 0.0 : x[0], s = 0.0, v = 0.0;
     if (!rms) {
         for (int64_t i = 0; i < n; i++) s += x[i] - shift;
@@ -200,7 +200,9 @@ ng_status ng_layernorm_check(const ng_layernorm_args *a, int backward) {
 }
 
 /* Rows per task: about 16K elements of work, at least one row. */
-static int64_t row_grain(int64_t cols) { return NG_MAX((int64_t)1, (int64_t)16384 / NG_MAX(cols, (int64_t)1)); }
+static int64_t row_grain(int64_t cols) {
+    return NG_MAX((int64_t)1, (int64_t)16384 / NG_MAX(cols, (int64_t)1));
+}
 
 ng_status ng_layernorm_fwd(const ng_layernorm_args *a, ng_parallel_fn par) {
     NG_TRY(ng_layernorm_check(a, 0));

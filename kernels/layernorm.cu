@@ -35,7 +35,7 @@
 
 #define NG_LN_THREADS 256
 #define NG_LN_MAX_GRID 2147483647LL /* gridDim.x */
-#define NG_LN_CHUNK_ROWS 256         /* rows per dweight / dbias chunk, at least */
+#define NG_LN_CHUNK_ROWS 256        /* rows per dweight / dbias chunk, at least */
 #define NG_LN_MAX_CHUNKS 256
 
 /* Sum over the block; every thread gets the result. `red` holds 32 floats. */
@@ -71,12 +71,14 @@ static __device__ float block_max(float v, float *red) {
  * shift and md, as the CPU does: rebuilding md from the rounded mean would
  * put the rounding of shift + md into every centred value. */
 static __device__ void row_stats(const void *x, ng_dtype t, int64_t base, int64_t n, float eps,
-                                 int rms, float *red, float *shift_out, float *md_out, float *rstd_out) {
+                                 int rms, float *red, float *shift_out, float *md_out,
+                                 float *rstd_out) {
     const float inv_n = 1.0f / (float)n;
     const float shift = rms ? 0.0f : ng_load_f32(x, t, base);
     float s = 0.0f;
     if (!rms) {
-        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += ng_load_f32(x, t, base + i) - shift;
+        for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+            s += ng_load_f32(x, t, base + i) - shift;
         s = block_sum(s, red);
     }
     float md = s * inv_n;
@@ -173,7 +175,8 @@ static int64_t ln_param_chunks(int64_t rows) {
 /* Block (x, chunk): columns 32x .. 32x + 31 over the chunk's rows. With one
  * chunk it writes dweight / dbias, otherwise fp32 partials to part_w / part_b
  * ([chunks][cols]). */
-static __global__ void ln_bwd_params_kernel(ng_layernorm_args a, int64_t chunks, float *part_w, float *part_b) {
+static __global__ void ln_bwd_params_kernel(ng_layernorm_args a, int64_t chunks, float *part_w,
+                                            float *part_b) {
     __shared__ float sw[8][33], sb[8][33];
     const int64_t j = (int64_t)blockIdx.x * 32 + threadIdx.x, chunk = blockIdx.y;
     const int64_t r0 = a.rows * chunk / chunks, r1 = a.rows * (chunk + 1) / chunks;
@@ -207,8 +210,8 @@ static __global__ void ln_bwd_params_kernel(ng_layernorm_args a, int64_t chunks,
 }
 
 /* Column j's partials, summed in chunk order. */
-static __global__ void ln_bwd_params_final_kernel(ng_layernorm_args a, int64_t chunks, const float *part_w,
-                                                  const float *part_b) {
+static __global__ void ln_bwd_params_final_kernel(ng_layernorm_args a, int64_t chunks,
+                                                  const float *part_w, const float *part_b) {
     const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= a.cols) return;
     float w = 0.0f, b = 0.0f;
@@ -247,7 +250,8 @@ extern "C" ng_status ng_layernorm_fwd_cuda(const ng_layernorm_args *a, void *str
     cudaStream_t s = (cudaStream_t)stream;
     if (a->rows == 0) return NG_OK;
     if (a->cols == 0) {
-        NG_LAUNCH((ln_empty_rows_kernel), (unsigned)NG_CEIL_DIV(a->rows, (int64_t)256), 256, 0, s, *a);
+        NG_LAUNCH((ln_empty_rows_kernel), (unsigned)NG_CEIL_DIV(a->rows, (int64_t)256), 256, 0, s,
+                  *a);
         return launch_status();
     }
     const int threads = threads_for(a->cols);
@@ -263,11 +267,12 @@ extern "C" ng_status ng_layernorm_bwd_cuda(const ng_layernorm_args *a, void *str
     return ng_layernorm_bwd_cuda_ws(a, NULL, 0, stream);
 }
 
-extern "C" ng_status ng_layernorm_bwd_cuda_ws(const ng_layernorm_args *a, void *workspace, int64_t workspace_bytes,
-                                              void *stream) {
+extern "C" ng_status ng_layernorm_bwd_cuda_ws(const ng_layernorm_args *a, void *workspace,
+                                              int64_t workspace_bytes, void *stream) {
     NG_TRY(check(a, 1));
     const int64_t need = ng_layernorm_bwd_cuda_workspace_bytes(a);
-    if (workspace && (workspace_bytes < need || ((uintptr_t)workspace & 3u))) return NG_ERR_INVALID_ARG;
+    if (workspace && (workspace_bytes < need || ((uintptr_t)workspace & 3u)))
+        return NG_ERR_INVALID_ARG;
     cudaStream_t s = (cudaStream_t)stream;
     if (a->cols == 0) return NG_OK;
     if (a->rows > 0 && a->dx) {
@@ -286,8 +291,8 @@ extern "C" ng_status ng_layernorm_bwd_cuda_ws(const ng_layernorm_args *a, void *
         NG_LAUNCH((ln_bwd_params_kernel), grid, dim3(32, 8), 0, s, *a, chunks, pw, pb);
         NG_TRY(launch_status());
         if (chunks > 1) {
-            NG_LAUNCH((ln_bwd_params_final_kernel), (unsigned)NG_CEIL_DIV(a->cols, (int64_t)256), 256, 0, s, *a,
-                      chunks, (const float *)pw, (const float *)pb);
+            NG_LAUNCH((ln_bwd_params_final_kernel), (unsigned)NG_CEIL_DIV(a->cols, (int64_t)256),
+                      256, 0, s, *a, chunks, (const float *)pw, (const float *)pb);
             NG_TRY(launch_status());
         }
     }

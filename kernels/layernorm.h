@@ -19,22 +19,22 @@ extern "C" {
 #endif
 
 typedef struct ng_layernorm_args {
-    ng_dtype dtype;      /* of x, y, dy, dx; and of weight, bias, dweight, dbias unless params_f32 */
+    ng_dtype dtype; /* of x, y, dy, dx; and of weight, bias, dweight, dbias unless params_f32 */
     int64_t rows, cols;
-    int rms;             /* 1: RMSNorm (no mean, no bias) */
-    double eps;          /* >= 0 */
-    const void *x;       /* [rows, cols] */
-    const void *weight;  /* [cols] or NULL */
-    const void *bias;    /* [cols] or NULL; ignored for RMSNorm */
-    void *mean;          /* [rows], fp32 (fp64 for fp64); unused (may be NULL) for RMSNorm */
-    void *rstd;          /* [rows], fp32 (fp64 for fp64) */
+    int rms;            /* 1: RMSNorm (no mean, no bias) */
+    double eps;         /* >= 0 */
+    const void *x;      /* [rows, cols] */
+    const void *weight; /* [cols] or NULL */
+    const void *bias;   /* [cols] or NULL; ignored for RMSNorm */
+    void *mean;         /* [rows], fp32 (fp64 for fp64); unused (may be NULL) for RMSNorm */
+    void *rstd;         /* [rows], fp32 (fp64 for fp64) */
     /* forward */
-    void *y;             /* [rows, cols] */
+    void *y; /* [rows, cols] */
     /* backward */
-    const void *dy;      /* [rows, cols] */
-    void *dx;            /* [rows, cols] or NULL */
-    void *dweight;       /* [cols] or NULL */
-    void *dbias;         /* [cols] or NULL */
+    const void *dy; /* [rows, cols] */
+    void *dx;       /* [rows, cols] or NULL */
+    void *dweight;  /* [cols] or NULL */
+    void *dbias;    /* [cols] or NULL */
     /* 1: weight, bias, dweight and dbias are fp32 (allowed for fp16, bf16 and
      * fp32 input; fp64 input gives NG_ERR_DTYPE). 0: they have dtype. Last,
      * so that an initializer that omits it means 0. */
@@ -64,8 +64,8 @@ ng_status ng_layernorm_bwd_cuda(const ng_layernorm_args *a, void *stream);
  * a fixed order). Without one (NULL, as ng_layernorm_bwd_cuda passes) they
  * run in parallel over columns only. The result is deterministic either way,
  * and the two differ only in fp32 summation order. */
-ng_status ng_layernorm_bwd_cuda_ws(const ng_layernorm_args *a, void *workspace, int64_t workspace_bytes,
-                                   void *stream);
+ng_status ng_layernorm_bwd_cuda_ws(const ng_layernorm_args *a, void *workspace,
+                                   int64_t workspace_bytes, void *stream);
 /* 0 when no dweight / dbias is asked for, or the rows fit one chunk. */
 int64_t ng_layernorm_bwd_cuda_workspace_bytes(const ng_layernorm_args *a);
 

@@ -48,7 +48,8 @@ NG_TARGET_AVX2 static inline __m128 ng_hsum4x8(__m256 a0, __m256 a1, __m256 a2, 
 
 /* 16 lanes to 8: low half + high half. */
 NG_TARGET_AVX512 static inline __m256 ng_fold16(__m512 a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    return _mm256_add_ps(_mm512_castps512_ps256(a),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
 
 /* 8 lanes: AVX2 + FMA */
@@ -75,7 +76,8 @@ NG_TARGET_AVX512 static inline __m256 ng_fold16(__m512 a) {
 #define NG_F32X16_VEC_STORE(p, v) _mm512_storeu_ps(p, v)
 #define NG_F32X16_VEC_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define NG_F32X16_VEC_HSUM(v) ng_hsum8(ng_fold16(v))
-#define NG_F32X16_VEC_HSUM4(a, b, c, d) ng_hsum4x8(ng_fold16(a), ng_fold16(b), ng_fold16(c), ng_fold16(d))
+#define NG_F32X16_VEC_HSUM4(a, b, c, d)                                                            \
+    ng_hsum4x8(ng_fold16(a), ng_fold16(b), ng_fold16(c), ng_fold16(d))
 
 /* The names of the width NG_F32_W, resolved where they are used. */
 #define NG_F32_CAT3_(a, b, c) a##b##c

@@ -109,16 +109,14 @@ TS_INLINE void ts_body_u64(const uint64_t *restrict x, int64_t n, ng_ts_part *p)
 /* One contiguous run of n elements of dtype t. */
 typedef void (*ts_contig_fn)(const void *x, int64_t n, ng_dtype t, ng_ts_part *p);
 
-#define TS_DEFINE_PATH(SFX, ATTR)                                                             \
-    ATTR static void ts_contig##SFX(const void *x, int64_t n, ng_dtype t, ng_ts_part *p) {    \
-        switch (t) {                                                                          \
-        case NG_F16:                                                                          \
-        case NG_BF16:                                                                         \
-            ts_body_u16((const uint16_t *)x, n, (uint16_t)ng_ts_exp_mask(t), p);              \
-            break;                                                                            \
-        case NG_F32: ts_body_u32((const uint32_t *)x, n, p); break;                           \
-        case NG_F64: ts_body_u64((const uint64_t *)x, n, p); break;                           \
-        }                                                                                     \
+#define TS_DEFINE_PATH(SFX, ATTR)                                                                  \
+    ATTR static void ts_contig##SFX(const void *x, int64_t n, ng_dtype t, ng_ts_part *p) {         \
+        switch (t) {                                                                               \
+        case NG_F16:                                                                               \
+        case NG_BF16: ts_body_u16((const uint16_t *)x, n, (uint16_t)ng_ts_exp_mask(t), p); break;  \
+        case NG_F32: ts_body_u32((const uint32_t *)x, n, p); break;                                \
+        case NG_F64: ts_body_u64((const uint64_t *)x, n, p); break;                                \
+        }                                                                                          \
     }
 
 TS_DEFINE_PATH(_base, )

@@ -48,8 +48,8 @@ static __device__ __forceinline__ int64_t ts_offset(const ng_tensor_stats_args &
 }
 
 /* Fold the counts and extreme bit patterns of a warp into lane 0. */
-static __device__ __forceinline__ void ts_warp_reduce(long long &c0, long long &c1, long long &c2, ts_u64 &mx,
-                                                      ts_u64 &mn) {
+static __device__ __forceinline__ void ts_warp_reduce(long long &c0, long long &c1, long long &c2,
+                                                      ts_u64 &mx, ts_u64 &mn) {
     const unsigned full = 0xffffffffu;
     for (int o = 16; o > 0; o >>= 1) {
         c0 += __shfl_down_sync(full, c0, o);
@@ -153,10 +153,18 @@ extern "C" ng_status ng_tensor_stats_cuda(const ng_tensor_stats_args *a0, void *
         NG_TRY(launch_status());
     }
     switch (a.dtype) {
-    case NG_F32: NG_LAUNCH((ts_kernel<NG_F32>), grid, TS_THREADS, 0, s, a, numel, contiguous); break;
-    case NG_F64: NG_LAUNCH((ts_kernel<NG_F64>), grid, TS_THREADS, 0, s, a, numel, contiguous); break;
-    case NG_F16: NG_LAUNCH((ts_kernel<NG_F16>), grid, TS_THREADS, 0, s, a, numel, contiguous); break;
-    case NG_BF16: NG_LAUNCH((ts_kernel<NG_BF16>), grid, TS_THREADS, 0, s, a, numel, contiguous); break;
+    case NG_F32:
+        NG_LAUNCH((ts_kernel<NG_F32>), grid, TS_THREADS, 0, s, a, numel, contiguous);
+        break;
+    case NG_F64:
+        NG_LAUNCH((ts_kernel<NG_F64>), grid, TS_THREADS, 0, s, a, numel, contiguous);
+        break;
+    case NG_F16:
+        NG_LAUNCH((ts_kernel<NG_F16>), grid, TS_THREADS, 0, s, a, numel, contiguous);
+        break;
+    case NG_BF16:
+        NG_LAUNCH((ts_kernel<NG_BF16>), grid, TS_THREADS, 0, s, a, numel, contiguous);
+        break;
     }
     return launch_status();
 }

@@ -76,7 +76,9 @@ static void check_params(ng_frame *f, const sdpa_params *p) {
 /* A 4-d float tensor with a contiguous last dim on this library's device. */
 static void check_qkv(ng_frame *f, ng_tensor *t, const char *name, const ng_tensor *q) {
     ng_check_device_dtype(f, t, name);
-    if (t->ndim != 4) ng_fail(f, "%s must be 4-d [batch, heads, seq, head_dim], got %lld dims", name, (long long)t->ndim);
+    if (t->ndim != 4)
+        ng_fail(f, "%s must be 4-d [batch, heads, seq, head_dim], got %lld dims", name,
+                (long long)t->ndim);
     if (q) {
         ng_check_same_device(f, q, "query", t, name);
         ng_check_same_dtype(f, q, "query", t, name);
@@ -99,8 +101,9 @@ static void view_mask(ng_frame *f, AtenTensorHandle h, ng_tensor *m, ng_mask_kin
 }
 
 /* Shapes of q, k, v (and the mask) into the kernel args. */
-static void fill_args(ng_frame *f, ng_attention_args *a, const ng_tensor *q, const ng_tensor *k, const ng_tensor *v,
-                      const ng_tensor *mask, ng_mask_kind kind, const sdpa_params *p) {
+static void fill_args(ng_frame *f, ng_attention_args *a, const ng_tensor *q, const ng_tensor *k,
+                      const ng_tensor *v, const ng_tensor *mask, ng_mask_kind kind,
+                      const sdpa_params *p) {
     memset(a, 0, sizeof *a);
     a->dtype = q->dtype;
     a->B = q->sizes[0];
@@ -111,20 +114,22 @@ static void fill_args(ng_frame *f, ng_attention_args *a, const ng_tensor *q, con
     a->S = k->sizes[2];
     a->Ev = v->sizes[3];
     if (k->sizes[0] != a->B || v->sizes[0] != a->B)
-        ng_fail(f, "key and value must have the batch size of query (%lld), got %lld and %lld", (long long)a->B,
-                (long long)k->sizes[0], (long long)v->sizes[0]);
+        ng_fail(f, "key and value must have the batch size of query (%lld), got %lld and %lld",
+                (long long)a->B, (long long)k->sizes[0], (long long)v->sizes[0]);
     if (k->sizes[3] != a->E)
-        ng_fail(f, "key's head dim (%lld) must equal query's (%lld)", (long long)k->sizes[3], (long long)a->E);
+        ng_fail(f, "key's head dim (%lld) must equal query's (%lld)", (long long)k->sizes[3],
+                (long long)a->E);
     if (v->sizes[1] != a->Hkv || v->sizes[2] != a->S)
-        ng_fail(f, "value must have key's heads and sequence length ([%lld, %lld]), got [%lld, %lld]",
+        ng_fail(f,
+                "value must have key's heads and sequence length ([%lld, %lld]), got [%lld, %lld]",
                 (long long)a->Hkv, (long long)a->S, (long long)v->sizes[1], (long long)v->sizes[2]);
     if (a->Hq < 1) ng_fail(f, "query must have at least one head, got %lld", (long long)a->Hq);
     if (a->Hkv < 1 || a->Hq % a->Hkv != 0)
-        ng_fail(f, "query heads (%lld) must be a multiple of key/value heads (%lld)", (long long)a->Hq,
-                (long long)a->Hkv);
+        ng_fail(f, "query heads (%lld) must be a multiple of key/value heads (%lld)",
+                (long long)a->Hq, (long long)a->Hkv);
     if (a->E < 1 || a->E > NG_ATTN_MAX_HEAD_DIM || a->Ev < 1 || a->Ev > NG_ATTN_MAX_HEAD_DIM)
-        ng_fail(f, "head dims must be in [1, %d], got query/key %lld and value %lld", NG_ATTN_MAX_HEAD_DIM,
-                (long long)a->E, (long long)a->Ev);
+        ng_fail(f, "head dims must be in [1, %d], got query/key %lld and value %lld",
+                NG_ATTN_MAX_HEAD_DIM, (long long)a->E, (long long)a->Ev);
     a->q = q->data;
     a->k = k->data;
     a->v = v->data;
@@ -136,12 +141,14 @@ static void fill_args(ng_frame *f, ng_attention_args *a, const ng_tensor *q, con
     if (mask) {
         const int64_t want[4] = {a->B, a->Hq, a->L, a->S};
         const char *dims[4] = {"batch", "heads", "query length", "key length"};
-        if (mask->ndim != 4) ng_fail(f, "attn_mask must be 4-d (broadcastable to [B, H, L, S]), got %lld dims", (long long)mask->ndim);
+        if (mask->ndim != 4)
+            ng_fail(f, "attn_mask must be 4-d (broadcastable to [B, H, L, S]), got %lld dims",
+                    (long long)mask->ndim);
         ng_check_same_device(f, q, "query", mask, "attn_mask");
         for (int d = 0; d < 4; d++) {
             if (mask->sizes[d] != want[d] && mask->sizes[d] != 1)
-                ng_fail(f, "attn_mask's %s dim is %lld; it must be %lld or 1", dims[d], (long long)mask->sizes[d],
-                        (long long)want[d]);
+                ng_fail(f, "attn_mask's %s dim is %lld; it must be %lld or 1", dims[d],
+                        (long long)mask->sizes[d], (long long)want[d]);
             a->mask_stride[d] = mask->sizes[d] == 1 ? 0 : mask->strides[d];
         }
         a->mask = mask->data;
@@ -241,12 +248,14 @@ static void sdpa_backward(StableIValue *stack, uint64_t na, uint64_t no, const c
     const int64_t osz[4] = {a.B, a.Hq, a.L, a.Ev};
     for (int d = 0; d < 4; d++) {
         if (g.sizes[d] != osz[d]) ng_fail(&f, "grad_out must have the shape of out [B, Hq, L, Ev]");
-        if (o.sizes[d] != osz[d]) ng_fail(&f, "out must have shape [B, Hq, L, Ev] (the forward's output)");
+        if (o.sizes[d] != osz[d])
+            ng_fail(&f, "out must have shape [B, Hq, L, Ev] (the forward's output)");
     }
     ng_check_same_device(&f, &q, "query", &lse, "lse");
-    if (lse.dtype != lse_dtype(q.dtype) || lse.ndim != 3 || lse.sizes[0] != a.B || lse.sizes[1] != a.Hq ||
-        lse.sizes[2] != a.L)
-        ng_fail(&f, "lse must be the forward's %s logsumexp of shape [B, Hq, L]", ng_dtype_name(lse_dtype(q.dtype)));
+    if (lse.dtype != lse_dtype(q.dtype) || lse.ndim != 3 || lse.sizes[0] != a.B ||
+        lse.sizes[1] != a.Hq || lse.sizes[2] != a.L)
+        ng_fail(&f, "lse must be the forward's %s logsumexp of shape [B, Hq, L]",
+                ng_dtype_name(lse_dtype(q.dtype)));
     ng_make_contiguous(&f, &lse);
 
     AtenTensorHandle dq = ng_empty(&f, 4, q.sizes, q.dtype, q.device_type, q.device_index);

@@ -86,11 +86,13 @@ static void gg_read_list(ng_frame *f, gg_list *l, bool mut) {
         ng_check_same_device(f, &l->scale, "inv_scale", t, "grads");
         if (k == 0) l->dtype = t->dtype;
         if (t->dtype != l->dtype)
-            ng_fail(f, "grads must all have one dtype (tensor 0 is %s, tensor %zu is %s); group "
-                       "them by dtype",
+            ng_fail(f,
+                    "grads must all have one dtype (tensor 0 is %s, tensor %zu is %s); group "
+                    "them by dtype",
                     ng_dtype_name(l->dtype), k, ng_dtype_name(t->dtype));
         if (!ng_is_contiguous(t))
-            ng_fail(f, "grads[%zu] must be contiguous%s", k, mut ? " (it is updated in place)" : "");
+            ng_fail(f, "grads[%zu] must be contiguous%s", k,
+                    mut ? " (it is updated in place)" : "");
         l->cptrs[k] = t->data;
         if (mut) l->ptrs[k] = t->mut;
         l->numels[k] = t->numel;
@@ -101,8 +103,9 @@ static void gg_read_list(ng_frame *f, gg_list *l, bool mut) {
 static void gg_check_stats(ng_frame *f, const gg_list *l, const ng_tensor *st) {
     ng_check_same_device(f, &l->scale, "inv_scale", st, "stats");
     if (st->dtype != NG_F64 || st->numel != NG_GG_NSTATS || !ng_is_contiguous(st))
-        ng_fail(f, "stats must be a contiguous float64 tensor of %d elements, as "
-                   "grad_guard_reduce returns",
+        ng_fail(f,
+                "stats must be a contiguous float64 tensor of %d elements, as "
+                "grad_guard_reduce returns",
                 (int)NG_GG_NSTATS);
 }
 
@@ -111,24 +114,26 @@ static ng_dtype gg_norm_dtype(const gg_list *l) { return l->dtype == NG_F64 ? NG
 /* Pass 1 into a new float64 [4] tensor. */
 static AtenTensorHandle gg_reduce(ng_frame *f, gg_list *l, ng_gg_norm norm) {
     int64_t four = NG_GG_NSTATS;
-    AtenTensorHandle st = ng_empty(f, 1, &four, NG_F64, l->scale.device_type, l->scale.device_index);
+    AtenTensorHandle st =
+        ng_empty(f, 1, &four, NG_F64, l->scale.device_type, l->scale.device_index);
     ng_tensor sv;
     ng_view_mut(f, st, "stats", &sv);
     const float *s = (const float *)l->scale.data;
 #ifdef NG_BUILD_CUDA
     int64_t bytes = ng_grad_guard_cuda_workspace_bytes(l->numels, (int64_t)l->n);
     int64_t words = NG_MAX(NG_CEIL_DIV(bytes, 8), 1);
-    AtenTensorHandle ws = ng_empty(f, 1, &words, NG_F64, l->scale.device_type, l->scale.device_index);
+    AtenTensorHandle ws =
+        ng_empty(f, 1, &words, NG_F64, l->scale.device_type, l->scale.device_index);
     ng_tensor wv;
     ng_view_mut(f, ws, "workspace", &wv);
     NG_KERNEL_CHECK(f, ng_grad_guard_reduce_cuda((const void *const *)l->cptrs, l->numels,
-                                                 (int64_t)l->n, l->dtype, s, norm,
-                                                 (double *)sv.mut, wv.mut, words * 8,
+                                                 (int64_t)l->n, l->dtype, s, norm, (double *)sv.mut,
+                                                 wv.mut, words * 8,
                                                  ng_cuda_current_stream(f, l->scale.device_index)));
 #else
-    NG_KERNEL_CHECK(f, ng_grad_guard_reduce((const void *const *)l->cptrs, l->numels, (int64_t)l->n,
-                                            l->dtype, s, norm, (double *)sv.mut,
-                                            ng_torch_parallel));
+    NG_KERNEL_CHECK(f,
+                    ng_grad_guard_reduce((const void *const *)l->cptrs, l->numels, (int64_t)l->n,
+                                         l->dtype, s, norm, (double *)sv.mut, ng_torch_parallel));
 #endif
     return st;
 }
@@ -136,16 +141,15 @@ static AtenTensorHandle gg_reduce(ng_frame *f, gg_list *l, ng_gg_norm norm) {
 /* Pass 2; returns the 0-dim total norm. */
 static AtenTensorHandle gg_apply(ng_frame *f, gg_list *l, const ng_tensor *stats,
                                  const ng_tensor *found_inf, double max_norm, ng_gg_norm norm) {
-    AtenTensorHandle tn = ng_empty(f, 0, NULL, gg_norm_dtype(l), l->scale.device_type,
-                                   l->scale.device_index);
+    AtenTensorHandle tn =
+        ng_empty(f, 0, NULL, gg_norm_dtype(l), l->scale.device_type, l->scale.device_index);
     ng_tensor tv;
     ng_view_mut(f, tn, "total_norm", &tv);
     const float *s = (const float *)l->scale.data;
 #ifdef NG_BUILD_CUDA
     NG_KERNEL_CHECK(f, ng_grad_guard_apply_cuda(l->ptrs, l->numels, (int64_t)l->n, l->dtype, s,
                                                 (const double *)stats->data, max_norm, norm,
-                                                (float *)found_inf->mut, tv.mut,
-                                                gg_norm_dtype(l),
+                                                (float *)found_inf->mut, tv.mut, gg_norm_dtype(l),
                                                 ng_cuda_current_stream(f, l->scale.device_index)));
 #else
     NG_KERNEL_CHECK(f, ng_grad_guard_apply(l->ptrs, l->numels, (int64_t)l->n, l->dtype, s,
@@ -157,7 +161,8 @@ static AtenTensorHandle gg_apply(ng_frame *f, gg_list *l, const ng_tensor *stats
 }
 
 static void gg_check_max_norm(ng_frame *f, double max_norm) {
-    if (!(max_norm >= 0.0)) ng_fail(f, "max_norm must be >= 0 (inf for no clipping), got %g", max_norm);
+    if (!(max_norm >= 0.0))
+        ng_fail(f, "max_norm must be >= 0 (inf for no clipping), got %g", max_norm);
 }
 
 /* grad_guard_reduce(Tensor[] grads, Tensor inv_scale, float norm_type) -> Tensor */

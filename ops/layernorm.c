@@ -96,10 +96,10 @@ static void ln_forward(StableIValue *stack, uint64_t na, uint64_t no, const char
     const int64_t cols = x.sizes[x.ndim - 1];
     const int64_t rows = leading_rows(&x);
     AtenTensorHandle y = ng_empty_like(&f, &x);
-    AtenTensorHandle mean = ng_empty(&f, x.ndim - 1, x.sizes, stat_dtype(x.dtype), x.device_type,
-                                     x.device_index);
-    AtenTensorHandle rstd = ng_empty(&f, x.ndim - 1, x.sizes, stat_dtype(x.dtype), x.device_type,
-                                     x.device_index);
+    AtenTensorHandle mean =
+        ng_empty(&f, x.ndim - 1, x.sizes, stat_dtype(x.dtype), x.device_type, x.device_index);
+    AtenTensorHandle rstd =
+        ng_empty(&f, x.ndim - 1, x.sizes, stat_dtype(x.dtype), x.device_type, x.device_index);
     ng_tensor yv, mv, rv;
     ng_view_mut(&f, y, "out", &yv);
     ng_view_mut(&f, mean, "mean", &mv);
@@ -118,7 +118,9 @@ static void ln_forward(StableIValue *stack, uint64_t na, uint64_t no, const char
         .mean = mv.mut,
         .rstd = rv.mut,
         .y = yv.mut,
-        .params_f32 = (has_w ? w.dtype : has_b ? b.dtype : x.dtype) != x.dtype,
+        .params_f32 = (has_w   ? w.dtype
+                       : has_b ? b.dtype
+                               : x.dtype) != x.dtype,
     };
 #ifdef NG_BUILD_CUDA
     NG_KERNEL_CHECK(&f, ng_layernorm_fwd_cuda(&a, ng_cuda_current_stream(&f, x.device_index)));
@@ -172,8 +174,7 @@ static void ln_backward(StableIValue *stack, uint64_t na, uint64_t no, const cha
     const char *stat_names[2] = {"mean", "rstd"};
     for (int k = 0; k < 2; k++) {
         ng_check_same_device(&f, &x, "input", stats[k], stat_names[k]);
-        if (stats[k]->dtype != stat_dtype(x.dtype) ||
-            stats[k]->numel != rows)
+        if (stats[k]->dtype != stat_dtype(x.dtype) || stats[k]->numel != rows)
             ng_fail(&f, "%s must be the %s statistics of input (%s, one per row)", stat_names[k],
                     ng_dtype_name(stat_dtype(x.dtype)), stat_names[k]);
     }

@@ -70,15 +70,16 @@ static void make_build_id(void) {
  * writes why into ng_load_err, naming both builds. */
 static int check_core_build(void) {
     Dl_info self;
-    const char *self_path = dladdr((void *)ng_build_id, &self) && self.dli_fname ? self.dli_fname
-                                                                                 : "libnanguard_cuda.so";
+    const char *self_path = dladdr((void *)ng_build_id, &self) && self.dli_fname
+                                ? self.dli_fname
+                                : "libnanguard_cuda.so";
     void *core = dlopen("libnanguard.so", RTLD_NOW | RTLD_NOLOAD);
     typedef const char *(*id_fn)(void);
     id_fn core_id = core ? (id_fn)dlsym(core, "ng_build_id") : NULL;
     if (!core_id) {
         if (core) dlclose(core);
-        snprintf(ng_load_err, sizeof ng_load_err,
-                 "%s (build %s) needs libnanguard.so loaded first", self_path, ng_id);
+        snprintf(ng_load_err, sizeof ng_load_err, "%s (build %s) needs libnanguard.so loaded first",
+                 self_path, ng_id);
         return 1;
     }
     Dl_info info;
@@ -103,16 +104,19 @@ __attribute__((constructor)) static void ng_load(void) {
     if (have < NG_TORCH_TARGET_VERSION) {
         snprintf(ng_load_err, sizeof ng_load_err,
                  "nanguard needs PyTorch >= %d.%d (stable ABI); this process runs PyTorch %d.%d",
-                 (int)(NG_TORCH_TARGET_VERSION >> 56), (int)((NG_TORCH_TARGET_VERSION >> 48) & 0xff),
-                 (int)(have >> 56), (int)((have >> 48) & 0xff));
+                 (int)(NG_TORCH_TARGET_VERSION >> 56),
+                 (int)((NG_TORCH_TARGET_VERSION >> 48) & 0xff), (int)(have >> 56),
+                 (int)((have >> 48) & 0xff));
         return;
     }
-    ng_registrar r = {.schema_hash = NG_SCHEMA_HASH_INIT, .err = ng_load_err, .errlen = sizeof ng_load_err};
+    ng_registrar r = {
+        .schema_hash = NG_SCHEMA_HASH_INIT, .err = ng_load_err, .errlen = sizeof ng_load_err};
 #ifdef NG_BUILD_CUDA
     if (check_core_build() != 0) return;
     if (!ng_cuda_stream_available()) {
-        snprintf(ng_load_err, sizeof ng_load_err,
-                 "libnanguard_cuda: this PyTorch has no CUDA support (libtorch_cuda.so not loaded)");
+        snprintf(
+            ng_load_err, sizeof ng_load_err,
+            "libnanguard_cuda: this PyTorch has no CUDA support (libtorch_cuda.so not loaded)");
         return;
     }
     /* A driver older than the runtime this library was built with would fail

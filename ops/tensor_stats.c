@@ -32,7 +32,8 @@ static void ts_boxed(StableIValue *stack, uint64_t na, uint64_t no) {
     ng_tensor x, counts, values;
     ng_view(&f, ng_arg_tensor(&f, "x"), "x", &x);
     /* counts is int64: the view without ng_view's floating-dtype check */
-    const int32_t counts_dtype = ng_view_raw_mut(&f, ng_arg_tensor(&f, "counts"), "counts", &counts);
+    const int32_t counts_dtype =
+        ng_view_raw_mut(&f, ng_arg_tensor(&f, "counts"), "counts", &counts);
     ng_view_mut(&f, ng_arg_tensor(&f, "values"), "values", &values);
     const int64_t slot = ng_arg_int(&f, "slot");
 

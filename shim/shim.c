@@ -23,7 +23,7 @@ const char *ng_kernel_error_detail(void) { return ""; }
 #endif
 
 _Static_assert(NG_SCHEMA_MAX_ARGS <= NG_FRAME_INLINE,
-              "ng_take_args keeps every Tensor argument in the frame's inline slots");
+               "ng_take_args keeps every Tensor argument in the frame's inline slots");
 
 static _Thread_local bool ng_par_failed;
 
@@ -133,10 +133,10 @@ void ng_take_args(ng_frame *f, const char *name, const StableIValue *stack, uint
     if (!sc) ng_fail(f, "no schema was registered for %s", name);
     const size_t nk = (size_t)sc->num_args;
     if (num_args != nk || num_outputs != (uint64_t)sc->num_returns)
-        ng_fail(f, "called with %llu arguments and %llu outputs but this library's schema has %zu "
-                   "and %d: the loaded nanguard libraries come from different builds",
-                (unsigned long long)num_args, (unsigned long long)num_outputs, nk,
-                sc->num_returns);
+        ng_fail(f,
+                "called with %llu arguments and %llu outputs but this library's schema has %zu "
+                "and %d: the loaded nanguard libraries come from different builds",
+                (unsigned long long)num_args, (unsigned long long)num_outputs, nk, sc->num_returns);
     f->schema = sc;
     f->stack = stack;
     int list_at = -1;
@@ -204,8 +204,8 @@ static uint64_t arg_at(ng_frame *f, const char *name, ng_arg_kind k) {
         ng_fail(f, "internal error: the schema of %s has no argument %s",
                 f->schema ? f->schema->name : "(not taken)", name);
     if (f->schema->args[i].kind != k)
-        ng_fail(f, "internal error: argument %s of %s is a %s, read as a %s", name,
-                f->schema->name, kind_name(f->schema->args[i].kind), kind_name(k));
+        ng_fail(f, "internal error: argument %s of %s is a %s, read as a %s", name, f->schema->name,
+                kind_name(f->schema->args[i].kind), kind_name(k));
     return (uint64_t)i;
 }
 
@@ -342,8 +342,8 @@ void ng_check_same_device(ng_frame *f, const ng_tensor *a, const char *an, const
                           const char *bn) {
     if (a->device_type != b->device_type || a->device_index != b->device_index)
         ng_fail(f, "%s is on %s:%d but %s is on %s:%d; both must be on the same device", bn,
-                device_name(b->device_type), (int)b->device_index, an,
-                device_name(a->device_type), (int)a->device_index);
+                device_name(b->device_type), (int)b->device_index, an, device_name(a->device_type),
+                (int)a->device_index);
 }
 
 void ng_check_same_dtype(ng_frame *f, const ng_tensor *a, const char *an, const ng_tensor *b,
@@ -358,8 +358,10 @@ void ng_check_device_dtype(ng_frame *f, const ng_tensor *t, const char *name) {
     if (t->device_type != ng_device_cuda())
         ng_fail(f, "%s must be a CUDA tensor here (got %s)", name, device_name(t->device_type));
     if (t->dtype == NG_F64)
-        ng_fail(f, "%s: float64 is supported on the CPU only (use float32, float16 or bfloat16 "
-                   "on CUDA)", name);
+        ng_fail(f,
+                "%s: float64 is supported on the CPU only (use float32, float16 or bfloat16 "
+                "on CUDA)",
+                name);
 #else
     if (t->device_type != ng_device_cpu())
         ng_fail(f, "%s must be a CPU tensor here (got %s)", name, device_name(t->device_type));
@@ -417,7 +419,8 @@ void *ng_scratch(ng_frame *f, int64_t bytes, const ng_tensor *like) {
     if (bytes <= 0) return NULL;
     const int64_t n = NG_CEIL_DIV(bytes, (int64_t)sizeof(float));
     ng_tensor v;
-    ng_view_mut(f, ng_empty(f, 1, &n, NG_F32, like->device_type, like->device_index), "scratch", &v);
+    ng_view_mut(f, ng_empty(f, 1, &n, NG_F32, like->device_type, like->device_index), "scratch",
+                &v);
     return v.mut;
 }
 
@@ -496,8 +499,7 @@ __attribute__((visibility("default"))) int ng_selftest_parallel_failure(void) {
 
 static void record_failure(ng_registrar *r, const char *what, const char *name) {
     if (r->err && r->errlen && !r->err[0])
-        snprintf(r->err, r->errlen, "could not %s %s%s", what, name,
-                 r->cuda ? " for CUDA" : "");
+        snprintf(r->err, r->errlen, "could not %s %s%s", what, name, r->cuda ? " for CUDA" : "");
 }
 
 void ng_def(ng_registrar *r, const char *schema) {

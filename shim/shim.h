@@ -49,53 +49,52 @@ typedef void (*ParallelFunc)(int64_t begin, int64_t end, void *ctx);
 #define NG_ABI_FN(ret, name, params) ret name params;
 #endif
 
-#define NG_SHIM_FUNCTIONS(X)                                                                  \
-    X(uint64_t, aoti_torch_abi_version, (void))                                               \
-    X(int32_t, aoti_torch_device_type_cpu, (void))                                            \
-    X(int32_t, aoti_torch_device_type_cuda, (void))                                           \
-    X(int32_t, aoti_torch_dtype_float16, (void))                                              \
-    X(int32_t, aoti_torch_dtype_bfloat16, (void))                                             \
-    X(int32_t, aoti_torch_dtype_float32, (void))                                              \
-    X(int32_t, aoti_torch_dtype_float64, (void))                                              \
-    X(int32_t, aoti_torch_dtype_int64, (void))                                                \
-    X(int32_t, aoti_torch_dtype_bool, (void))                                                 \
-    X(int32_t, aoti_torch_layout_strided, (void))                                             \
-    X(AOTITorchError, aoti_torch_delete_tensor_object, (AtenTensorHandle tensor))             \
-    X(AOTITorchError, torch_get_const_data_ptr, (AtenTensorHandle tensor, const void **ret))  \
-    X(AOTITorchError, torch_get_mutable_data_ptr, (AtenTensorHandle tensor, void **ret))      \
-    X(AOTITorchError, aoti_torch_get_dim, (AtenTensorHandle tensor, int64_t *ret))            \
-    X(AOTITorchError, aoti_torch_get_numel, (AtenTensorHandle tensor, int64_t *ret))          \
-    X(AOTITorchError, aoti_torch_get_sizes, (AtenTensorHandle tensor, int64_t **ret))         \
-    X(AOTITorchError, aoti_torch_get_strides, (AtenTensorHandle tensor, int64_t **ret))       \
-    X(AOTITorchError, aoti_torch_get_dtype, (AtenTensorHandle tensor, int32_t *ret))          \
-    X(AOTITorchError, aoti_torch_get_device_type, (AtenTensorHandle tensor, int32_t *ret))    \
-    X(AOTITorchError, aoti_torch_get_device_index, (AtenTensorHandle tensor, int32_t *ret))   \
-    X(AOTITorchError, aoti_torch_get_layout, (AtenTensorHandle tensor, int32_t *ret))         \
-    X(AOTITorchError, aoti_torch_empty_strided,                                               \
-      (int64_t ndim, const int64_t *sizes, const int64_t *strides, int32_t dtype,             \
-       int32_t device_type, int32_t device_index, AtenTensorHandle *ret))                     \
-    X(AOTITorchError, aoti_torch_copy_,                                                       \
-      (AtenTensorHandle self, AtenTensorHandle src, int32_t non_blocking))                    \
-    X(AOTITorchError, aoti_torch_zero_, (AtenTensorHandle self))                              \
-    X(AOTITorchError, aoti_torch_create_device_guard,                                         \
-      (int32_t device_index, DeviceGuardHandle *ret))                                         \
-    X(AOTITorchError, aoti_torch_delete_device_guard, (DeviceGuardHandle guard))              \
-    X(AOTITorchError, aoti_torch_library_init_def,                                            \
-      (const char *ns, const char *file, uint32_t line, TorchLibraryHandle *ret))             \
-    X(AOTITorchError, aoti_torch_library_init_impl,                                           \
-      (const char *ns, const char *k, const char *file, uint32_t line,                        \
-       TorchLibraryHandle *ret))                                                              \
-    X(AOTITorchError, aoti_torch_library_def, (TorchLibraryHandle self, const char *schema))  \
-    X(AOTITorchError, torch_library_impl,                                                     \
-      (TorchLibraryHandle self, const char *name,                                             \
-       void (*fn)(StableIValue *, uint64_t, uint64_t), uint64_t extension_build_version))     \
-    X(AOTITorchError, torch_list_size, (StableListHandle list, size_t *size))                 \
-    X(AOTITorchError, torch_list_get_item,                                                    \
-      (StableListHandle list, size_t index, StableIValue *element))                           \
-    X(AOTITorchError, torch_delete_list, (StableListHandle list))                             \
-    X(AOTITorchError, torch_parallel_for,                                                     \
-      (int64_t begin, int64_t end, int64_t grain, ParallelFunc fn, void *ctx))                \
-    X(void, aoti_torch_check,                                                                 \
+#define NG_SHIM_FUNCTIONS(X)                                                                       \
+    X(uint64_t, aoti_torch_abi_version, (void))                                                    \
+    X(int32_t, aoti_torch_device_type_cpu, (void))                                                 \
+    X(int32_t, aoti_torch_device_type_cuda, (void))                                                \
+    X(int32_t, aoti_torch_dtype_float16, (void))                                                   \
+    X(int32_t, aoti_torch_dtype_bfloat16, (void))                                                  \
+    X(int32_t, aoti_torch_dtype_float32, (void))                                                   \
+    X(int32_t, aoti_torch_dtype_float64, (void))                                                   \
+    X(int32_t, aoti_torch_dtype_int64, (void))                                                     \
+    X(int32_t, aoti_torch_dtype_bool, (void))                                                      \
+    X(int32_t, aoti_torch_layout_strided, (void))                                                  \
+    X(AOTITorchError, aoti_torch_delete_tensor_object, (AtenTensorHandle tensor))                  \
+    X(AOTITorchError, torch_get_const_data_ptr, (AtenTensorHandle tensor, const void **ret))       \
+    X(AOTITorchError, torch_get_mutable_data_ptr, (AtenTensorHandle tensor, void **ret))           \
+    X(AOTITorchError, aoti_torch_get_dim, (AtenTensorHandle tensor, int64_t *ret))                 \
+    X(AOTITorchError, aoti_torch_get_numel, (AtenTensorHandle tensor, int64_t *ret))               \
+    X(AOTITorchError, aoti_torch_get_sizes, (AtenTensorHandle tensor, int64_t **ret))              \
+    X(AOTITorchError, aoti_torch_get_strides, (AtenTensorHandle tensor, int64_t **ret))            \
+    X(AOTITorchError, aoti_torch_get_dtype, (AtenTensorHandle tensor, int32_t *ret))               \
+    X(AOTITorchError, aoti_torch_get_device_type, (AtenTensorHandle tensor, int32_t *ret))         \
+    X(AOTITorchError, aoti_torch_get_device_index, (AtenTensorHandle tensor, int32_t *ret))        \
+    X(AOTITorchError, aoti_torch_get_layout, (AtenTensorHandle tensor, int32_t *ret))              \
+    X(AOTITorchError, aoti_torch_empty_strided,                                                    \
+      (int64_t ndim, const int64_t *sizes, const int64_t *strides, int32_t dtype,                  \
+       int32_t device_type, int32_t device_index, AtenTensorHandle *ret))                          \
+    X(AOTITorchError, aoti_torch_copy_,                                                            \
+      (AtenTensorHandle self, AtenTensorHandle src, int32_t non_blocking))                         \
+    X(AOTITorchError, aoti_torch_zero_, (AtenTensorHandle self))                                   \
+    X(AOTITorchError, aoti_torch_create_device_guard,                                              \
+      (int32_t device_index, DeviceGuardHandle *ret))                                              \
+    X(AOTITorchError, aoti_torch_delete_device_guard, (DeviceGuardHandle guard))                   \
+    X(AOTITorchError, aoti_torch_library_init_def,                                                 \
+      (const char *ns, const char *file, uint32_t line, TorchLibraryHandle *ret))                  \
+    X(AOTITorchError, aoti_torch_library_init_impl,                                                \
+      (const char *ns, const char *k, const char *file, uint32_t line, TorchLibraryHandle *ret))   \
+    X(AOTITorchError, aoti_torch_library_def, (TorchLibraryHandle self, const char *schema))       \
+    X(AOTITorchError, torch_library_impl,                                                          \
+      (TorchLibraryHandle self, const char *name, void (*fn)(StableIValue *, uint64_t, uint64_t),  \
+       uint64_t extension_build_version))                                                          \
+    X(AOTITorchError, torch_list_size, (StableListHandle list, size_t *size))                      \
+    X(AOTITorchError, torch_list_get_item,                                                         \
+      (StableListHandle list, size_t index, StableIValue *element))                                \
+    X(AOTITorchError, torch_delete_list, (StableListHandle list))                                  \
+    X(AOTITorchError, torch_parallel_for,                                                          \
+      (int64_t begin, int64_t end, int64_t grain, ParallelFunc fn, void *ctx))                     \
+    X(void, aoti_torch_check,                                                                      \
       (bool cond, const char *func, const char *file, uint32_t line, const char *msg))
 
 #ifndef NG_SHIM_NO_DECLS
@@ -166,21 +165,24 @@ const char *ng_kernel_error_detail(void);
  * twice would apply twice). */
 bool ng_parallel_failed(void);
 /* Raise on a failed stable-ABI call or kernel status. */
-#define NG_SHIM_CHECK(f, call)                                                              \
-    do {                                                                                    \
-        if ((call) != 0) ng_fail((f), "PyTorch call failed: %s (%s:%d)", #call, __FILE__, __LINE__); \
+#define NG_SHIM_CHECK(f, call)                                                                     \
+    do {                                                                                           \
+        if ((call) != 0)                                                                           \
+            ng_fail((f), "PyTorch call failed: %s (%s:%d)", #call, __FILE__, __LINE__);            \
     } while (0)
-#define NG_KERNEL_CHECK(f, call)                                                            \
-    do {                                                                                    \
-        ng_status ng_ks_ = (call);                                                          \
-        if (ng_ks_ != NG_OK)                                                                \
-            ng_fail((f), "kernel failed: %s%s%s (%s) at %s:%d", ng_status_str(ng_ks_),       \
-                    ng_ks_ == NG_ERR_CUDA ? ": " : "",                                      \
-                    ng_ks_ == NG_ERR_CUDA ? ng_kernel_error_detail() : "", #call, __FILE__, \
-                    __LINE__);                                                              \
-        if (ng_parallel_failed())                                                           \
-            ng_fail((f), "PyTorch's thread pool failed while running %s; its outputs are "  \
-                    "incomplete (nothing was re-run)", #call);                              \
+#define NG_KERNEL_CHECK(f, call)                                                                   \
+    do {                                                                                           \
+        ng_status ng_ks_ = (call);                                                                 \
+        if (ng_ks_ != NG_OK)                                                                       \
+            ng_fail((f), "kernel failed: %s%s%s (%s) at %s:%d", ng_status_str(ng_ks_),             \
+                    ng_ks_ == NG_ERR_CUDA ? ": " : "",                                             \
+                    ng_ks_ == NG_ERR_CUDA ? ng_kernel_error_detail() : "", #call, __FILE__,        \
+                    __LINE__);                                                                     \
+        if (ng_parallel_failed())                                                                  \
+            ng_fail((f),                                                                           \
+                    "PyTorch's thread pool failed while running %s; its outputs are "              \
+                    "incomplete (nothing was re-run)",                                             \
+                    #call);                                                                        \
     } while (0)
 
 /* Reading the boxed stack.

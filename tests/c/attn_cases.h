@@ -88,9 +88,7 @@ static inline void *at_view(const atensor *x, void *buf) {
     return buf ? (char *)buf + (size_t)x->shift * x->es : NULL;
 }
 
-static inline size_t at_bytes(const atensor *x) {
-    return (size_t)x->span * x->es;
-}
+static inline size_t at_bytes(const atensor *x) { return (size_t)x->span * x->es; }
 
 /* Element (b, h, n, d) of the host buffer. */
 static inline double at_get(const atensor *x, ng_dtype t, int64_t b, int64_t h, int64_t n,

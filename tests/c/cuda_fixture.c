@@ -40,14 +40,26 @@ static int g_cases, g_cases_failed;
  * attention on the SIMT kernels, every mask kind, dropout, GQA, ragged
  * tails, NaN rows and empty sizes; the decode kernel at head dim 256 in
  * sm_75's 64 KiB of shared memory. */
-static const char *const SET_SM75[] = {
-    "E64_L64_S129",         "E128_L129_S7_causal",      "E64_L1_S1",
-    "E128_L7_S64",          "bool_full_rows_E64",       "neginf_full_rows_E64_gqa",
-    "lowest_LS_causal_E128", "f32_mask_E64",            "clamp_softcap_E64_gqa",
-    "dropout_E64",          "dropout_bool_E40",         "shifted_base_E64",
-    "nan_in_q_causal_mask_E64", "nan_in_dout_pad_mask_E128", "empty_S",
-    "empty_L",              "rejects",                  "decode_L1_gqa_bool_pad",
-    "decode_L2_E256_gqa",   NULL};
+static const char *const SET_SM75[] = {"E64_L64_S129",
+                                       "E128_L129_S7_causal",
+                                       "E64_L1_S1",
+                                       "E128_L7_S64",
+                                       "bool_full_rows_E64",
+                                       "neginf_full_rows_E64_gqa",
+                                       "lowest_LS_causal_E128",
+                                       "f32_mask_E64",
+                                       "clamp_softcap_E64_gqa",
+                                       "dropout_E64",
+                                       "dropout_bool_E40",
+                                       "shifted_base_E64",
+                                       "nan_in_q_causal_mask_E64",
+                                       "nan_in_dout_pad_mask_E128",
+                                       "empty_S",
+                                       "empty_L",
+                                       "rejects",
+                                       "decode_L1_gqa_bool_pad",
+                                       "decode_L2_E256_gqa",
+                                       NULL};
 
 /* Named filter lists, for --set=NAME. */
 static const struct {
@@ -112,9 +124,7 @@ void fail(const char *fmt, ...) {
     fprintf(stderr, "\n");
 }
 
-void count_check(void) {
-    ng_test_checks++;
-}
+void count_check(void) { ng_test_checks++; }
 
 /* Compare rows x cols values (see the header for the rule). rowscale, when
  * given, replaces each row's own largest |ref| in the afrac term. */
@@ -160,8 +170,7 @@ void close_rows(const char *what, const double *got, const double *ref, int64_t 
 
 double *to_f64(const void *src, ng_dtype t, int64_t n) {
     double *d = calloc((size_t)(n + 1), sizeof(double));
-    for (int64_t i = 0; i < n; i++)
-        d[i] = ng_load_f64(src, t, i);
+    for (int64_t i = 0; i < n; i++) d[i] = ng_load_f64(src, t, i);
     return d;
 }
 

@@ -83,9 +83,7 @@ void close_rows(const char *what, const double *got, const double *ref, int64_t 
 /* n values of type t as a malloc'd fp64 array. */
 double *to_f64(const void *src, ng_dtype t, int64_t n);
 /* uniform in [0, 1) */
-static inline double urand(ng_rng *r) {
-    return 0.5 * (ng_rng_unif(r) + 1.0);
-}
+static inline double urand(ng_rng *r) { return 0.5 * (ng_rng_unif(r) + 1.0); }
 
 /* ---- device plumbing ------------------------------------------------------ */
 

@@ -34,14 +34,13 @@ static inline double ng_rng_unif(ng_rng *r) {
 
 /* Compare n values; report the first few mismatches under `what`. NaN in the
  * reference must be NaN in the result (and vice versa). */
-static inline int ng_expect_close(const char *what, const double *got, const double *ref,
-                                  int64_t n, double atol, double rtol) {
+static inline int ng_expect_close(const char *what, const double *got, const double *ref, int64_t n,
+                                  double atol, double rtol) {
     int bad = 0;
     double worst = 0.0;
     for (int64_t i = 0; i < n; i++) {
         double d = fabs(got[i] - ref[i]);
-        int ok = (isnan(ref[i]) && isnan(got[i])) ||
-                 (isinf(ref[i]) && got[i] == ref[i]) ||
+        int ok = (isnan(ref[i]) && isnan(got[i])) || (isinf(ref[i]) && got[i] == ref[i]) ||
                  (isfinite(got[i]) && d <= atol + rtol * fabs(ref[i]));
         if (!ok) {
             if (bad < 3)
@@ -61,18 +60,18 @@ static inline int ng_expect_close(const char *what, const double *got, const dou
     return bad == 0;
 }
 
-#define NG_EXPECT(cond)                                                                  \
-    do {                                                                                 \
-        ng_test_checks++;                                                                \
-        if (!(cond)) {                                                                   \
-            fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);              \
-            ng_test_failures++;                                                          \
-        }                                                                                \
+#define NG_EXPECT(cond)                                                                            \
+    do {                                                                                           \
+        ng_test_checks++;                                                                          \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);                        \
+            ng_test_failures++;                                                                    \
+        }                                                                                          \
     } while (0)
 
 /* Run body once per CPU path this machine supports. */
-#define NG_FOR_EACH_ISA(isa_var)                                                         \
-    for (int isa_var = NG_ISA_BASELINE; isa_var <= (int)ng_cpu_isa_supported(); isa_var++) \
+#define NG_FOR_EACH_ISA(isa_var)                                                                   \
+    for (int isa_var = NG_ISA_BASELINE; isa_var <= (int)ng_cpu_isa_supported(); isa_var++)         \
         if (ng_cpu_isa_set((ng_cpu_isa)isa_var) == NG_OK)
 
 static inline int ng_test_finish(const char *name) {

@@ -22,15 +22,15 @@
 #include "tests/c/ng_test.h"
 
 /* NG_EXPECT with a printf-style explanation. */
-#define CHECK(cond, ...)                                                                     \
-    do {                                                                                     \
-        ng_test_checks++;                                                                    \
-        if (!(cond)) {                                                                       \
-            ng_test_failures++;                                                              \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                  \
-            fprintf(stderr, __VA_ARGS__);                                                    \
-            fprintf(stderr, "\n");                                                           \
-        }                                                                                    \
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        ng_test_checks++;                                                                          \
+        if (!(cond)) {                                                                             \
+            ng_test_failures++;                                                                    \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fprintf(stderr, "\n");                                                                 \
+        }                                                                                          \
     } while (0)
 
 /* ---- tolerances: |d| <= aabs + rtol * |ref| (tolerance.h, afrac 0) ------- */
@@ -62,16 +62,17 @@ static void test_philox(void) {
     /* Random123 kat_vectors, philox4x32 10 */
     static const uint32_t v[3][10] = {
         {0, 0, 0, 0, 0, 0, 0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8},
-        {0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0x408f276d, 0x41c83b0e,
-         0xa20bc7c6, 0x6d5451fd},
-        {0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344, 0xa4093822, 0x299f31d0, 0xd16cfe09, 0x94fdcceb,
-         0x5001e420, 0x24126ea1},
+        {0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0x408f276d,
+         0x41c83b0e, 0xa20bc7c6, 0x6d5451fd},
+        {0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344, 0xa4093822, 0x299f31d0, 0xd16cfe09,
+         0x94fdcceb, 0x5001e420, 0x24126ea1},
     };
     for (int t = 0; t < 3; t++) {
         uint32_t out[4];
         ng_philox4x32_10(v[t], v[t] + 4, out);
         for (int w = 0; w < 4; w++)
-            CHECK(out[w] == v[t][6 + w], "philox KAT %d word %d: %08x != %08x", t, w, out[w], v[t][6 + w]);
+            CHECK(out[w] == v[t][6 + w], "philox KAT %d word %d: %08x != %08x", t, w, out[w],
+                  v[t][6 + w]);
     }
     /* keep rate of the dropout stream */
     const float p = 0.3f;
@@ -94,19 +95,24 @@ static void test_math(void) {
             double c = caps[ci], h = 1e-6;
             double fd = (ng_attn_softcap_f64(s + h, c) - ng_attn_softcap_f64(s - h, c)) / (2 * h);
             double g = ng_attn_softcap_grad_f64(s, c);
-            CHECK(fabs(fd - g) <= 1e-6 + 1e-6 * fabs(g), "softcap' at s=%g c=%g: %g vs fd %g", s, c, g, fd);
+            CHECK(fabs(fd - g) <= 1e-6 + 1e-6 * fabs(g), "softcap' at s=%g c=%g: %g vs fd %g", s, c,
+                  g, fd);
             float gf = ng_attn_softcap_grad_f32((float)s, (float)c);
             CHECK(fabs(gf - g) <= 1e-5, "softcap'_f32 at s=%g c=%g: %g vs %g", s, c, gf, g);
             double gt = ng_attn_transform_grad_f64(s, 3.0, c);
-            double fdt = (ng_attn_transform_f64(s + h, 3.0, c) - ng_attn_transform_f64(s - h, 3.0, c)) / (2 * h);
+            double fdt =
+                (ng_attn_transform_f64(s + h, 3.0, c) - ng_attn_transform_f64(s - h, 3.0, c)) /
+                (2 * h);
             if (fabs(fabs(s) - 3.0) > 1e-3)
-                CHECK(fabs(fdt - gt) <= 1e-6 + 1e-6 * fabs(gt), "transform' at s=%g: %g vs fd %g", s, gt, fdt);
+                CHECK(fabs(fdt - gt) <= 1e-6 + 1e-6 * fabs(gt), "transform' at s=%g: %g vs fd %g",
+                      s, gt, fdt);
         }
     CHECK(ng_attn_clamp_f32(70000.0f, 50.0f) == 50.0f, "clamp high");
     CHECK(ng_attn_clamp_f32(-INFINITY, 50.0f) == -50.0f, "clamp -inf");
     CHECK(isnan(ng_attn_clamp_f32(NAN, 50.0f)), "clamp keeps NaN");
     CHECK(ng_attn_clamp_f32(1e30f, 0.0f) == 1e30f, "clamp off");
-    CHECK(ng_attn_clamp_grad_f32(60.0f, 50.0f) == 0.0f && ng_attn_clamp_grad_f32(10.0f, 50.0f) == 1.0f,
+    CHECK(ng_attn_clamp_grad_f32(60.0f, 50.0f) == 0.0f &&
+              ng_attn_clamp_grad_f32(10.0f, 50.0f) == 1.0f,
           "clamp'");
     CHECK(isnan(ng_attn_softcap_f32(NAN, 5.0f)), "softcap keeps NaN");
     CHECK(ng_attn_softcap_f32(INFINITY, 5.0f) == 5.0f, "softcap(inf) = cap");
@@ -119,8 +125,10 @@ static void test_math(void) {
     CHECK(isnan(ng_attn_lse_f32(NAN, NAN)), "lse NaN");
     CHECK(ng_attn_inv_sum_f32(0.0f) == 0.0f, "1/l of empty row is 0");
     CHECK(ng_attn_prob_f32(-INFINITY, -INFINITY) == 0.0f, "prob in empty row");
-    CHECK(isnan(ng_attn_max_nan_f32(1.0f, NAN)) && isnan(ng_attn_max_nan_f32(NAN, 1.0f)), "max keeps NaN");
-    CHECK(ng_attn_max_nan_f32(-INFINITY, 2.0f) == 2.0f && ng_attn_max_nan_f32(3.0f, 2.0f) == 3.0f, "max");
+    CHECK(isnan(ng_attn_max_nan_f32(1.0f, NAN)) && isnan(ng_attn_max_nan_f32(NAN, 1.0f)),
+          "max keeps NaN");
+    CHECK(ng_attn_max_nan_f32(-INFINITY, 2.0f) == 2.0f && ng_attn_max_nan_f32(3.0f, 2.0f) == 3.0f,
+          "max");
     /* mask conventions */
     uint8_t bm[2] = {0, 1};
     CHECK(ng_attn_mask_value(bm, NG_MASK_BOOL, NG_F32, 0) == -INFINITY, "bool false masks");
@@ -159,12 +167,15 @@ typedef struct refout {
 } refout;
 
 /* The fp64 reference. masked[b,h,i,j] (dense) and addv (dense) describe the mask. */
-static void reference(const acase *c, ng_dtype t, const atensor *q, const atensor *k, const atensor *v,
-                      const atensor *dout, const uint8_t *masked, const double *addv, double scale, uint64_t seed,
-                      uint64_t offset, refout *r) {
-    const int64_t B = c->B, Hq = c->Hq, L = c->L, S = c->S, E = c->E, Ev = c->Ev, grp = c->Hq / c->Hkv;
-    double *s = malloc(sizeof(double) * (size_t)(S + 1)), *raw = malloc(sizeof(double) * (size_t)(S + 1));
-    double *p = malloc(sizeof(double) * (size_t)(S + 1)), *kp = malloc(sizeof(double) * (size_t)(S + 1));
+static void reference(const acase *c, ng_dtype t, const atensor *q, const atensor *k,
+                      const atensor *v, const atensor *dout, const uint8_t *masked,
+                      const double *addv, double scale, uint64_t seed, uint64_t offset, refout *r) {
+    const int64_t B = c->B, Hq = c->Hq, L = c->L, S = c->S, E = c->E, Ev = c->Ev,
+                  grp = c->Hq / c->Hkv;
+    double *s = malloc(sizeof(double) * (size_t)(S + 1)),
+           *raw = malloc(sizeof(double) * (size_t)(S + 1));
+    double *p = malloc(sizeof(double) * (size_t)(S + 1)),
+           *kp = malloc(sizeof(double) * (size_t)(S + 1));
     double *dp = malloc(sizeof(double) * (size_t)(S + 1));
     double inv = 1.0 / (1.0 - c->dropout);
     for (int64_t b = 0; b < B; b++)
@@ -174,7 +185,8 @@ static void reference(const acase *c, ng_dtype t, const atensor *q, const atenso
                 double mx = -INFINITY;
                 for (int64_t j = 0; j < S; j++) {
                     double d = 0;
-                    for (int64_t e = 0; e < E; e++) d += get(q, t, b, h, i, e) * get(k, t, b, hk, j, e);
+                    for (int64_t e = 0; e < E; e++)
+                        d += get(q, t, b, h, i, e) * get(k, t, b, hk, j, e);
                     raw[j] = scale * d;
                     double x = raw[j];
                     if (c->max_score > 0) x = fmin(fmax(x, -c->max_score), c->max_score);
@@ -187,8 +199,10 @@ static void reference(const acase *c, ng_dtype t, const atensor *q, const atenso
                     s[j] = x;
                     if (x > mx) mx = x;
                     uint64_t e64 = (uint64_t)mi;
-                    kp[j] = c->dropout > 0 ? (ng_attn_dropout_keep(seed, offset, e64, (float)c->dropout) ? inv : 0.0)
-                                           : 1.0;
+                    kp[j] = c->dropout > 0
+                                ? (ng_attn_dropout_keep(seed, offset, e64, (float)c->dropout) ? inv
+                                                                                              : 0.0)
+                                : 1.0;
                 }
                 double l = 0;
                 for (int64_t j = 0; j < S; j++) {
@@ -201,7 +215,8 @@ static void reference(const acase *c, ng_dtype t, const atensor *q, const atenso
                 double D = 0;
                 for (int64_t j = 0; j < S; j++) {
                     dp[j] = 0;
-                    for (int64_t d = 0; d < Ev; d++) dp[j] += get(dout, t, b, h, i, d) * get(v, t, b, hk, j, d);
+                    for (int64_t d = 0; d < Ev; d++)
+                        dp[j] += get(dout, t, b, h, i, d) * get(v, t, b, hk, j, d);
                     D += p[j] * kp[j] * dp[j];
                 }
                 for (int64_t d = 0; d < Ev; d++) {
@@ -212,7 +227,8 @@ static void reference(const acase *c, ng_dtype t, const atensor *q, const atenso
                 for (int64_t j = 0; j < S; j++) {
                     double g = 1.0;
                     if (c->max_score > 0 && fabs(raw[j]) > c->max_score) g = 0.0;
-                    double x = c->max_score > 0 ? fmin(fmax(raw[j], -c->max_score), c->max_score) : raw[j];
+                    double x =
+                        c->max_score > 0 ? fmin(fmax(raw[j], -c->max_score), c->max_score) : raw[j];
                     if (c->softcap > 0) {
                         double th = tanh(x / c->softcap);
                         g *= 1.0 - th * th;
@@ -223,17 +239,22 @@ static void reference(const acase *c, ng_dtype t, const atensor *q, const atenso
                         r->dq[ro * E + e] += ds * get(k, t, b, hk, j, e);
                         r->dk[kro * E + e] += ds * get(q, t, b, h, i, e);
                     }
-                    for (int64_t d = 0; d < Ev; d++) r->dv[kro * Ev + d] += p[j] * kp[j] * get(dout, t, b, h, i, d);
+                    for (int64_t d = 0; d < Ev; d++)
+                        r->dv[kro * Ev + d] += p[j] * kp[j] * get(dout, t, b, h, i, d);
                 }
             }
         }
-    free(s); free(raw); free(p); free(kp); free(dp);
+    free(s);
+    free(raw);
+    free(p);
+    free(kp);
+    free(dp);
 }
 
 /* compare a strided kernel tensor with a dense reference */
 static double g_worst;
-static int compare(const char *what, const acase *c, ng_dtype t, const atensor *x, const double *ref, int64_t H,
-                   int64_t N, int64_t D, tol tl) {
+static int compare(const char *what, const acase *c, ng_dtype t, const atensor *x,
+                   const double *ref, int64_t H, int64_t N, int64_t D, tol tl) {
     int bad = 0;
     for (int64_t b = 0; b < c->B; b++)
         for (int64_t h = 0; h < H; h++)
@@ -243,9 +264,11 @@ static int compare(const char *what, const acase *c, ng_dtype t, const atensor *
                     double err = fabs(got - want), lim = tol_limit(tl, want, 0.0);
                     if (!(err <= lim)) {
                         if (bad < 3)
-                            fprintf(stderr, "  %s %s %s [%lld,%lld,%lld,%lld]: got %.9g want %.9g (tol %.3g: %s)\n", c->name,
-                                   ng_dtype_name(t), what, (long long)b, (long long)h, (long long)i, (long long)d,
-                                   got, want, lim, tl.why);
+                            fprintf(
+                                stderr,
+                                "  %s %s %s [%lld,%lld,%lld,%lld]: got %.9g want %.9g (tol %.3g: %s)\n",
+                                c->name, ng_dtype_name(t), what, (long long)b, (long long)h,
+                                (long long)i, (long long)d, got, want, lim, tl.why);
                         bad++;
                     } else if (lim > 0 && err / lim > g_worst) {
                         g_worst = err / lim;
@@ -274,8 +297,8 @@ typedef ng_status (*fwd_fn)(const ng_attention_args *a, ng_parallel_fn par);
  * serially and under two runners that split the tasks differently gives
  * bit-identical out and lse; and ng_attention_fwd, which picks the decode
  * path for short query blocks, gives exactly the same. */
-static void check_decode_runners(const acase *c, ng_dtype t, const ng_attention_args *a0, const atensor *o,
-                                 const void *lse, size_t lse_bytes) {
+static void check_decode_runners(const acase *c, ng_dtype t, const ng_attention_args *a0,
+                                 const atensor *o, const void *lse, size_t lse_bytes) {
     ng_attention_args a = *a0;
     size_t obytes = at_bytes(o);
     void *o2 = malloc(obytes + 1), *l2 = malloc(lse_bytes + 1);
@@ -285,11 +308,13 @@ static void check_decode_runners(const acase *c, ng_dtype t, const ng_attention_
         memset(l2, 0x7f, lse_bytes + 1);
         a.out = o2;
         a.lse = l2;
-        ng_status st = ri < 3 ? ng_attention_fwd_decode(&a, runners[ri]) : ng_attention_fwd(&a, chunky_par);
-        if (ri == 3 && !(c->L <= 16 && c->S >= 32)) break; /* the tiled path: not expected to match bits */
+        ng_status st =
+            ri < 3 ? ng_attention_fwd_decode(&a, runners[ri]) : ng_attention_fwd(&a, chunky_par);
+        if (ri == 3 && !(c->L <= 16 && c->S >= 32))
+            break; /* the tiled path: not expected to match bits */
         CHECK(st == NG_OK && memcmp(o2, o->h, obytes) == 0 && memcmp(l2, lse, lse_bytes) == 0,
-              "%s %s: decode forward with runner %d is not bit-identical to the serial run", c->name,
-              ng_dtype_name(t), ri);
+              "%s %s: decode forward with runner %d is not bit-identical to the serial run",
+              c->name, ng_dtype_name(t), ri);
     }
     free(o2);
     free(l2);
@@ -321,7 +346,11 @@ static refout refout_new(const acase *c) {
 }
 
 static void refout_free(refout *r) {
-    free(r->out); free(r->lse); free(r->dq); free(r->dk); free(r->dv);
+    free(r->out);
+    free(r->lse);
+    free(r->dq);
+    free(r->dk);
+    free(r->dv);
 }
 
 /* The decode forward: runner independence, and fully masked rows exactly 0. */
@@ -333,20 +362,27 @@ static void check_decode(const acase *c, ng_dtype t, const ng_attention_args *a,
         for (int64_t h = 0; h < c->Hq; h++)
             for (int64_t i = 0; i < c->L; i++)
                 if (r->lse[(b * c->Hq + h) * c->L + i] == -INFINITY)
-                    for (int64_t d = 0; d < c->Ev; d++) nonzero += get(&io->o, t, b, h, i, d) != 0.0;
-    CHECK(nonzero == 0, "%s %s: %d outputs of fully masked rows are not 0", c->name, ng_dtype_name(t), nonzero);
+                    for (int64_t d = 0; d < c->Ev; d++)
+                        nonzero += get(&io->o, t, b, h, i, d) != 0.0;
+    CHECK(nonzero == 0, "%s %s: %d outputs of fully masked rows are not 0", c->name,
+          ng_dtype_name(t), nonzero);
 }
 
 /* Every output against the reference; the number of mismatches. */
-static int compare_all(const acase *c, ng_dtype t, const aio *io, const void *lse, const refout *r) {
+static int compare_all(const acase *c, ng_dtype t, const aio *io, const void *lse,
+                       const refout *r) {
     int bad = 0;
     tol tf = tol_for(t, 0), tg = tol_for(t, 1);
     bad += compare("out", c, t, &io->o, r->out, c->Hq, c->L, c->Ev, tf);
     for (int64_t x = 0; x < c->B * c->Hq * c->L; x++) {
-        double got = t == NG_F64 ? ((const double *)lse)[x] : ((const float *)lse)[x], want = r->lse[x];
-        int ok = (want == -INFINITY) ? got == -INFINITY : fabs(got - want) <= 1e-4 + 1e-5 * fabs(want);
+        double got = t == NG_F64 ? ((const double *)lse)[x] : ((const float *)lse)[x],
+               want = r->lse[x];
+        int ok =
+            (want == -INFINITY) ? got == -INFINITY : fabs(got - want) <= 1e-4 + 1e-5 * fabs(want);
         if (!ok) {
-            if (bad < 3) fprintf(stderr, "  %s %s lse[%lld]: got %g want %g\n", c->name, ng_dtype_name(t), (long long)x, got, want);
+            if (bad < 3)
+                fprintf(stderr, "  %s %s lse[%lld]: got %g want %g\n", c->name, ng_dtype_name(t),
+                        (long long)x, got, want);
             bad++;
         }
     }
@@ -358,7 +394,8 @@ static int compare_all(const acase *c, ng_dtype t, const aio *io, const void *ls
 
 static void run_case(const acase *c, ng_dtype t, ng_parallel_fn par, fwd_fn fwd) {
     const int64_t B = c->B, Hq = c->Hq, Hkv = c->Hkv, L = c->L, S = c->S, E = c->E, Ev = c->Ev;
-    g_rng.s = 0x9E3779B97F4A7C15ull ^ (uint64_t)(L * 131 + S * 7 + E + Ev * 3 + (int64_t)t * 1000003);
+    g_rng.s =
+        0x9E3779B97F4A7C15ull ^ (uint64_t)(L * 131 + S * 7 + E + Ev * 3 + (int64_t)t * 1000003);
     const int lay = c->lay;
     aio io = {at_new(t, B, Hq, L, E, lay),       at_new(t, B, Hkv, S, E, lay),
               at_new(t, B, Hkv, S, Ev, lay),     at_new(t, B, Hq, L, Ev, lay),
@@ -393,12 +430,14 @@ static void run_case(const acase *c, ng_dtype t, ng_parallel_fn par, fwd_fn fwd)
     CHECK(st == NG_OK, "%s %s bwd status %s", c->name, ng_dtype_name(t), ng_status_str(st));
 
     int bad = compare_all(c, t, &io, lse, &r);
-    CHECK(bad == 0, "%s %s [%s]: %d mismatches", c->name, ng_dtype_name(t), ng_cpu_isa_name(ng_cpu_isa_active()),
-          bad);
+    CHECK(bad == 0, "%s %s [%s]: %d mismatches", c->name, ng_dtype_name(t),
+          ng_cpu_isa_name(ng_cpu_isa_active()), bad);
 
     atensor *all[8] = {&io.q, &io.k, &io.v, &io.dout, &io.o, &io.dq, &io.dk, &io.dv};
     for (int x = 0; x < 8; x++) free(all[x]->h);
-    free(lse); free(masked); free(addv);
+    free(lse);
+    free(masked);
+    free(addv);
     amask_free(&m);
     refout_free(&r);
 }
@@ -443,6 +482,7 @@ static const acase g_cases[] = {
  * keys, E not a multiple of 8 (K converted, not read in place). Each case
  * also checks runner independence and that the backward, fed this forward's
  * out and lse, matches the reference. */
+/* clang-format off */
 static const acase g_dec_cases[] = {
     /* name, B, Hq, Hkv, L, S, E, Ev, lay, out_lay (unused), mask, mshape, full rows, causal,
      * clamp, softcap, dropout, mag, mask_f32, special, offset, tail */
@@ -479,24 +519,36 @@ static void test_decode_nan(void) {
     for (int j = 0; j < S; j++) mask[j] = j != 1000;
     ng_attention_args a;
     memset(&a, 0, sizeof a);
-    a.dtype = NG_F32; a.B = 1; a.Hq = Hq; a.Hkv = 1; a.L = L; a.S = S; a.E = E; a.Ev = E;
+    a.dtype = NG_F32;
+    a.B = 1;
+    a.Hq = Hq;
+    a.Hkv = 1;
+    a.L = L;
+    a.S = S;
+    a.E = E;
+    a.Ev = E;
     int64_t sq[3] = {Hq * L * E, L * E, E}, sk[3] = {S * E, S * E, E};
-    a.q = q; memcpy(a.q_stride, sq, sizeof sq);
-    a.k = k; memcpy(a.k_stride, sk, sizeof sk);
-    a.v = v; memcpy(a.v_stride, sk, sizeof sk);
-    a.out = o; memcpy(a.out_stride, sq, sizeof sq);
+    a.q = q;
+    memcpy(a.q_stride, sq, sizeof sq);
+    a.k = k;
+    memcpy(a.k_stride, sk, sizeof sk);
+    a.v = v;
+    memcpy(a.v_stride, sk, sizeof sk);
+    a.out = o;
+    memcpy(a.out_stride, sq, sizeof sq);
     a.lse = lse;
     a.scale = 0.25;
     /* count rows whose output is all NaN / all finite */
-#define ROWS_NAN(nan_rows, fin_rows)                                                   \
-    do {                                                                               \
-        nan_rows = fin_rows = 0;                                                       \
-        for (int r_ = 0; r_ < Hq * L; r_++) {                                          \
-            int n_ = 0, f_ = 0;                                                        \
-            for (int d_ = 0; d_ < E; d_++) n_ += isnan(o[r_ * E + d_]), f_ += isfinite(o[r_ * E + d_]); \
-            nan_rows += n_ == E;                                                       \
-            fin_rows += f_ == E;                                                       \
-        }                                                                              \
+#define ROWS_NAN(nan_rows, fin_rows)                                                               \
+    do {                                                                                           \
+        nan_rows = fin_rows = 0;                                                                   \
+        for (int r_ = 0; r_ < Hq * L; r_++) {                                                      \
+            int n_ = 0, f_ = 0;                                                                    \
+            for (int d_ = 0; d_ < E; d_++)                                                         \
+                n_ += isnan(o[r_ * E + d_]), f_ += isfinite(o[r_ * E + d_]);                       \
+            nan_rows += n_ == E;                                                                   \
+            fin_rows += f_ == E;                                                                   \
+        }                                                                                          \
     } while (0)
     int nr, fr;
     q[(1 * L + 0) * E + 5] = NAN; /* head 1, row 0 */
@@ -508,24 +560,30 @@ static void test_decode_nan(void) {
     k[1000 * E + 3] = NAN; /* key 1000, in the last split */
     CHECK(ng_attention_fwd_decode(&a, chunky_par) == NG_OK, "decode nan fwd");
     ROWS_NAN(nr, fr);
-    CHECK(nr == Hq * L, "decode: a NaN key every row attends reaches every row (%d of %d)", nr, Hq * L);
-    a.mask = mask; a.mask_kind = NG_MASK_BOOL; a.mask_stride[3] = 1; /* [1, 1, 1, S]: key 1000 masked */
+    CHECK(nr == Hq * L, "decode: a NaN key every row attends reaches every row (%d of %d)", nr,
+          Hq * L);
+    a.mask = mask;
+    a.mask_kind = NG_MASK_BOOL;
+    a.mask_stride[3] = 1; /* [1, 1, 1, S]: key 1000 masked */
     CHECK(ng_attention_fwd_decode(&a, chunky_par) == NG_OK, "decode nan fwd");
     ROWS_NAN(nr, fr);
-    CHECK(fr == Hq * L, "decode: a NaN key every row masks changes nothing (%d of %d finite)", fr, Hq * L);
+    CHECK(fr == Hq * L, "decode: a NaN key every row masks changes nothing (%d of %d finite)", fr,
+          Hq * L);
     k[1000 * E + 3] = 0.5f;
     v[5 * E + 2] = NAN;
     CHECK(ng_attention_fwd_decode(&a, chunky_par) == NG_OK, "decode nan fwd");
     int col = 0;
     for (int r = 0; r < Hq * L; r++) col += isnan(o[r * E + 2]);
-    CHECK(col == Hq * L, "decode: a NaN value at an attended key reaches every row (%d of %d)", col, Hq * L);
+    CHECK(col == Hq * L, "decode: a NaN value at an attended key reaches every row (%d of %d)", col,
+          Hq * L);
     v[5 * E + 2] = 0.5f;
 #undef ROWS_NAN
 }
 
 /* fp16 inputs whose q.k exceeds 65504: the output stays finite and matches. */
 static void test_fp16_overflow(void) {
-    acase c = {"fp16_overflow", 1, 1, 1, 8, 16, 64, 64, LAY_BHSD, LAY_BHSD, AM_NONE, MS_FULL, 0, 0, 0, 0, 0, 200, 0, SP_NONE, 42, 0};
+    acase c = {"fp16_overflow", 1, 1, 1, 8, 16, 64,  64, LAY_BHSD, LAY_BHSD, AM_NONE,
+               MS_FULL,         0, 0, 0, 0, 0,  200, 0,  SP_NONE,  42,       0};
     ng_dtype t = NG_F16;
     g_rng.s = 77;
     atensor q = at_new(t, 1, 1, 8, 64, LAY_BHSD), k = at_new(t, 1, 1, 16, 64, LAY_BHSD),
@@ -536,11 +594,22 @@ static void test_fp16_overflow(void) {
     float lse[8];
     ng_attention_args a;
     memset(&a, 0, sizeof a);
-    a.dtype = t; a.B = 1; a.Hq = 1; a.Hkv = 1; a.L = 8; a.S = 16; a.E = 64; a.Ev = 64;
-    a.q = q.h; memcpy(a.q_stride, q.st, sizeof q.st);
-    a.k = k.h; memcpy(a.k_stride, k.st, sizeof k.st);
-    a.v = v.h; memcpy(a.v_stride, v.st, sizeof v.st);
-    a.out = o.h; memcpy(a.out_stride, o.st, sizeof o.st);
+    a.dtype = t;
+    a.B = 1;
+    a.Hq = 1;
+    a.Hkv = 1;
+    a.L = 8;
+    a.S = 16;
+    a.E = 64;
+    a.Ev = 64;
+    a.q = q.h;
+    memcpy(a.q_stride, q.st, sizeof q.st);
+    a.k = k.h;
+    memcpy(a.k_stride, k.st, sizeof k.st);
+    a.v = v.h;
+    memcpy(a.v_stride, v.st, sizeof v.st);
+    a.out = o.h;
+    memcpy(a.out_stride, o.st, sizeof o.st);
     a.lse = lse;
     a.scale = 0.125;
     CHECK(ng_attention_fwd(&a, NULL) == NG_OK, "fp16 overflow fwd");
@@ -553,8 +622,13 @@ static void test_fp16_overflow(void) {
     int finite = 1;
     for (int64_t x = 0; x < o.span; x++) finite &= isfinite(ng_load_f64(o.h, t, x));
     CHECK(finite, "fp16 overflow case: output finite");
-    CHECK(compare("out", &c, t, &o, r.out, 1, 8, 64, tol_for(t, 0)) == 0, "fp16 overflow case matches fp64");
-    free(q.h); free(k.h); free(v.h); free(o.h); free(dummy.h);
+    CHECK(compare("out", &c, t, &o, r.out, 1, 8, 64, tol_for(t, 0)) == 0,
+          "fp16 overflow case matches fp64");
+    free(q.h);
+    free(k.h);
+    free(v.h);
+    free(o.h);
+    free(dummy.h);
     refout_free(&r);
 }
 
@@ -569,12 +643,23 @@ static void test_nan_propagates(void) {
     q[2 * E + 3] = NAN; /* row 2 of q */
     ng_attention_args a;
     memset(&a, 0, sizeof a);
-    a.dtype = NG_F32; a.B = 1; a.Hq = 1; a.Hkv = 1; a.L = L; a.S = S; a.E = E; a.Ev = E;
+    a.dtype = NG_F32;
+    a.B = 1;
+    a.Hq = 1;
+    a.Hkv = 1;
+    a.L = L;
+    a.S = S;
+    a.E = E;
+    a.Ev = E;
     int64_t sq[3] = {L * E, L * E, E}, sk[3] = {S * E, S * E, E};
-    a.q = q; memcpy(a.q_stride, sq, sizeof sq);
-    a.k = k; memcpy(a.k_stride, sk, sizeof sk);
-    a.v = v; memcpy(a.v_stride, sk, sizeof sk);
-    a.out = o; memcpy(a.out_stride, sq, sizeof sq);
+    a.q = q;
+    memcpy(a.q_stride, sq, sizeof sq);
+    a.k = k;
+    memcpy(a.k_stride, sk, sizeof sk);
+    a.v = v;
+    memcpy(a.v_stride, sk, sizeof sk);
+    a.out = o;
+    memcpy(a.out_stride, sq, sizeof sq);
     a.lse = lse;
     a.scale = 0.3;
     a.max_score = 5.0; /* the clamp must not swallow the NaN */
@@ -582,8 +667,10 @@ static void test_nan_propagates(void) {
     int row2 = 1, others = 1;
     for (int64_t i = 0; i < L; i++)
         for (int64_t d = 0; d < E; d++) {
-            if (i == 2) row2 &= isnan(o[i * E + d]);
-            else others &= isfinite(o[i * E + d]);
+            if (i == 2)
+                row2 &= isnan(o[i * E + d]);
+            else
+                others &= isfinite(o[i * E + d]);
         }
     CHECK(row2 && others, "NaN in q row 2 gives NaN in out row 2 only");
     q[2 * E + 3] = 0.5f;
@@ -598,15 +685,25 @@ static void test_nan_propagates(void) {
 static void test_bad_args(void) {
     ng_attention_args a;
     memset(&a, 0, sizeof a);
-    a.dtype = NG_F32; a.B = 1; a.Hq = 3; a.Hkv = 2; a.L = 1; a.S = 1; a.E = 8; a.Ev = 8; a.scale = 1;
+    a.dtype = NG_F32;
+    a.B = 1;
+    a.Hq = 3;
+    a.Hkv = 2;
+    a.L = 1;
+    a.S = 1;
+    a.E = 8;
+    a.Ev = 8;
+    a.scale = 1;
     CHECK(ng_attention_fwd(&a, NULL) == NG_ERR_INVALID_ARG, "Hq %% Hkv != 0 rejected");
-    a.Hkv = 3; a.E = 300;
+    a.Hkv = 3;
+    a.E = 300;
     CHECK(ng_attention_fwd(&a, NULL) == NG_ERR_INVALID_ARG, "E > 256 rejected");
     a.E = 8;
     CHECK(ng_attention_fwd(&a, NULL) == NG_ERR_INVALID_ARG, "NULL pointers rejected");
     a.dtype = (ng_dtype)9;
     CHECK(ng_attention_fwd(&a, NULL) == NG_ERR_DTYPE, "bad dtype rejected");
-    a.dtype = NG_F32; a.dropout_p = 1.0;
+    a.dtype = NG_F32;
+    a.dropout_p = 1.0;
     CHECK(ng_attention_check(&a, 0) == NG_ERR_INVALID_ARG, "dropout_p = 1 rejected");
     CHECK(ng_attention_check(NULL, 0) == NG_ERR_INVALID_ARG, "NULL args rejected");
 }
@@ -638,7 +735,9 @@ static void spec_c(int lane, int i, int *row, int *col) { /* c0..c3 */
 }
 
 /* Element i of a fragment: register i / 2, the low half first. */
-static uint16_t frag_elem(const uint32_t *regs, int i) { return (uint16_t)(regs[i / 2] >> (16 * (i & 1))); }
+static uint16_t frag_elem(const uint32_t *regs, int i) {
+    return (uint16_t)(regs[i / 2] >> (16 * (i & 1)));
+}
 
 /* The 16x16 A matrix the warp's registers describe; every element must be
  * held by exactly one (lane, i). */
@@ -694,7 +793,9 @@ static void fill_tile(uint16_t *tile, int salt) {
             tile[r * MMA_LD + c] = ng_f32_to_f16((float)((r * 7 + c * 3 + salt) % 31 - 15));
 }
 
-static double tile_at(const uint16_t *tile, int r, int c) { return ng_f16_to_f32(tile[r * MMA_LD + c]); }
+static double tile_at(const uint16_t *tile, int r, int c) {
+    return ng_f16_to_f32(tile[r * MMA_LD + c]);
+}
 
 static void test_mma_fragments(void) {
     static uint16_t x[MMA_ROWS * MMA_LD], y[MMA_ROWS * MMA_LD];
@@ -749,7 +850,8 @@ static void test_mma_fragments(void) {
     for (int k0 = 0; k0 < MMA_D; k0 += 16) {
         for (int lane = 0; lane < 32; lane++) ng_mma_frag_a(a[lane], x, MMA_LD, 16, k0, lane);
         for (int nt = 0; nt < 8; nt++) {
-            for (int lane = 0; lane < 32; lane++) ng_mma_frag_b_rows(b[lane], y, MMA_LD, nt * 8, k0, lane);
+            for (int lane = 0; lane < 32; lane++)
+                ng_mma_frag_b_rows(b[lane], y, MMA_LD, nt * 8, k0, lane);
             emulate_mma(s[nt], a, b);
         }
     }
@@ -760,7 +862,8 @@ static void test_mma_fragments(void) {
                 int r, c;
                 spec_c(lane, i, &r, &c);
                 double want = 0.0;
-                for (int d = 0; d < MMA_D; d++) want += tile_at(x, 16 + r, d) * tile_at(y, nt * 8 + c, d);
+                for (int d = 0; d < MMA_D; d++)
+                    want += tile_at(x, 16 + r, d) * tile_at(y, nt * 8 + c, d);
                 bad += s[nt][lane][i] != (float)want;
                 s[nt][lane][i] = (float)(((int)s[nt][lane][i] % 7 + 7) % 7 - 3);
             }
@@ -775,7 +878,8 @@ static void test_mma_fragments(void) {
             ng_mma_c_to_a(a[lane], l2, h2);
         }
         for (int dt = 0; dt < MMA_D / 8; dt++) {
-            for (int lane = 0; lane < 32; lane++) ng_mma_frag_b_cols(b[lane], y, MMA_LD, kt * 16, dt * 8, lane);
+            for (int lane = 0; lane < 32; lane++)
+                ng_mma_frag_b_cols(b[lane], y, MMA_LD, kt * 16, dt * 8, lane);
             emulate_mma(o[dt], a, b);
         }
     }
@@ -839,11 +943,13 @@ int main(void) {
                 run_case(&g_cases[ci], dtypes[di], (ci % 2) ? chunky_par : NULL, ng_attention_fwd);
         for (size_t ci = 0; ci < sizeof g_dec_cases / sizeof g_dec_cases[0]; ci++)
             for (int di = 0; di < 4; di++)
-                run_case(&g_dec_cases[ci], dtypes[di], (ci % 2) ? chunky_par : NULL, ng_attention_fwd_decode);
+                run_case(&g_dec_cases[ci], dtypes[di], (ci % 2) ? chunky_par : NULL,
+                         ng_attention_fwd_decode);
         test_decode_nan();
         test_fp16_overflow();
         test_nan_propagates();
-        printf("path %s: %s\n", ng_cpu_isa_name((ng_cpu_isa)isa), ng_test_failures == before ? "ok" : "FAILED");
+        printf("path %s: %s\n", ng_cpu_isa_name((ng_cpu_isa)isa),
+               ng_test_failures == before ? "ok" : "FAILED");
     }
     printf("test_attention: %d CPU paths, worst err/tol %.3f\n", paths, g_worst);
     return ng_test_finish("test_attention");

@@ -50,9 +50,9 @@ int main(void) {
 #endif
     /* edge values */
     NG_EXPECT(ng_f32_to_f16(65504.0f) == 0x7bff);
-    NG_EXPECT(ng_f32_to_f16(65520.0f) == 0x7c00);            /* rounds to inf */
+    NG_EXPECT(ng_f32_to_f16(65520.0f) == 0x7c00); /* rounds to inf */
     NG_EXPECT(ng_f32_to_f16(65519.996f) == 0x7bff);
-    NG_EXPECT(ng_f32_to_f16(5.9604644775390625e-8f) == 0x0001); /* smallest subnormal */
+    NG_EXPECT(ng_f32_to_f16(5.9604644775390625e-8f) == 0x0001);  /* smallest subnormal */
     NG_EXPECT(ng_f32_to_f16(2.98023223876953125e-8f) == 0x0000); /* tie to even: 0 */
 
     /* bf16: random patterns vs a direct reference */
@@ -62,7 +62,9 @@ int main(void) {
         float f = ng_bits_f32((uint32_t)ng_rng_u64(&r2));
         uint16_t got = ng_f32_to_bf16(f), want = ref_f32_to_bf16(f);
         if (isnan(f) ? !isnan(ng_bf16_to_f32(got)) : got != want) bad++;
-        if (!isnan(f) && ng_bf16_to_f32(ng_f32_to_bf16(ng_bf16_to_f32(want))) != ng_bf16_to_f32(want)) bad++;
+        if (!isnan(f) &&
+            ng_bf16_to_f32(ng_f32_to_bf16(ng_bf16_to_f32(want))) != ng_bf16_to_f32(want))
+            bad++;
     }
     NG_EXPECT(bad == 0);
 

@@ -153,8 +153,7 @@ static void at_check_gaps(const char *what, const atensor *x, const void *buf) {
     for (int64_t b = 0; b < x->B; b++)
         for (int64_t h = 0; h < x->H; h++)
             for (int64_t n = 0; n < x->N; n++)
-                for (int64_t d = 0; d < x->D; d++)
-                    used[at_off(x, b, h, n, d)] = 1;
+                for (int64_t d = 0; d < x->D; d++) used[at_off(x, b, h, n, d)] = 1;
     int64_t bad = 0;
     for (int64_t i = 0; i < x->span; i++)
         if (!used[i] && !all_ff((const char *)buf + (size_t)i * x->es, x->es)) bad++;
@@ -171,7 +170,8 @@ static void at_check_gaps(const char *what, const atensor *x, const void *buf) {
  * keys j > leak_row that share a tile with the row may come out NaN, and
  * which ones depends on the tile sizes (CPU and CUDA differ): there, NaN on
  * one side only is accepted. Every other element compares as usual. */
-static void *at_compare_leak(const char *what, const atensor *x, ng_dtype t, tol tl, int64_t leak_row) {
+static void *at_compare_leak(const char *what, const atensor *x, ng_dtype t, tol tl,
+                             int64_t leak_row) {
     void *g = ddownload(x->d, at_bytes(x));
     double *r = at_dense(x, t, x->h), *d = at_dense(x, t, g);
     for (int64_t j = leak_row + 1; leak_row >= 0 && j < x->N; j++)
@@ -192,13 +192,15 @@ static void *at_compare(const char *what, const atensor *x, ng_dtype t, tol tl) 
 
 /* Elements of the fully masked rows (empty_row[(b * H + h) * N + i]) of a
  * downloaded [B, H, N, D] tensor that are not exactly 0. */
-static int64_t empty_row_nonzeros(const void *g, ng_dtype t, const atensor *x, const uint8_t *empty_row) {
+static int64_t empty_row_nonzeros(const void *g, ng_dtype t, const atensor *x,
+                                  const uint8_t *empty_row) {
     int64_t nonzero = 0;
     for (int64_t b = 0; b < x->B; b++)
         for (int64_t h = 0; h < x->H; h++)
             for (int64_t i = 0; i < x->N; i++)
                 if (empty_row[(b * x->H + h) * x->N + i])
-                    for (int64_t d = 0; d < x->D; d++) nonzero += ng_load_f64(g, t, at_off(x, b, h, i, d)) != 0.0;
+                    for (int64_t d = 0; d < x->D; d++)
+                        nonzero += ng_load_f64(g, t, at_off(x, b, h, i, d)) != 0.0;
     return nonzero;
 }
 
@@ -231,8 +233,7 @@ static tol attn_tol(ng_dtype t, int which, double mag,
  * softmax is exactly one-hot on both sides */
 static void attn_large_scores(const acase *c, ng_dtype t, aio *io, ng_rng *rng) {
     double base[NG_ATTN_MAX_HEAD_DIM];
-    for (int64_t e = 0; e < c->E; e++)
-        base[e] = 2.0 * floor(50.0 + 10.0 * urand(rng));
+    for (int64_t e = 0; e < c->E; e++) base[e] = 2.0 * floor(50.0 + 10.0 * urand(rng));
     for (int64_t b = 0; b < c->B; b++)
         for (int64_t h = 0; h < c->Hq; h++)
             for (int64_t i = 0; i < c->L; i++)
@@ -260,10 +261,8 @@ static void attn_inputs(const acase *c, ng_dtype t, aio *io, ng_rng *rng) {
         ng_store_f64(io->k.h, t, i, grid ? round(8.0 * x) / 8.0 : x);
     }
     if (c->special == SP_LARGE) attn_large_scores(c, t, io, rng);
-    for (int64_t i = 0; i < io->v.span; i++)
-        ng_store_f64(io->v.h, t, i, ng_rng_unif(rng));
-    for (int64_t i = 0; i < io->dout.span; i++)
-        ng_store_f64(io->dout.h, t, i, ng_rng_unif(rng));
+    for (int64_t i = 0; i < io->v.span; i++) ng_store_f64(io->v.h, t, i, ng_rng_unif(rng));
+    for (int64_t i = 0; i < io->dout.span; i++) ng_store_f64(io->dout.h, t, i, ng_rng_unif(rng));
     const int64_t L = c->L;
     if (c->special == SP_NAN && L > 0)
         ng_store_f64(io->q.h, t, at_off(&io->q, 0, 0, NG_MIN(2, L - 1), NG_MIN(3, c->E - 1)), NAN);
@@ -328,9 +327,9 @@ static void attn_check_bwd(const acase *c, ng_dtype t, aio *io, const ng_attenti
     const int64_t nonzero = empty_row_nonzeros(g, t, &io->dq, dv->empty_row);
     CHECK(nonzero == 0, "%lld dq values of fully masked rows are not 0", (long long)nonzero);
     free(g);
-    const int64_t leak =
-        c->causal && (c->special == SP_NAN || c->special == SP_NAN_DOUT) && L > 0 ? NG_MIN(2, L - 1)
-                                                                                  : -1;
+    const int64_t leak = c->causal && (c->special == SP_NAN || c->special == SP_NAN_DOUT) && L > 0
+                             ? NG_MIN(2, L - 1)
+                             : -1;
     free(at_compare_leak("dk", &io->dk, t, attn_tol(t, 2, c->mag, L * grp), leak));
     free(at_compare_leak("dv", &io->dv, t, attn_tol(t, 2, c->mag, L * grp), leak));
     /* the backward only reads out and lse */
@@ -452,7 +451,8 @@ static void attn_workspace_contract(void) {
           (long long)need);
     ng_attention_args t = a;
     t.L = 17;
-    CHECK(ng_attention_fwd_cuda_workspace_bytes(&t) == 0, "L 17 (not a decode shape) asks for a workspace");
+    CHECK(ng_attention_fwd_cuda_workspace_bytes(&t) == 0,
+          "L 17 (not a decode shape) asks for a workspace");
     t = a;
     t.S = 255;
     CHECK(ng_attention_fwd_cuda_workspace_bytes(&t) == 0, "S 255 (one split) asks for a workspace");
@@ -480,7 +480,7 @@ void test_cuda_attention(void) {
                     acase c = {name,     2,        2,        2,        sizes[li], sizes[si],
                                dims[ei], dims[ei], LAY_BHSD, LAY_BHSD, AM_NONE,   MS_FULL,
                                0,        causal,   0,        0,        0,         1,
-                               0,        SP_NONE,  42,        0};
+                               0,        SP_NONE,  42,       0};
                     /* sample: the tensor-core types at every size up to 129 and a
                      * third of the rest; fp32 (SIMT) a third of those up to 129 */
                     const int third = (li + si + ei + causal) % 3 == 0, big = li == 4 || si == 4;
@@ -497,13 +497,13 @@ void test_cuda_attention(void) {
         /* sample: cases of over 30K scores, whose SIMT runs take the
          * emulator seconds, in the tensor-core types only (head dims 64 and
          * 128) or in bf16 only (the others, SIMT in every type) */
-        const int big = c->B * c->Hq * c->L * c->S > 30000, tc = c->E == c->Ev && (c->E == 64 || c->E == 128);
+        const int big = c->B * c->Hq * c->L * c->S > 30000,
+                  tc = c->E == c->Ev && (c->E == 64 || c->E == 128);
         for (int di = 0; di < 3; di++)
             if (!g_sample || !big || (tc ? di > 0 : di == 2)) attn_case(c, FLOAT_TYPES[di]);
     }
     for (size_t ci = 0; ci < sizeof ATTN_CASES_16 / sizeof ATTN_CASES_16[0]; ci++)
-        for (int di = 1; di < 3; di++)
-            attn_case(&ATTN_CASES_16[ci], FLOAT_TYPES[di]);
+        for (int di = 1; di < 3; di++) attn_case(&ATTN_CASES_16[ci], FLOAT_TYPES[di]);
     attn_rejects_fp64();
     attn_workspace_contract();
 }

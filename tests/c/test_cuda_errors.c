@@ -26,8 +26,10 @@ static ng_attention_args err_attn_args(void *buf, void *lse, int64_t E) {
     const int64_t st[3] = {E, E, E};
     a.q = a.k = a.v = a.dout = buf;
     a.out = a.dq = a.dk = a.dv = (char *)buf + E * 4;
-    memcpy(a.q_stride, st, sizeof st), memcpy(a.k_stride, st, sizeof st), memcpy(a.v_stride, st, sizeof st);
-    memcpy(a.out_stride, st, sizeof st), memcpy(a.dout_stride, st, sizeof st), memcpy(a.dq_stride, st, sizeof st);
+    memcpy(a.q_stride, st, sizeof st), memcpy(a.k_stride, st, sizeof st),
+        memcpy(a.v_stride, st, sizeof st);
+    memcpy(a.out_stride, st, sizeof st), memcpy(a.dout_stride, st, sizeof st),
+        memcpy(a.dq_stride, st, sizeof st);
     memcpy(a.dk_stride, st, sizeof st), memcpy(a.dv_stride, st, sizeof st);
     a.lse = lse;
     a.scale = 0.0625;
@@ -40,7 +42,8 @@ static void err_failed_smem_attribute(float *buf, float *lse, const ng_layernorm
     ng_attention_args a = err_attn_args(buf, lse, 256);
     ng_emu_inject("cudaFuncSetAttribute", cudaErrorInvalidValue);
     ng_status s = ng_attention_fwd_cuda(&a, g_stream);
-    CHECK(s == NG_ERR_CUDA, "a failed cudaFuncSetAttribute: launcher returned %s", ng_status_str(s));
+    CHECK(s == NG_ERR_CUDA, "a failed cudaFuncSetAttribute: launcher returned %s",
+          ng_status_str(s));
     CHECK(strstr(ng_cuda_error_string(), "cudaErrorInvalidValue: invalid argument") != NULL,
           "the recorded error is \"%s\"", ng_cuda_error_string());
     s = ng_layernorm_fwd_cuda(ln, g_stream);
@@ -64,7 +67,8 @@ static void err_failed_smem_attribute_decode(float *buf, float *lse) {
     a.k_stride[0] = a.k_stride[1] = a.v_stride[0] = a.v_stride[1] = S * E;
     ng_emu_inject("cudaFuncSetAttribute", cudaErrorInvalidValue);
     ng_status s = ng_attention_fwd_cuda(&a, g_stream);
-    CHECK(s == NG_ERR_CUDA, "a failed cudaFuncSetAttribute: launcher returned %s", ng_status_str(s));
+    CHECK(s == NG_ERR_CUDA, "a failed cudaFuncSetAttribute: launcher returned %s",
+          ng_status_str(s));
     s = ng_attention_fwd_cuda(&a, g_stream);
     CHECK(s == NG_OK, "the same call again returned %s", ng_status_str(s));
     CU(cudaStreamSynchronize(g_stream));
@@ -99,9 +103,11 @@ static void err_attributes_cached_per_device(float *buf, float *lse) {
     a.dtype = NG_F16, a.E = a.Ev = 64;
     for (int k = 0; k < 2 && s == NG_OK; k++) s = ng_attention_fwd_cuda(&a, g_stream);
     CHECK(s == NG_OK, "launch: %s", ng_status_str(s));
-    CHECK(ng_emu_calls("cudaFuncSetAttribute") == set0, "cudaFuncSetAttribute called again (%lld times)",
+    CHECK(ng_emu_calls("cudaFuncSetAttribute") == set0,
+          "cudaFuncSetAttribute called again (%lld times)",
           ng_emu_calls("cudaFuncSetAttribute") - set0);
-    CHECK(ng_emu_calls("cudaDeviceGetAttribute") <= get0 + 1, "cudaDeviceGetAttribute called %lld times",
+    CHECK(ng_emu_calls("cudaDeviceGetAttribute") <= get0 + 1,
+          "cudaDeviceGetAttribute called %lld times",
           ng_emu_calls("cudaDeviceGetAttribute") - get0);
     CU(cudaStreamSynchronize(g_stream));
     case_end();

@@ -42,8 +42,7 @@ static int64_t gg_list(int list, int64_t *numels, int *misalign) {
         return 7;
     }
     case GL_MANY:
-        for (int64_t i = 0; i < 1100; i++)
-            numels[i] = 1 + (i * 37) % 50;
+        for (int64_t i = 0; i < 1100; i++) numels[i] = 1 + (i * 37) % 50;
         return 1100;
     case GL_MISALIGNED: /* one element past a 16-byte boundary: the scalar loads */
         *misalign = 1;
@@ -248,7 +247,8 @@ void test_cuda_grad_guard(void) {
              * non-finite step (fp16, bf16) */
             const int many = g_sample && list == GL_MANY;
             for (int scen = 0; scen < GS_COUNT; scen++)
-                if (!many || (di % 3 == 0 && scen == GS_CLIP)) gg_case(types[di], NG_GG_NORM_2, list, scen);
+                if (!many || (di % 3 == 0 && scen == GS_CLIP))
+                    gg_case(types[di], NG_GG_NORM_2, list, scen);
             if (!many) gg_case(types[di], NG_GG_NORM_INF, list, GS_CLIP);
             if (!many || di % 3 != 0) gg_case(types[di], NG_GG_NORM_INF, list, GS_NONFINITE);
         }

@@ -108,14 +108,10 @@ static ng_layernorm_args ln_host(const lncase *c, ng_dtype t, ln_io *io) {
     ng_rng rng = {0x5eed0000u + (uint64_t)(R * 7919 + C) * 4 + (uint64_t)t};
     io->x = malloc(io->nb + 1), io->dy = malloc(io->nb + 1);
     io->w = malloc(io->cb + 1), io->b = malloc(io->cb + 1);
-    for (int64_t r = 0; r < R; r++)
-        ln_fill_row(io->x, t, r, C, c->special, &rng);
-    for (int64_t i = 0; i < n; i++)
-        ng_store_f64(io->dy, t, i, ng_rng_unif(&rng));
-    for (int64_t i = 0; i < C; i++)
-        ng_store_f64(io->w, t, i, 1.0 + 0.5 * ng_rng_unif(&rng));
-    for (int64_t i = 0; i < C; i++)
-        ng_store_f64(io->b, t, i, 0.3 * ng_rng_unif(&rng));
+    for (int64_t r = 0; r < R; r++) ln_fill_row(io->x, t, r, C, c->special, &rng);
+    for (int64_t i = 0; i < n; i++) ng_store_f64(io->dy, t, i, ng_rng_unif(&rng));
+    for (int64_t i = 0; i < C; i++) ng_store_f64(io->w, t, i, 1.0 + 0.5 * ng_rng_unif(&rng));
+    for (int64_t i = 0; i < C; i++) ng_store_f64(io->b, t, i, 0.3 * ng_rng_unif(&rng));
     io->y = calloc(io->nb + 1, 1), io->dx = calloc(io->nb + 1, 1);
     io->dw = calloc(io->cb + 1, 1), io->db = calloc(io->cb + 1, 1);
     io->mean = calloc((size_t)R + 1, 4), io->rstd = calloc((size_t)R + 1, 4);
@@ -372,7 +368,8 @@ static void ln_fp32_params_case(const char *name, int64_t R, int64_t C, int rms,
     }
     /* the CPU kernel's dx with the same parameters */
     void *dxc = malloc(nb + 1);
-    float *mean = malloc(rb + 4), *rstd = malloc(rb + 4), *dwc = malloc(cb + 4), *dbc = malloc(cb + 4);
+    float *mean = malloc(rb + 4), *rstd = malloc(rb + 4), *dwc = malloc(cb + 4),
+          *dbc = malloc(cb + 4);
     void *yc = malloc(nb + 1);
     ng_layernorm_args a;
     memset(&a, 0, sizeof a);
@@ -383,7 +380,8 @@ static void ln_fp32_params_case(const char *name, int64_t R, int64_t C, int rms,
     if (st == NG_OK) st = ng_layernorm_bwd(&a, NULL);
     CHECK(st == NG_OK, "CPU kernels: %s", ng_status_str(st));
 
-    void *x_d = dupload(x, nb), *dy_d = dupload(dy, nb), *w_d = dupload(w, cb), *b_d = dupload(b, cb);
+    void *x_d = dupload(x, nb), *dy_d = dupload(dy, nb), *w_d = dupload(w, cb),
+         *b_d = dupload(b, cb);
     void *y_d = dmalloc(nb), *dx_d = dmalloc(nb), *dw_d = dmalloc(cb), *db_d = dmalloc(cb);
     void *mean_d = dmalloc(rb), *rstd_d = dmalloc(rb);
     dpoison(y_d, nb), dpoison(dx_d, nb), dpoison(dw_d, cb), dpoison(db_d, cb);
@@ -412,8 +410,12 @@ static void ln_fp32_params_case(const char *name, int64_t R, int64_t C, int rms,
               (long long)off, (long long)n, (long long)far);
         double *dwgd = to_f64(dwg, NG_F32, C), *dbgd = to_f64(dbg, NG_F32, C);
         /* fp32 sums of R products of size ~1 */
-        close_rows("dweight", dwgd, dwr, 1, C, (tol){1e-5, 0, 1e-6 * (double)R, "fp32 sums of R products of size ~1"}, NULL);
-        if (!rms) close_rows("dbias", dbgd, dbr, 1, C, (tol){1e-5, 0, 1e-6 * (double)R, "fp32 sums of R products of size ~1"}, NULL);
+        close_rows("dweight", dwgd, dwr, 1, C,
+                   (tol){1e-5, 0, 1e-6 * (double)R, "fp32 sums of R products of size ~1"}, NULL);
+        if (!rms)
+            close_rows("dbias", dbgd, dbr, 1, C,
+                       (tol){1e-5, 0, 1e-6 * (double)R, "fp32 sums of R products of size ~1"},
+                       NULL);
         double *dxgd = to_f64(dxg, t, n), *dxcd = to_f64(dxc, t, n);
         close_rows("dx", dxgd, dxcd, R, C, ln_tol(t, 1), gs);
         free(yg), free(dxg), free(dwg), free(dbg), free(dwgd), free(dbgd), free(dxgd), free(dxcd);
@@ -421,10 +423,13 @@ static void ln_fp32_params_case(const char *name, int64_t R, int64_t C, int rms,
     /* fp32 parameters of fp64 input: refused */
     ng_layernorm_args a64 = ad;
     a64.dtype = NG_F64;
-    CHECK(ng_layernorm_fwd_cuda(&a64, g_stream) == NG_ERR_DTYPE, "fp64 input with params_f32 not refused");
-    dfree(x_d), dfree(dy_d), dfree(w_d), dfree(b_d), dfree(y_d), dfree(dx_d), dfree(dw_d), dfree(db_d);
+    CHECK(ng_layernorm_fwd_cuda(&a64, g_stream) == NG_ERR_DTYPE,
+          "fp64 input with params_f32 not refused");
+    dfree(x_d), dfree(dy_d), dfree(w_d), dfree(b_d), dfree(y_d), dfree(dx_d), dfree(dw_d),
+        dfree(db_d);
     dfree(mean_d), dfree(rstd_d), dfree(ws_d);
-    free(x), free(dy), free(w), free(b), free(xd), free(dyd), free(yr), free(dwr), free(dbr), free(gs);
+    free(x), free(dy), free(w), free(b), free(xd), free(dyd), free(yr), free(dwr), free(dbr),
+        free(gs);
     free(dxc), free(mean), free(rstd), free(dwc), free(dbc), free(yc);
     case_end();
 }
@@ -436,7 +441,6 @@ static void test_layernorm_fp32_params(void) {
         ln_fp32_params_case("fp32_params_rms_5x257", 5, 257, 1, FLOAT_TYPES[di]);
     }
 }
-
 
 void test_cuda_layernorm(void) {
     for (size_t ci = 0; ci < sizeof LN_CASES / sizeof LN_CASES[0]; ci++)

@@ -150,6 +150,5 @@ static void ts_case(const tsview *vw, ng_dtype t) {
 void test_cuda_tensor_stats(void) {
     const ng_dtype types[4] = {NG_F32, NG_F16, NG_BF16, NG_F64};
     for (size_t vi = 0; vi < sizeof TS_VIEWS / sizeof TS_VIEWS[0]; vi++)
-        for (int di = 0; di < 4; di++)
-            ts_case(&TS_VIEWS[vi], types[di]);
+        for (int di = 0; di < 4; di++) ts_case(&TS_VIEWS[vi], types[di]);
 }

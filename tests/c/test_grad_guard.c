@@ -135,7 +135,8 @@ static void run_case(const char *name, gset *g, float inv_scale, double max_norm
     snprintf(what, sizeof what, "%s %s p=%s norm acc", name, ng_dtype_name(g->dt),
              p == NG_GG_NORM_2 ? "2" : "inf");
     int finite = ref[NG_GG_NAN] == 0 && ref[NG_GG_INF] == 0;
-    if (finite) ng_expect_close(what, &st[NG_GG_NORM], &ref[NG_GG_NORM], 1, 0.0, pow2 ? 1e-12 : 1e-6);
+    if (finite)
+        ng_expect_close(what, &st[NG_GG_NORM], &ref[NG_GG_NORM], 1, 0.0, pow2 ? 1e-12 : 1e-6);
     NG_EXPECT(st[NG_GG_NAN] == ref[NG_GG_NAN]);
     NG_EXPECT(st[NG_GG_INF] == ref[NG_GG_INF]);
     NG_EXPECT(st[NG_GG_FIRST_BAD] == ref[NG_GG_FIRST_BAD]);
@@ -155,8 +156,8 @@ static void run_case(const char *name, gset *g, float inv_scale, double max_norm
                             &found_inf, &tn, NG_F64, par);
     NG_EXPECT(s == NG_OK);
     float tn32 = -1.0f;
-    NG_EXPECT(ng_grad_guard_apply(g->bufs, g->numels, 0, g->dt, &inv_scale, st, max_norm, p,
-                                  NULL, &tn32, NG_F32, NULL) == NG_OK);
+    NG_EXPECT(ng_grad_guard_apply(g->bufs, g->numels, 0, g->dt, &inv_scale, st, max_norm, p, NULL,
+                                  &tn32, NG_F32, NULL) == NG_OK);
     NG_EXPECT(tn32 == (float)tn || (isnan(tn32) && isnan(tn)));
 
     double ref_total = !finite ? (ref[NG_GG_NAN] > 0 ? NAN : INFINITY)
@@ -203,9 +204,10 @@ static const ng_dtype k_types[] = {NG_F32, NG_F16, NG_BF16, NG_F64};
 static void mixed_sizes(int64_t *numels, int64_t n, ng_rng *rng) {
     for (int64_t t = 0; t < n; t++) {
         uint64_t r = ng_rng_u64(rng) % 10;
-        numels[t] = r == 0 ? 0 : r < 6 ? (int64_t)(ng_rng_u64(rng) % 300) + 1
-                                   : r < 9 ? (int64_t)(ng_rng_u64(rng) % 5000) + 1
-                                           : (int64_t)(ng_rng_u64(rng) % 150000) + 1;
+        numels[t] = r == 0  ? 0
+                    : r < 6 ? (int64_t)(ng_rng_u64(rng) % 300) + 1
+                    : r < 9 ? (int64_t)(ng_rng_u64(rng) % 5000) + 1
+                            : (int64_t)(ng_rng_u64(rng) % 150000) + 1;
     }
 }
 
@@ -363,20 +365,22 @@ static void test_combined_groups(void) {
             float s = 0.5f, f1 = 0.0f, f2 = 0.0f;
             double st[NG_GG_NSTATS], sa[NG_GG_NSTATS], sb[NG_GG_NSTATS], comb[NG_GG_NSTATS];
             ng_gg_norm nt = (ng_gg_norm)p;
-            ng_grad_guard_reduce((const void *const *)all.bufs, numels, 40, NG_F32, &s, nt, st, NULL);
+            ng_grad_guard_reduce((const void *const *)all.bufs, numels, 40, NG_F32, &s, nt, st,
+                                 NULL);
             ng_grad_guard_apply(all.bufs, numels, 40, NG_F32, &s, st, 1.0, nt, &f1, NULL, NG_F32,
                                 NULL);
             ng_grad_guard_reduce((const void *const *)parts.bufs, numels, 25, NG_F32, &s, nt, sa,
                                  NULL);
-            ng_grad_guard_reduce((const void *const *)(parts.bufs + 25), numels + 25, 15, NG_F32, &s,
-                                 nt, sb, NULL);
+            ng_grad_guard_reduce((const void *const *)(parts.bufs + 25), numels + 25, 15, NG_F32,
+                                 &s, nt, sb, NULL);
             comb[NG_GG_NORM] = ng_gg_combine(sa[NG_GG_NORM], sb[NG_GG_NORM], nt);
             comb[NG_GG_NAN] = sa[NG_GG_NAN] + sb[NG_GG_NAN];
             comb[NG_GG_INF] = sa[NG_GG_INF] + sb[NG_GG_INF];
-            comb[NG_GG_FIRST_BAD] = sa[NG_GG_FIRST_BAD] >= 0 ? sa[NG_GG_FIRST_BAD]
+            comb[NG_GG_FIRST_BAD] = sa[NG_GG_FIRST_BAD] >= 0   ? sa[NG_GG_FIRST_BAD]
                                     : sb[NG_GG_FIRST_BAD] >= 0 ? 25 + sb[NG_GG_FIRST_BAD]
                                                                : -1;
-            NG_EXPECT(comb[NG_GG_NAN] == st[NG_GG_NAN] && comb[NG_GG_FIRST_BAD] == st[NG_GG_FIRST_BAD]);
+            NG_EXPECT(comb[NG_GG_NAN] == st[NG_GG_NAN] &&
+                      comb[NG_GG_FIRST_BAD] == st[NG_GG_FIRST_BAD]);
             double d = fabs(comb[NG_GG_NORM] - st[NG_GG_NORM]);
             NG_EXPECT(bad || d <= 1e-12 * st[NG_GG_NORM]);
             ng_grad_guard_apply(parts.bufs, numels, 25, NG_F32, &s, comb, 1.0, nt, &f2, NULL,
@@ -425,8 +429,8 @@ static void test_edges(void) {
     memcpy(copy, g.bufs[0], 2000);
     NG_EXPECT(ng_grad_guard_reduce((const void *const *)g.bufs, &n, 1, NG_BF16, &one, NG_GG_NORM_2,
                                    st, NULL) == NG_OK);
-    NG_EXPECT(ng_grad_guard_apply(g.bufs, &n, 1, NG_BF16, &one, st, 1.0, NG_GG_NORM_2, &found,
-                                  NULL, NG_F32, NULL) == NG_OK);
+    NG_EXPECT(ng_grad_guard_apply(g.bufs, &n, 1, NG_BF16, &one, st, 1.0, NG_GG_NORM_2, &found, NULL,
+                                  NG_F32, NULL) == NG_OK);
     NG_EXPECT(memcmp(copy, g.bufs[0], 2000) == 0 && found == 0.0f);
 
     /* refused */
@@ -435,20 +439,20 @@ static void test_edges(void) {
                                    NG_GG_NORM_2, st, NULL) == NG_ERR_INVALID_ARG);
     NG_EXPECT(ng_grad_guard_reduce((const void *const *)nulls, &n, 1, NG_BF16, &one, NG_GG_NORM_2,
                                    st, NULL) == NG_ERR_INVALID_ARG);
-    NG_EXPECT(ng_grad_guard_reduce((const void *const *)g.bufs, &n, 1, NG_BF16, NULL,
-                                   NG_GG_NORM_2, st, NULL) == NG_ERR_INVALID_ARG);
-    NG_EXPECT(ng_grad_guard_reduce((const void *const *)g.bufs, &n, 1, NG_BF16, &one,
-                                   NG_GG_NORM_2, NULL, NULL) == NG_ERR_INVALID_ARG);
+    NG_EXPECT(ng_grad_guard_reduce((const void *const *)g.bufs, &n, 1, NG_BF16, NULL, NG_GG_NORM_2,
+                                   st, NULL) == NG_ERR_INVALID_ARG);
+    NG_EXPECT(ng_grad_guard_reduce((const void *const *)g.bufs, &n, 1, NG_BF16, &one, NG_GG_NORM_2,
+                                   NULL, NULL) == NG_ERR_INVALID_ARG);
     NG_EXPECT(ng_grad_guard_reduce((const void *const *)g.bufs, &n, 1, (ng_dtype)7, &one,
                                    NG_GG_NORM_2, st, NULL) == NG_ERR_DTYPE);
-    NG_EXPECT(ng_grad_guard_reduce((const void *const *)g.bufs, &n, 1, NG_BF16, &one,
-                                   (ng_gg_norm)5, st, NULL) == NG_ERR_INVALID_ARG);
+    NG_EXPECT(ng_grad_guard_reduce((const void *const *)g.bufs, &n, 1, NG_BF16, &one, (ng_gg_norm)5,
+                                   st, NULL) == NG_ERR_INVALID_ARG);
     NG_EXPECT(ng_grad_guard_apply(g.bufs, &n, 1, NG_BF16, &one, st, -1.0, NG_GG_NORM_2, &found,
                                   NULL, NG_F32, NULL) == NG_ERR_INVALID_ARG);
-    NG_EXPECT(ng_grad_guard_apply(g.bufs, &n, 1, NG_BF16, &one, st, NAN, NG_GG_NORM_2, &found,
-                                  NULL, NG_F32, NULL) == NG_ERR_INVALID_ARG);
-    NG_EXPECT(ng_grad_guard_apply(g.bufs, &n, 1, NG_BF16, &one, st, 1.0, NG_GG_NORM_2, &found,
-                                  &tn, NG_F16, NULL) == NG_ERR_INVALID_ARG);
+    NG_EXPECT(ng_grad_guard_apply(g.bufs, &n, 1, NG_BF16, &one, st, NAN, NG_GG_NORM_2, &found, NULL,
+                                  NG_F32, NULL) == NG_ERR_INVALID_ARG);
+    NG_EXPECT(ng_grad_guard_apply(g.bufs, &n, 1, NG_BF16, &one, st, 1.0, NG_GG_NORM_2, &found, &tn,
+                                  NG_F16, NULL) == NG_ERR_INVALID_ARG);
     free(copy);
     free_set(&g);
 

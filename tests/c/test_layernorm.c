@@ -119,12 +119,28 @@ static void run_case(ng_dtype t, int64_t rows, int64_t n, int rms, int has_w, in
     void *xb = make_buf(t, x, total), *dyb = make_buf(t, dy, total);
     void *wb = make_buf(t, w, n), *bb = make_buf(t, b, n);
     size_t ss = t == NG_F64 ? 8 : 4;
-    void *yb = malloc((size_t)(total + 1) * ng_dtype_size(t)), *dxb = malloc((size_t)(total + 1) * ng_dtype_size(t));
+    void *yb = malloc((size_t)(total + 1) * ng_dtype_size(t)),
+         *dxb = malloc((size_t)(total + 1) * ng_dtype_size(t));
     void *mb = malloc((size_t)(rows + 1) * ss), *rb = malloc((size_t)(rows + 1) * ss);
-    void *dwb = malloc((size_t)(n + 1) * ng_dtype_size(t)), *dbb = malloc((size_t)(n + 1) * ng_dtype_size(t));
+    void *dwb = malloc((size_t)(n + 1) * ng_dtype_size(t)),
+         *dbb = malloc((size_t)(n + 1) * ng_dtype_size(t));
     double eps = 1e-5;
-    ng_layernorm_args a = {t, rows, n, rms, eps, xb, has_w ? wb : NULL, has_b ? bb : NULL,
-                           mb, rb, yb, dyb, dxb, has_w ? dwb : NULL, (has_b && !rms) ? dbb : NULL, 0};
+    ng_layernorm_args a = {t,
+                           rows,
+                           n,
+                           rms,
+                           eps,
+                           xb,
+                           has_w ? wb : NULL,
+                           has_b ? bb : NULL,
+                           mb,
+                           rb,
+                           yb,
+                           dyb,
+                           dxb,
+                           has_w ? dwb : NULL,
+                           (has_b && !rms) ? dbb : NULL,
+                           0};
     NG_EXPECT(ng_layernorm_fwd(&a, par) == NG_OK);
     NG_EXPECT(ng_layernorm_bwd(&a, par) == NG_OK);
 
@@ -165,9 +181,27 @@ static void run_case(ng_dtype t, int64_t rows, int64_t n, int rms, int has_w, in
         what[strlen(what) - 1] = 'b';
         ng_expect_close(what, got, rdb, n, tl.atol * (double)rows, 2 * tl.rtol);
     }
-    free(x); free(dy); free(w); free(b); free(xb); free(dyb); free(wb); free(bb); free(yb);
-    free(dxb); free(mb); free(rb); free(dwb); free(dbb); free(ry); free(rm); free(rr); free(rdx);
-    free(rdw); free(rdb); free(got);
+    free(x);
+    free(dy);
+    free(w);
+    free(b);
+    free(xb);
+    free(dyb);
+    free(wb);
+    free(bb);
+    free(yb);
+    free(dxb);
+    free(mb);
+    free(rb);
+    free(dwb);
+    free(dbb);
+    free(ry);
+    free(rm);
+    free(rr);
+    free(rdx);
+    free(rdw);
+    free(rdb);
+    free(got);
 }
 
 /* Constant rows: output is exactly the bias; eps = 0 gives no NaN either. */
@@ -185,8 +219,8 @@ static void constant_rows(ng_dtype t) {
     void *yb = malloc(rows * n * 8), *mb = malloc(rows * 8), *rb = malloc(rows * 8);
     for (int rms = 0; rms <= 1; rms++) {
         for (int e = 0; e < 2; e++) {
-            ng_layernorm_args a = {t, rows, n, rms, e ? 1e-5 : 0.0, xb, wb, bb, mb, rb, yb,
-                                   NULL, NULL, NULL, NULL, 0};
+            ng_layernorm_args a = {t,  rows, n,  rms,  e ? 1e-5 : 0.0, xb,   wb,   bb,
+                                   mb, rb,   yb, NULL, NULL,           NULL, NULL, 0};
             NG_EXPECT(ng_layernorm_fwd(&a, NULL) == NG_OK);
             for (int64_t r = 0; r < rows; r++) {
                 for (int64_t i = 0; i < n; i++) {
@@ -198,7 +232,15 @@ static void constant_rows(ng_dtype t) {
             }
         }
     }
-    free(x); free(w); free(b); free(xb); free(wb); free(bb); free(yb); free(mb); free(rb);
+    free(x);
+    free(w);
+    free(b);
+    free(xb);
+    free(wb);
+    free(bb);
+    free(yb);
+    free(mb);
+    free(rb);
 }
 
 /* NaN / Inf in one row: that row is NaN everywhere, the others are finite. */
@@ -212,16 +254,23 @@ static void nonfinite_rows(ng_dtype t) {
     void *xb = make_buf(t, x, rows * n);
     void *yb = malloc(rows * n * 8), *mb = malloc(rows * 8), *rb = malloc(rows * 8);
     for (int rms = 0; rms <= 1; rms++) {
-        ng_layernorm_args a = {t, rows, n, rms, 1e-5, xb, NULL, NULL, mb, rb, yb, NULL, NULL, NULL, NULL, 0};
+        ng_layernorm_args a = {t,  rows, n,  rms,  1e-5, xb,   NULL, NULL,
+                               mb, rb,   yb, NULL, NULL, NULL, NULL, 0};
         NG_EXPECT(ng_layernorm_fwd(&a, NULL) == NG_OK);
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < n; i++) {
                 double y = ng_load_f64(yb, t, r * n + i);
-                if (r == 1 || r == 2) NG_EXPECT(isnan(y));
-                else NG_EXPECT(isfinite(y));
+                if (r == 1 || r == 2)
+                    NG_EXPECT(isnan(y));
+                else
+                    NG_EXPECT(isfinite(y));
             }
     }
-    free(x); free(xb); free(yb); free(mb); free(rb);
+    free(x);
+    free(xb);
+    free(yb);
+    free(mb);
+    free(rb);
 }
 
 /* fp16 rows near the top of the range: finite and correct. */
@@ -233,7 +282,8 @@ static void fp16_large(void) {
     void *xb = make_buf(NG_F16, x, n);
     uint16_t yb[64];
     float mb, rb;
-    ng_layernorm_args a = {NG_F16, 1, n, 0, 1e-5, xb, NULL, NULL, &mb, &rb, yb, NULL, NULL, NULL, NULL, 0};
+    ng_layernorm_args a = {NG_F16, 1,   n,  0,    1e-5, xb,   NULL, NULL,
+                           &mb,    &rb, yb, NULL, NULL, NULL, NULL, 0};
     NG_EXPECT(ng_layernorm_fwd(&a, NULL) == NG_OK);
     ref_fwd(x, NULL, NULL, 1, n, 1e-5, 0, y, &m, &r);
     double got[64];
@@ -252,7 +302,8 @@ static void huge_rows(ng_dtype t) {
     void *xb = make_buf(t, x, n);
     float yb[50], mb, rb;
     for (int rms = 0; rms <= 1; rms++) {
-        ng_layernorm_args a = {t, 1, n, rms, 1e-5, xb, NULL, NULL, &mb, &rb, yb, NULL, NULL, NULL, NULL, 0};
+        ng_layernorm_args a = {t,   1,   n,  rms,  1e-5, xb,   NULL, NULL,
+                               &mb, &rb, yb, NULL, NULL, NULL, NULL, 0};
         NG_EXPECT(ng_layernorm_fwd(&a, NULL) == NG_OK);
         ref_fwd(x, NULL, NULL, 1, n, 1e-5, rms, y, &m, &r);
         to_f64(yb, t, n, got);
@@ -277,7 +328,8 @@ static void shifted_rows(ng_dtype t) {
     x[n] = 1000.0; /* an outlier first */
     void *xb = make_buf(t, x, rows * n);
     void *yb = malloc(sizeof y), *mb = malloc(16), *rb = malloc(16);
-    ng_layernorm_args a = {t, rows, n, 0, 1e-5, xb, NULL, NULL, mb, rb, yb, NULL, NULL, NULL, NULL, 0};
+    ng_layernorm_args a = {t,  rows, n,  0,    1e-5, xb,   NULL, NULL,
+                           mb, rb,   yb, NULL, NULL, NULL, NULL, 0};
     NG_EXPECT(ng_layernorm_fwd(&a, NULL) == NG_OK);
     ref_fwd(x, NULL, NULL, rows, n, 1e-5, 0, y, m, r);
     to_f64(yb, t, rows * n, got);
@@ -285,7 +337,10 @@ static void shifted_rows(ng_dtype t) {
     ng_expect_close("shifted rows y", got, y, rows * n, tl.atol, tl.rtol);
     stat_to_f64(rb, t, rows, got);
     ng_expect_close("shifted rows rstd", got, r, rows, 1e-5, 1e-5);
-    free(xb); free(yb); free(mb); free(rb);
+    free(xb);
+    free(yb);
+    free(mb);
+    free(rb);
 }
 
 /* fp16 / bf16 input with fp32 weight and bias (params_f32): the parameters
@@ -318,8 +373,22 @@ static void mixed_params_case(ng_dtype t, int64_t rows, int64_t n, int rms, int 
     float *mb = malloc((size_t)rows * 4), *rb = malloc((size_t)rows * 4);
     float *dwb = malloc((size_t)n * 4), *dbb = malloc((size_t)n * 4);
     const double eps = 1e-5;
-    ng_layernorm_args a = {t, rows, n, rms, eps, xb, wb, has_b ? bb : NULL, mb, rb, yb,
-                           dyb, dxb, dwb, has_b ? dbb : NULL, 1};
+    ng_layernorm_args a = {t,
+                           rows,
+                           n,
+                           rms,
+                           eps,
+                           xb,
+                           wb,
+                           has_b ? bb : NULL,
+                           mb,
+                           rb,
+                           yb,
+                           dyb,
+                           dxb,
+                           dwb,
+                           has_b ? dbb : NULL,
+                           1};
     NG_EXPECT(ng_layernorm_fwd(&a, par) == NG_OK);
     NG_EXPECT(ng_layernorm_bwd(&a, par) == NG_OK);
     double *ry = malloc((size_t)total * 8), *rm = malloc((size_t)rows * 8),
@@ -346,7 +415,8 @@ static void mixed_params_case(ng_dtype t, int64_t rows, int64_t n, int rms, int 
     }
     if (off * 100 > total || far) {
         printf("FAIL %s: %lld of %lld outputs not the correctly rounded reference, %lld by more "
-               "than one ulp\n", what, (long long)off, (long long)total, (long long)far);
+               "than one ulp\n",
+               what, (long long)off, (long long)total, (long long)far);
         NG_EXPECT(0);
     }
     tol tl = tol_for(t), t32 = tol_for(NG_F32);
@@ -358,9 +428,27 @@ static void mixed_params_case(ng_dtype t, int64_t rows, int64_t n, int rms, int 
         stat_to_f64(dbb, NG_F32, n, got);
         ng_expect_close(what, got, rdb, n, t32.atol * (double)rows, t32.rtol);
     }
-    free(x); free(dy); free(w); free(b); free(xb); free(dyb); free(wb); free(bb); free(yb);
-    free(dxb); free(mb); free(rb); free(dwb); free(dbb); free(ry); free(rm); free(rr); free(rdx);
-    free(rdw); free(rdb); free(got);
+    free(x);
+    free(dy);
+    free(w);
+    free(b);
+    free(xb);
+    free(dyb);
+    free(wb);
+    free(bb);
+    free(yb);
+    free(dxb);
+    free(mb);
+    free(rb);
+    free(dwb);
+    free(dbb);
+    free(ry);
+    free(rm);
+    free(rr);
+    free(rdx);
+    free(rdw);
+    free(rdb);
+    free(got);
 }
 
 int main(void) {
@@ -396,7 +484,8 @@ int main(void) {
     }
     /* empty shapes */
     float m[2], r[2];
-    ng_layernorm_args e = {NG_F32, 0, 8, 0, 1e-5, NULL, NULL, NULL, m, r, NULL, NULL, NULL, NULL, NULL, 0};
+    ng_layernorm_args e = {NG_F32, 0, 8,    0,    1e-5, NULL, NULL, NULL,
+                           m,      r, NULL, NULL, NULL, NULL, NULL, 0};
     NG_EXPECT(ng_layernorm_fwd(&e, NULL) == NG_OK);
     NG_EXPECT(ng_layernorm_bwd(&e, NULL) == NG_OK);
     e.eps = -1.0;

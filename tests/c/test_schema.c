@@ -24,7 +24,8 @@ static const ng_schema *parse_ok(const char *text, ng_schema *out) {
     return out;
 }
 
-static void expect_arg(const ng_schema *s, int i, const char *name, ng_arg_kind kind, bool written) {
+static void expect_arg(const ng_schema *s, int i, const char *name, ng_arg_kind kind,
+                       bool written) {
     NG_EXPECT(i < s->num_args);
     if (i >= s->num_args) return;
     NG_EXPECT(strcmp(s->args[i].name, name) == 0);
@@ -70,7 +71,8 @@ static void test_registered(void) {
         expect_arg(s, 12, "rng", NG_ARG_TENSOR, false);
     }
     s = ng_schema_find("safe_sdpa");
-    NG_EXPECT(s && s->num_args == 9 && s->num_returns == 2 && ng_schema_arg_index(s, "attn_mask") < 0);
+    NG_EXPECT(s && s->num_args == 9 && s->num_returns == 2 &&
+              ng_schema_arg_index(s, "attn_mask") < 0);
     s = ng_schema_find("stable_layernorm.weight_bias");
     NG_EXPECT(s && s->num_args == 5 && s->num_returns == 3);
     if (s) {

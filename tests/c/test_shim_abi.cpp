@@ -24,8 +24,8 @@
 #define NG_SHIM_NO_DECLS
 #include "shim/shim.h"
 
-#define NG_ASSERT_SAME(ret, name, params)                                              \
-    static_assert(std::is_same_v<decltype(&::name), ret(*) params>,                   \
+#define NG_ASSERT_SAME(ret, name, params)                                                          \
+    static_assert(std::is_same_v<decltype(&::name), ret(*) params>,                                \
                   "shim/shim.h declares " #name " with a type PyTorch does not give it");
 NG_SHIM_FUNCTIONS(NG_ASSERT_SAME)
 

@@ -17,7 +17,8 @@
 
 static void reverse_chunks(int64_t n, int64_t grain, ng_range_fn fn, void *ctx) {
     if (grain < 1) grain = 1;
-    for (int64_t c = NG_CEIL_DIV(n, grain) - 1; c >= 0; c--) fn(c * grain, NG_MIN(n, (c + 1) * grain), ctx);
+    for (int64_t c = NG_CEIL_DIV(n, grain) - 1; c >= 0; c--)
+        fn(c * grain, NG_MIN(n, (c + 1) * grain), ctx);
 }
 
 static void one_by_one(int64_t n, int64_t grain, ng_range_fn fn, void *ctx) {
@@ -40,9 +41,12 @@ static ref_stats reference(const ng_tensor_stats_args *a) {
         int64_t off = 0;
         for (int64_t d = 0; d < a->ndim; d++) off += idx[d] * a->strides[d];
         double v = ng_load_f64(a->x, a->dtype, off);
-        if (isnan(v)) r.nan++;
-        else if (v == INFINITY) r.pinf++;
-        else if (v == -INFINITY) r.ninf++;
+        if (isnan(v))
+            r.nan++;
+        else if (v == INFINITY)
+            r.pinf++;
+        else if (v == -INFINITY)
+            r.ninf++;
         else {
             double m = fabs(v);
             if (m > r.max_abs) r.max_abs = m;
@@ -108,8 +112,10 @@ static void fill(void *buf, ng_dtype t, int64_t n, double mag, int bad, ng_rng *
     }
     if (n > 0 && t != NG_F64) { /* a NaN with a payload, and a negative NaN */
         if (bad) {
-            if (t == NG_F32) ((uint32_t *)buf)[n / 2] = 0xffc00001u;
-            else ((uint16_t *)buf)[n / 2] = 0xfe01u;
+            if (t == NG_F32)
+                ((uint32_t *)buf)[n / 2] = 0xffc00001u;
+            else
+                ((uint16_t *)buf)[n / 2] = 0xfe01u;
         }
     }
 }
@@ -126,7 +132,8 @@ static ng_tensor_stats_args contig_args(ng_dtype t, const void *x, int64_t n) {
 }
 
 static void test_contiguous(void) {
-    static const int64_t sizes[] = {1, 2, 7, 31, 1023, 4097, 70001, (1 << 18) + 3, 3 * (1 << 18) + 11};
+    static const int64_t sizes[] = {
+        1, 2, 7, 31, 1023, 4097, 70001, (1 << 18) + 3, 3 * (1 << 18) + 11};
     static const int bads[] = {0, 1, 50};
     ng_rng rng = {42};
     for (size_t di = 0; di < sizeof DTYPES / sizeof DTYPES[0]; di++) {
@@ -173,7 +180,8 @@ static void test_special(void) {
         a = contig_args(t, buf, 37);
         check_one("zeros", &a, NULL);
         /* all non-finite */
-        for (int i = 0; i < 37; i++) ng_store_f64(buf, t, i, i % 3 == 0 ? NAN : i % 3 == 1 ? INFINITY : -INFINITY);
+        for (int i = 0; i < 37; i++)
+            ng_store_f64(buf, t, i, i % 3 == 0 ? NAN : i % 3 == 1 ? INFINITY : -INFINITY);
         check_one("all non-finite", &a, NULL);
         /* largest finite and smallest subnormal of the dtype */
         if (t == NG_F16) {

@@ -98,7 +98,8 @@ struct arch {
     int sm, optin_smem, sms;
 };
 const arch kArchs[] = {
-    {75, 64 * 1024, 40}, {80, 163 * 1024, 108}, {86, 99 * 1024, 84}, {89, 99 * 1024, 128}, {90, 227 * 1024, 132},
+    {75, 64 * 1024, 40},  {80, 163 * 1024, 108}, {86, 99 * 1024, 84},
+    {89, 99 * 1024, 128}, {90, 227 * 1024, 132},
 };
 const arch *g_arch;
 
@@ -125,12 +126,12 @@ const arch &device() {
 constexpr size_t kPage = 4096, kPre = 64 * 1024, kMinPost = 1024 * 1024;
 
 struct alloc {
-    char *map;      /* the whole mapping, guards included */
+    char *map; /* the whole mapping, guards included */
     size_t map_len;
-    char *rw;       /* first readable byte */
-    size_t rw_len;  /* readable bytes */
-    char *ptr;      /* the buffer handed out */
-    size_t size;    /* its size as requested */
+    char *rw;      /* first readable byte */
+    size_t rw_len; /* readable bytes */
+    char *ptr;     /* the buffer handed out */
+    size_t size;   /* its size as requested */
 };
 std::map<uintptr_t, alloc> g_allocs; /* by ptr */
 
@@ -165,7 +166,8 @@ alloc *find_alloc(const void *p, size_t n) {
 /* The buffer whose mapping (guards included) holds p, or null. */
 const alloc *find_mapping(uintptr_t p) {
     for (auto &kv : g_allocs)
-        if (p >= (uintptr_t)kv.second.map && p < (uintptr_t)kv.second.map + kv.second.map_len) return &kv.second;
+        if (p >= (uintptr_t)kv.second.map && p < (uintptr_t)kv.second.map + kv.second.map_len)
+            return &kv.second;
     return nullptr;
 }
 
@@ -197,10 +199,10 @@ struct thread_state {
 };
 
 constexpr size_t kStack = 256 * 1024, kStackGuard = kPage;
-std::vector<char *> g_stacks;      /* one per thread slot, allocated on demand */
+std::vector<char *> g_stacks; /* one per thread slot, allocated on demand */
 std::vector<thread_state> g_threads;
-thread_state *g_running;           /* the fiber now running, or null */
-void *g_sched_sp;                  /* the scheduler's saved stack pointer */
+thread_state *g_running; /* the fiber now running, or null */
+void *g_sched_sp;        /* the scheduler's saved stack pointer */
 #if !defined(__x86_64__)
 ucontext_t g_sched_uc;
 #endif
@@ -218,10 +220,10 @@ struct launch_info {
     size_t dyn_size;
     int nthreads;
     int live, at_barrier, exited;
-    int sweep, reverse;               /* the sweep's position and direction */
-    std::vector<unsigned> waiting;    /* per warp: lanes waiting at a warp intrinsic */
-    std::vector<unsigned> gone;       /* per warp: lanes that exited */
-    std::vector<unsigned> present;    /* per warp: lanes the block has */
+    int sweep, reverse;            /* the sweep's position and direction */
+    std::vector<unsigned> waiting; /* per warp: lanes waiting at a warp intrinsic */
+    std::vector<unsigned> gone;    /* per warp: lanes that exited */
+    std::vector<unsigned> present; /* per warp: lanes the block has */
     bool fault;
     bool active;
 } g_launch;
@@ -268,8 +270,8 @@ void fiber_entry_uc() { fiber_entry(); }
 
 char *stack_for(int i) {
     while ((int)g_stacks.size() <= i) {
-        void *m = mmap(nullptr, kStack + kStackGuard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                       -1, 0);
+        void *m = mmap(nullptr, kStack + kStackGuard, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (m == MAP_FAILED) {
             say("cannot map a %zu-byte fiber stack: %s", kStack, strerror(errno));
             abort();
@@ -287,9 +289,9 @@ void init_fiber(thread_state *t) {
     /* Stacks are kStack apart, so their tops would all fall in the same
      * cache sets; start each at its own offset within a page. */
     uint64_t *sp = (uint64_t *)(t->stack + kStack - (size_t)(t->linear * 192 % 4096));
-    *--sp = 0;                            /* where a caller's return address would be */
+    *--sp = 0;                                 /* where a caller's return address would be */
     *--sp = (uint64_t)(uintptr_t)&fiber_entry; /* ng_emu_swap returns here */
-    for (int r = 0; r < 6; r++) *--sp = 0; /* rbp rbx r12-r15 */
+    for (int r = 0; r < 6; r++) *--sp = 0;     /* rbp rbx r12-r15 */
     t->sp = sp;
 #else
     getcontext(&t->uc);
@@ -309,7 +311,8 @@ void switch_to(thread_state *from, thread_state *to, bool dying) {
     void **save = from ? &from->sp : &g_sched_sp;
 #ifdef NG_EMU_ASAN
     void **fake = dying ? nullptr : from ? &from->fake_stack : &g_sched_fake_stack;
-    __sanitizer_start_switch_fiber(fake, to ? (const void *)to->stack : g_sched_bottom, to ? kStack : g_sched_size);
+    __sanitizer_start_switch_fiber(fake, to ? (const void *)to->stack : g_sched_bottom,
+                                   to ? kStack : g_sched_size);
 #else
     (void)dying;
 #endif
@@ -389,10 +392,11 @@ __attribute__((format(printf, 2, 3))) void fault(thread_state *t, const char *fm
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     if (t)
-        say("%s: block (%u, %u, %u), thread (%u, %u, %u): %s", g_launch.name.c_str(), g_block_idx.x, g_block_idx.y,
-            g_block_idx.z, t->v.idx.x, t->v.idx.y, t->v.idx.z, msg);
+        say("%s: block (%u, %u, %u), thread (%u, %u, %u): %s", g_launch.name.c_str(), g_block_idx.x,
+            g_block_idx.y, g_block_idx.z, t->v.idx.x, t->v.idx.y, t->v.idx.z, msg);
     else
-        say("%s: block (%u, %u, %u): %s", g_launch.name.c_str(), g_block_idx.x, g_block_idx.y, g_block_idx.z, msg);
+        say("%s: block (%u, %u, %u): %s", g_launch.name.c_str(), g_block_idx.x, g_block_idx.y,
+            g_block_idx.z, msg);
     g_launch.fault = true;
     if (t) {
         t->state = T_DONE;
@@ -423,10 +427,11 @@ std::string positions() {
             j++;
         char line[320];
         if (t.state == T_WARP)
-            snprintf(line, sizeof line, "\n    threads %d..%d: %s (mask 0x%08x) at %s", i, j - 1, state_name(t),
-                     t.mask, t.site);
+            snprintf(line, sizeof line, "\n    threads %d..%d: %s (mask 0x%08x) at %s", i, j - 1,
+                     state_name(t), t.mask, t.site);
         else if (t.state == T_BAR)
-            snprintf(line, sizeof line, "\n    threads %d..%d: __syncthreads at %s", i, j - 1, t.site);
+            snprintf(line, sizeof line, "\n    threads %d..%d: __syncthreads at %s", i, j - 1,
+                     t.site);
         else
             snprintf(line, sizeof line, "\n    threads %d..%d: %s", i, j - 1, state_name(t));
         out += line;
@@ -480,23 +485,28 @@ void try_resolve(thread_state *t) {
     const int base = t->warp * 32;
     thread_state *w = &g_threads[base];
     if (unsigned missing = mask & ~g_launch.present[t->warp])
-        fault(t, "%s at %s: mask 0x%08x names lane %d, which this block of %d threads does not have",
+        fault(t,
+              "%s at %s: mask 0x%08x names lane %d, which this block of %d threads does not have",
               kind_name(t->kind), t->site, mask, __builtin_ctz(missing), g_launch.nthreads);
     if (unsigned gone = mask & g_launch.gone[t->warp])
-        fault(t, "%s at %s: mask 0x%08x names lane %d, which has exited", kind_name(t->kind), t->site, mask,
-              __builtin_ctz(gone));
+        fault(t, "%s at %s: mask 0x%08x names lane %d, which has exited", kind_name(t->kind),
+              t->site, mask, __builtin_ctz(gone));
     if ((g_launch.waiting[t->warp] & mask) != mask) return; /* not all there yet */
     for (unsigned m = mask; m; m &= m - 1) {
         const int l = __builtin_ctz(m);
         const thread_state &u = w[l];
-        if (u.kind != t->kind || u.mask != mask || u.width != t->width || (t->kind == W_MMA && u.mma_bf16 != t->mma_bf16))
-            fault(t, "lanes of one mask at different warp intrinsics: lane %d at %s (%s, mask 0x%08x), lane %d at %s "
-                     "(%s, mask 0x%08x)",
-                  t->lane, t->site, kind_name(t->kind), mask, l, u.site, kind_name(u.kind), u.mask);
+        if (u.kind != t->kind || u.mask != mask || u.width != t->width ||
+            (t->kind == W_MMA && u.mma_bf16 != t->mma_bf16))
+            fault(
+                t,
+                "lanes of one mask at different warp intrinsics: lane %d at %s (%s, mask 0x%08x), lane %d at %s "
+                "(%s, mask 0x%08x)",
+                t->lane, t->site, kind_name(t->kind), mask, l, u.site, kind_name(u.kind), u.mask);
     }
     switch (t->kind) {
     case W_MMA:
-        if (mask != 0xffffffffu) fault(t, "mma.sync at %s needs all 32 lanes, mask 0x%08x", t->site, mask);
+        if (mask != 0xffffffffu)
+            fault(t, "mma.sync at %s needs all 32 lanes, mask 0x%08x", t->site, mask);
         mma_resolve(w);
         break;
     case W_BALLOT:
@@ -525,8 +535,10 @@ void try_resolve(thread_state *t) {
             default: break;
             }
             if (src < 0 || src > 31 || !(mask >> src & 1u))
-                fault(t, "%s at %s: lane %d reads lane %d, which is not in the mask 0x%08x (undefined on a GPU)",
-                      kind_name(u.kind), u.site, l, src, mask);
+                fault(
+                    t,
+                    "%s at %s: lane %d reads lane %d, which is not in the mask 0x%08x (undefined on a GPU)",
+                    kind_name(u.kind), u.site, l, src, mask);
             u.result = w[src].value;
         }
     }
@@ -545,8 +557,8 @@ thread_state *running(const char *what) {
 
 uint64_t post(thread_state *t) {
     if (!(t->mask >> t->lane & 1u))
-        fault(t, "%s at %s: lane %d calls it with mask 0x%08x, which does not include it", kind_name(t->kind), t->site,
-              t->lane, t->mask);
+        fault(t, "%s at %s: lane %d calls it with mask 0x%08x, which does not include it",
+              kind_name(t->kind), t->site, t->lane, t->mask);
     t->state = T_WARP;
     g_launch.waiting[t->warp] |= 1u << t->lane;
     try_resolve(t);
@@ -566,18 +578,21 @@ void on_fault(int sig, siginfo_t *si, void *uc) {
             snprintf(where, sizeof where, "%zu bytes past the end of a device buffer of %zu bytes",
                      (size_t)(a - ((uintptr_t)b->ptr + b->size)), b->size);
         else
-            snprintf(where, sizeof where, "%zu bytes before the start of a device buffer of %zu bytes",
+            snprintf(where, sizeof where,
+                     "%zu bytes before the start of a device buffer of %zu bytes",
                      (size_t)((uintptr_t)b->ptr - a), b->size);
     } else {
         for (size_t i = 0; i < g_stacks.size(); i++)
             if (a >= (uintptr_t)(g_stacks[i] - kStackGuard) && a < (uintptr_t)g_stacks[i])
-                snprintf(where, sizeof where, "the guard page of emulated thread %zu's stack (stack overflow)", i);
+                snprintf(where, sizeof where,
+                         "the guard page of emulated thread %zu's stack (stack overflow)", i);
         if (!where[0]) snprintf(where, sizeof where, "not in any device buffer");
     }
     if (g_launch.active && g_running) {
         const thread_state *t = g_running;
-        say("%s: block (%u, %u, %u), thread (%u, %u, %u): invalid access to address 0x%lx: %s", g_launch.name.c_str(),
-            g_block_idx.x, g_block_idx.y, g_block_idx.z, t->v.idx.x, t->v.idx.y, t->v.idx.z, (unsigned long)a, where);
+        say("%s: block (%u, %u, %u), thread (%u, %u, %u): invalid access to address 0x%lx: %s",
+            g_launch.name.c_str(), g_block_idx.x, g_block_idx.y, g_block_idx.z, t->v.idx.x,
+            t->v.idx.y, t->v.idx.z, (unsigned long)a, where);
     } else {
         say("invalid access to address 0x%lx outside any kernel: %s", (unsigned long)a, where);
     }
@@ -608,10 +623,10 @@ void install_handlers() {
 
 /* ---- launches ------------------------------------------------------------------ */
 
-std::map<const void *, int> g_max_dyn_smem; /* cudaFuncSetAttribute */
-std::map<std::string, cudaError_t> g_inject;  /* ng_emu_inject */
+std::map<const void *, int> g_max_dyn_smem;  /* cudaFuncSetAttribute */
+std::map<std::string, cudaError_t> g_inject; /* ng_emu_inject */
 
-std::map<std::string, long long> g_calls;       /* ng_emu_calls */
+std::map<std::string, long long> g_calls; /* ng_emu_calls */
 int g_driver_version = CUDART_VERSION;
 
 /* An injected failure for `call`, once, or cudaSuccess; counts the call. */
@@ -639,7 +654,8 @@ std::string display_name(const char *kernel, const char *where) {
         size_t end = args.find("; ", at);
         if (end == std::string::npos) end = args.size();
         const std::string part = args.substr(at, end - at), lhs = part.substr(0, part.find(" = "));
-        if (lhs.find(' ') != std::string::npos) kept += (kept.empty() ? "" : "; ") + part; /* "type name = value" */
+        if (lhs.find(' ') != std::string::npos)
+            kept += (kept.empty() ? "" : "; ") + part; /* "type name = value" */
         at = end + 2;
     }
     return kept.empty() ? k : k + " [with " + kept + "]";
@@ -690,15 +706,20 @@ bool run_block(uint64_t lin, bool reverse) {
             for (int i = 0; i < n; i++) {
                 const thread_state &t = g_threads[i];
                 if (t.state != T_BAR) continue;
-                if (!b0) b0 = &t;
+                if (!b0)
+                    b0 = &t;
                 else if (t.site != b0->site && strcmp(t.site, b0->site) != 0)
-                    fault(nullptr, "threads wait at different __syncthreads: thread %d at %s, thread %d at %s",
-                          b0->linear, b0->site, t.linear, t.site);
+                    fault(
+                        nullptr,
+                        "threads wait at different __syncthreads: thread %d at %s, thread %d at %s",
+                        b0->linear, b0->site, t.linear, t.site);
             }
             if (g_launch.fault) return false;
             if (g_launch.exited > 0) {
-                fault(nullptr, "__syncthreads at %s reached by %d of the block's %d threads; the others exited:%s",
-                      b0->site, g_launch.at_barrier, n, positions().c_str());
+                fault(
+                    nullptr,
+                    "__syncthreads at %s reached by %d of the block's %d threads; the others exited:%s",
+                    b0->site, g_launch.at_barrier, n, positions().c_str());
                 return false;
             }
             for (int i = 0; i < n; i++)
@@ -738,7 +759,9 @@ struct snapshot {
     std::vector<std::pair<alloc *, std::vector<char>>> bufs;
     void take() {
         bufs.clear();
-        for (auto &kv : g_allocs) bufs.emplace_back(&kv.second, std::vector<char>(kv.second.ptr, kv.second.ptr + kv.second.size));
+        for (auto &kv : g_allocs)
+            bufs.emplace_back(&kv.second,
+                              std::vector<char>(kv.second.ptr, kv.second.ptr + kv.second.size));
     }
     void restore() const {
         for (auto &b : bufs) memcpy(b.first->ptr, b.second.data(), b.second.size());
@@ -757,10 +780,12 @@ void syncthreads(const char *site) {
     leave(t, false);
 }
 
-uint64_t warp_op(warp_kind kind, unsigned mask, uint64_t value, int arg, int width, const char *site) {
+uint64_t warp_op(warp_kind kind, unsigned mask, uint64_t value, int arg, int width,
+                 const char *site) {
     thread_state *t = running("a warp intrinsic");
     if (width < 1 || width > 32 || (width & (width - 1)))
-        fault(t, "%s at %s: width %d is not a power of two in [1, 32]", kind_name(kind), site, width);
+        fault(t, "%s at %s: width %d is not a power of two in [1, 32]", kind_name(kind), site,
+              width);
     t->kind = kind;
     t->mask = mask;
     t->value = value;
@@ -775,7 +800,8 @@ unsigned activemask() {
     return g_launch.present[t->warp] & ~g_launch.gone[t->warp];
 }
 
-void mma_m16n8k16(int bf16, float c[4], const uint32_t a[4], const uint32_t b[2], const char *site) {
+void mma_m16n8k16(int bf16, float c[4], const uint32_t a[4], const uint32_t b[2],
+                  const char *site) {
     thread_state *t = running("mma.sync");
     t->kind = W_MMA;
     t->mask = 0xffffffffu;
@@ -804,16 +830,17 @@ cudaError_t func_set_attribute(const void *fn, int attr, int value) {
     if (const cudaError_t e = injected("cudaFuncSetAttribute")) return e;
     if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return fail(cudaErrorInvalidValue);
     if (value < 0 || value > device().optin_smem) {
-        say("cudaFuncSetAttribute(MaxDynamicSharedMemorySize, %d) refused: sm_%d allows at most %d bytes", value,
-            device().sm, device().optin_smem);
+        say("cudaFuncSetAttribute(MaxDynamicSharedMemorySize, %d) refused: sm_%d allows at most %d bytes",
+            value, device().sm, device().optin_smem);
         return fail(cudaErrorInvalidValue);
     }
     g_max_dyn_smem[fn] = value;
     return cudaSuccess;
 }
 
-cudaError_t launch_impl(const char *kernel, const char *where, const void *fn, dim3 grid, dim3 block, size_t smem,
-                        cudaStream_t stream, size_t param_bytes, kernel_body *body) {
+cudaError_t launch_impl(const char *kernel, const char *where, const void *fn, dim3 grid,
+                        dim3 block, size_t smem, cudaStream_t stream, size_t param_bytes,
+                        kernel_body *body) {
     (void)stream;
     if (g_sticky) return fail(g_sticky);
     if (g_running) {
@@ -855,7 +882,8 @@ cudaError_t launch_impl(const char *kernel, const char *where, const void *fn, d
         return fail(cudaErrorInvalidValue);
     }
     if (param_bytes > 32764) {
-        say("launch of %s refused: %zu bytes of kernel parameters; the limit is 32764", name.c_str(), param_bytes);
+        say("launch of %s refused: %zu bytes of kernel parameters; the limit is 32764",
+            name.c_str(), param_bytes);
         return fail(cudaErrorInvalidValue);
     }
     install_handlers();
@@ -864,7 +892,8 @@ cudaError_t launch_impl(const char *kernel, const char *where, const void *fn, d
     g_launch.body = body;
     g_launch.nthreads = (int)threads;
     g_launch.dyn_size = smem;
-    g_launch.dyn = (char *)malloc(smem ? smem : 1); /* exactly smem bytes: overruns are heap errors */
+    g_launch.dyn =
+        (char *)malloc(smem ? smem : 1); /* exactly smem bytes: overruns are heap errors */
     g_launch.fault = false;
     g_launch.active = true;
     g_grid_dim = grid;
@@ -888,7 +917,8 @@ cudaError_t launch_impl(const char *kernel, const char *where, const void *fn, d
             while (x[off] == b->ptr[off]) off++;
             say("%s: the two schedules disagree (a race, or a read of memory no thread wrote): device buffer of %zu "
                 "bytes at %p, first difference at byte %zu (0x%02x in order, 0x%02x shuffled / reversed)",
-                name.c_str(), b->size, (void *)b->ptr, off, (unsigned char)x[off], (unsigned char)b->ptr[off]);
+                name.c_str(), b->size, (void *)b->ptr, off, (unsigned char)x[off],
+                (unsigned char)b->ptr[off]);
             ok = false;
         }
     }
@@ -909,9 +939,9 @@ cudaError_t launch_impl(const char *kernel, const char *where, const void *fn, d
 
 using namespace ng_emu;
 
-#define NG_EMU_STICKY()                                                                                            \
-    do {                                                                                                           \
-        if (g_sticky) return fail(g_sticky);                                                                       \
+#define NG_EMU_STICKY()                                                                            \
+    do {                                                                                           \
+        if (g_sticky) return fail(g_sticky);                                                       \
     } while (0)
 
 extern "C" {
@@ -1035,7 +1065,8 @@ const char *cudaGetErrorString(cudaError_t e) {
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInitializationError: return "initialization error";
-    case cudaErrorInsufficientDriver: return "CUDA driver version is insufficient for CUDA runtime version";
+    case cudaErrorInsufficientDriver:
+        return "CUDA driver version is insufficient for CUDA runtime version";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
     case cudaErrorInvalidDevicePointer: return "invalid device pointer";
     case cudaErrorInvalidMemcpyDirection: return "invalid copy direction for memcpy";
@@ -1099,8 +1130,9 @@ static cudaError_t check_range(const void *p, size_t n, const char *what, const 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind) {
     NG_EMU_STICKY();
     if (kind == cudaMemcpyDefault)
-        kind = find_alloc(dst, 1) ? (find_alloc(src, 1) ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
-                                  : (find_alloc(src, 1) ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost);
+        kind = find_alloc(dst, 1)
+                   ? (find_alloc(src, 1) ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
+                   : (find_alloc(src, 1) ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost);
     if ((kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice) &&
         check_range(dst, n, "destination", "cudaMemcpy"))
         return g_last;
@@ -1110,7 +1142,8 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind
     if (n) memmove(dst, src, n);
     return cudaSuccess;
 }
-cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind, cudaStream_t) {
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind,
+                            cudaStream_t) {
     return cudaMemcpy(dst, src, n, kind);
 }
 cudaError_t cudaMemset(void *p, int v, size_t n) {
@@ -1124,7 +1157,9 @@ cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t) { return cud
 struct ng_emu_stream {
     unsigned flags;
 };
-cudaError_t cudaStreamCreate(cudaStream_t *s) { return cudaStreamCreateWithFlags(s, cudaStreamDefault); }
+cudaError_t cudaStreamCreate(cudaStream_t *s) {
+    return cudaStreamCreateWithFlags(s, cudaStreamDefault);
+}
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags) {
     NG_EMU_STICKY();
     *s = new ng_emu_stream{flags};

@@ -73,7 +73,9 @@ struct dim3 {
 struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
-inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) {
+    return uint4{x, y, z, w};
+}
 
 #define NG_EMU_STR2(x) #x
 #define NG_EMU_STR(x) NG_EMU_STR2(x)
@@ -89,29 +91,46 @@ extern lane_view *g_cur;
 extern uint3 g_block_idx;
 extern dim3 g_block_dim, g_grid_dim;
 
-enum warp_kind { W_SHFL_IDX, W_SHFL_UP, W_SHFL_DOWN, W_SHFL_XOR, W_BALLOT, W_ANY, W_ALL, W_SYNCWARP, W_MMA };
+enum warp_kind {
+    W_SHFL_IDX,
+    W_SHFL_UP,
+    W_SHFL_DOWN,
+    W_SHFL_XOR,
+    W_BALLOT,
+    W_ANY,
+    W_ALL,
+    W_SYNCWARP,
+    W_MMA
+};
 
 void syncthreads(const char *site);
-uint64_t warp_op(warp_kind kind, unsigned mask, uint64_t value, int arg, int width, const char *site);
+uint64_t warp_op(warp_kind kind, unsigned mask, uint64_t value, int arg, int width,
+                 const char *site);
 unsigned activemask();
 void mma_m16n8k16(int bf16, float c[4], const uint32_t a[4], const uint32_t b[2], const char *site);
 [[noreturn]] void trap(const char *site);
 void *dynamic_smem();
 
-inline void syncwarp(const char *site, unsigned mask = 0xffffffffu) { (void)warp_op(W_SYNCWARP, mask, 0, 0, 32, site); }
+inline void syncwarp(const char *site, unsigned mask = 0xffffffffu) {
+    (void)warp_op(W_SYNCWARP, mask, 0, 0, 32, site);
+}
 
-template <typename T> inline uint64_t to_bits(T v) {
-    static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffle of a type over 64 bits");
+template <typename T>
+inline uint64_t to_bits(T v) {
+    static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value,
+                  "shuffle of a type over 64 bits");
     uint64_t u = 0;
     memcpy(&u, &v, sizeof v);
     return u;
 }
-template <typename T> inline T from_bits(uint64_t u) {
+template <typename T>
+inline T from_bits(uint64_t u) {
     T v;
     memcpy(&v, &u, sizeof v);
     return v;
 }
-template <typename T> inline T shfl(warp_kind k, const char *site, unsigned mask, T v, int arg, int width = 32) {
+template <typename T>
+inline T shfl(warp_kind k, const char *site, unsigned mask, T v, int arg, int width = 32) {
     return from_bits<T>(warp_op(k, mask, to_bits(v), arg, width, site));
 }
 
@@ -123,21 +142,23 @@ struct kernel_body {
     ~kernel_body() = default;
 };
 
-cudaError_t launch_impl(const char *kernel, const char *where, const void *fn, dim3 grid, dim3 block, size_t smem,
-                        cudaStream_t stream, size_t param_bytes, kernel_body *body);
+cudaError_t launch_impl(const char *kernel, const char *where, const void *fn, dim3 grid,
+                        dim3 block, size_t smem, cudaStream_t stream, size_t param_bytes,
+                        kernel_body *body);
 cudaError_t func_set_attribute(const void *fn, int attr, int value);
 
 /* Bytes of the parameter buffer: each parameter at its own alignment, as
  * the CUDA ABI lays them out. */
-template <typename... P> constexpr size_t param_bytes() {
+template <typename... P>
+constexpr size_t param_bytes() {
     size_t off = 0;
     ((off = (off + alignof(P) - 1) / alignof(P) * alignof(P) + sizeof(P)), ...);
     return off;
 }
 
 template <typename... P, typename... A>
-void launch(const char *kernel, const char *where, void (*fn)(P...), dim3 grid, dim3 block, size_t smem,
-            cudaStream_t stream, A &&...args) {
+void launch(const char *kernel, const char *where, void (*fn)(P...), dim3 grid, dim3 block,
+            size_t smem, cudaStream_t stream, A &&...args) {
     struct body_t final : kernel_body {
         void (*fn)(P...);
         std::tuple<std::decay_t<P>...> params; /* the kernel's own copy, as on a GPU */
@@ -151,12 +172,13 @@ void launch(const char *kernel, const char *where, void (*fn)(P...), dim3 grid, 
 } // namespace ng_emu
 
 #define NG_EMU_UNPAREN(...) __VA_ARGS__
-#define NG_LAUNCH(kernel, grid, block, smem, stream, ...)                                                 \
-    ng_emu::launch(#kernel, __PRETTY_FUNCTION__, NG_EMU_UNPAREN kernel, (grid), (block), (smem), (stream), \
-                   __VA_ARGS__)
+#define NG_LAUNCH(kernel, grid, block, smem, stream, ...)                                          \
+    ng_emu::launch(#kernel, __PRETTY_FUNCTION__, NG_EMU_UNPAREN kernel, (grid), (block), (smem),   \
+                   (stream), __VA_ARGS__)
 #define NG_DYNAMIC_SMEM(type, name) type *name = static_cast<type *>(ng_emu::dynamic_smem())
 
-template <typename F> inline cudaError_t cudaFuncSetAttribute(F *fn, enum cudaFuncAttribute attr, int value) {
+template <typename F>
+inline cudaError_t cudaFuncSetAttribute(F *fn, enum cudaFuncAttribute attr, int value) {
     return ng_emu::func_set_attribute(reinterpret_cast<const void *>(fn), (int)attr, value);
 }
 
@@ -174,9 +196,12 @@ constexpr int warpSize = 32;
 #define __shfl_up_sync(...) ng_emu::shfl(ng_emu::W_SHFL_UP, NG_EMU_SITE, __VA_ARGS__)
 #define __shfl_down_sync(...) ng_emu::shfl(ng_emu::W_SHFL_DOWN, NG_EMU_SITE, __VA_ARGS__)
 #define __shfl_xor_sync(...) ng_emu::shfl(ng_emu::W_SHFL_XOR, NG_EMU_SITE, __VA_ARGS__)
-#define __ballot_sync(mask, pred) ((unsigned)ng_emu::warp_op(ng_emu::W_BALLOT, (mask), (pred) != 0, 0, 32, NG_EMU_SITE))
-#define __any_sync(mask, pred) ((int)ng_emu::warp_op(ng_emu::W_ANY, (mask), (pred) != 0, 0, 32, NG_EMU_SITE))
-#define __all_sync(mask, pred) ((int)ng_emu::warp_op(ng_emu::W_ALL, (mask), (pred) != 0, 0, 32, NG_EMU_SITE))
+#define __ballot_sync(mask, pred)                                                                  \
+    ((unsigned)ng_emu::warp_op(ng_emu::W_BALLOT, (mask), (pred) != 0, 0, 32, NG_EMU_SITE))
+#define __any_sync(mask, pred)                                                                     \
+    ((int)ng_emu::warp_op(ng_emu::W_ANY, (mask), (pred) != 0, 0, 32, NG_EMU_SITE))
+#define __all_sync(mask, pred)                                                                     \
+    ((int)ng_emu::warp_op(ng_emu::W_ALL, (mask), (pred) != 0, 0, 32, NG_EMU_SITE))
 #define __activemask() ng_emu::activemask()
 #define __trap() ng_emu::trap(NG_EMU_SITE)
 /* mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32, for ng_mma_16816 */
@@ -186,20 +211,43 @@ constexpr int warpSize = 32;
  * interrupted inside these, so a plain read-modify-write is atomic ------- */
 namespace ng_emu {
 /* *p = f(*p); returns the old value */
-template <typename T, typename F> inline T rmw(T *p, F f) {
+template <typename T, typename F>
+inline T rmw(T *p, F f) {
     const T o = *p;
     *p = f(o);
     return o;
 }
 } // namespace ng_emu
-template <typename T> inline T atomicAdd(T *p, T v) { return ng_emu::rmw(p, [v](T o) { return o + v; }); }
-template <typename T> inline T atomicSub(T *p, T v) { return ng_emu::rmw(p, [v](T o) { return o - v; }); }
-template <typename T> inline T atomicMax(T *p, T v) { return ng_emu::rmw(p, [v](T o) { return v > o ? v : o; }); }
-template <typename T> inline T atomicMin(T *p, T v) { return ng_emu::rmw(p, [v](T o) { return v < o ? v : o; }); }
-template <typename T> inline T atomicExch(T *p, T v) { return ng_emu::rmw(p, [v](T) { return v; }); }
-template <typename T> inline T atomicOr(T *p, T v) { return ng_emu::rmw(p, [v](T o) { return o | v; }); }
-template <typename T> inline T atomicAnd(T *p, T v) { return ng_emu::rmw(p, [v](T o) { return o & v; }); }
-template <typename T> inline T atomicCAS(T *p, T cmp, T v) {
+template <typename T>
+inline T atomicAdd(T *p, T v) {
+    return ng_emu::rmw(p, [v](T o) { return o + v; });
+}
+template <typename T>
+inline T atomicSub(T *p, T v) {
+    return ng_emu::rmw(p, [v](T o) { return o - v; });
+}
+template <typename T>
+inline T atomicMax(T *p, T v) {
+    return ng_emu::rmw(p, [v](T o) { return v > o ? v : o; });
+}
+template <typename T>
+inline T atomicMin(T *p, T v) {
+    return ng_emu::rmw(p, [v](T o) { return v < o ? v : o; });
+}
+template <typename T>
+inline T atomicExch(T *p, T v) {
+    return ng_emu::rmw(p, [v](T) { return v; });
+}
+template <typename T>
+inline T atomicOr(T *p, T v) {
+    return ng_emu::rmw(p, [v](T o) { return o | v; });
+}
+template <typename T>
+inline T atomicAnd(T *p, T v) {
+    return ng_emu::rmw(p, [v](T o) { return o & v; });
+}
+template <typename T>
+inline T atomicCAS(T *p, T cmp, T v) {
     return ng_emu::rmw(p, [cmp, v](T o) { return o == cmp ? v : o; });
 }
 

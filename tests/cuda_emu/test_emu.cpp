@@ -20,19 +20,20 @@
 
 static int g_pass, g_fail;
 
-#define CHECK(cond, ...)                                                                                           \
-    do {                                                                                                           \
-        if (cond) {                                                                                                \
-            g_pass++;                                                                                              \
-        } else {                                                                                                   \
-            g_fail++;                                                                                              \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                                                   \
-            fprintf(stderr, __VA_ARGS__);                                                                          \
-            fputc('\n', stderr);                                                                                   \
-        }                                                                                                          \
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (cond) {                                                                                \
+            g_pass++;                                                                              \
+        } else {                                                                                   \
+            g_fail++;                                                                              \
+            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                                   \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fputc('\n', stderr);                                                                   \
+        }                                                                                          \
     } while (0)
 
-template <typename T> static T *dalloc(size_t n) {
+template <typename T>
+static T *dalloc(size_t n) {
     void *p = nullptr;
     if (cudaMalloc(&p, n * sizeof(T)) != cudaSuccess) {
         fprintf(stderr, "cudaMalloc failed\n");
@@ -41,7 +42,8 @@ template <typename T> static T *dalloc(size_t n) {
     return (T *)p;
 }
 
-template <typename T> static std::vector<T> download(const T *d, size_t n) {
+template <typename T>
+static std::vector<T> download(const T *d, size_t n) {
     std::vector<T> h(n);
     cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost);
     return h;
@@ -50,14 +52,15 @@ template <typename T> static std::vector<T> download(const T *d, size_t n) {
 /* ---- fp16 / bf16 conversions ------------------------------------------------ */
 
 static uint16_t ref_f16(float f) { /* GCC's _Float16: IEEE round to nearest even */
-    if (isnan(f)) return 0x7fff;  /* CUDA's canonical NaN */
+    if (isnan(f)) return 0x7fff;   /* CUDA's canonical NaN */
     _Float16 h = (_Float16)f;
     uint16_t u;
     memcpy(&u, &h, 2);
     return u;
 }
 
-static uint16_t ref_bf16(float f) { /* the nearer of the two bf16 neighbours, ties to even, in fp64 */
+static uint16_t
+ref_bf16(float f) { /* the nearer of the two bf16 neighbours, ties to even, in fp64 */
     if (isnan(f)) return 0x7fff;
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -66,9 +69,12 @@ static uint16_t ref_bf16(float f) { /* the nearer of the two bf16 neighbours, ti
     memcpy(&flo, &lo, 4);
     memcpy(&fhi, &hi, 4);
     if (isinf(flo)) return (uint16_t)(lo >> 16);
-    const double dl = fabs((double)f - (double)flo), dh = isnan(fhi) ? INFINITY : fabs((double)fhi - (double)f);
-    if (isinf(fhi) && !isinf(f)) { /* above the largest finite bf16: inf only past the rounding midpoint */
-        const double mid = fabs((double)flo) + 0.5 * ldexp(1.0, ((int)((lo >> 23) & 0xff) - 127) - 7);
+    const double dl = fabs((double)f - (double)flo),
+                 dh = isnan(fhi) ? INFINITY : fabs((double)fhi - (double)f);
+    if (isinf(fhi) &&
+        !isinf(f)) { /* above the largest finite bf16: inf only past the rounding midpoint */
+        const double mid =
+            fabs((double)flo) + 0.5 * ldexp(1.0, ((int)((lo >> 23) & 0xff) - 127) - 7);
         if (fabs((double)f) < fabs(mid) || (fabs((double)f) == fabs(mid) && !((lo >> 16) & 1u)))
             return (uint16_t)(lo >> 16);
         return (uint16_t)(hi >> 16);
@@ -92,20 +98,24 @@ static void test_conversions() {
         float f;
         memcpy(&f, &u, 4);
         if (__float2half_rn(f).__x != ref_f16(f) && bad16++ < 5)
-            fprintf(stderr, "  f16(%a): got 0x%04x want 0x%04x\n", f, __float2half_rn(f).__x, ref_f16(f));
+            fprintf(stderr, "  f16(%a): got 0x%04x want 0x%04x\n", f, __float2half_rn(f).__x,
+                    ref_f16(f));
         if (__float2bfloat16_rn(f).__x != ref_bf16(f) && badbf++ < 5)
-            fprintf(stderr, "  bf16(%a): got 0x%04x want 0x%04x\n", f, __float2bfloat16_rn(f).__x, ref_bf16(f));
+            fprintf(stderr, "  bf16(%a): got 0x%04x want 0x%04x\n", f, __float2bfloat16_rn(f).__x,
+                    ref_bf16(f));
     };
     for (uint64_t u = 0; u < (1ull << 32); u += 4093) one((uint32_t)u);
     for (uint32_t e = 0; e < 256; e++)
-        for (uint32_t m : {0x0u, 0x1u, 0xfffu, 0x1000u, 0x1001u, 0x2000u, 0x3000u, 0x7fffu, 0x8000u, 0x8001u, 0x18000u,
-                           0x7fffffu, 0x7ff000u, 0x7fe000u, 0x7fefffu})
+        for (uint32_t m : {0x0u, 0x1u, 0xfffu, 0x1000u, 0x1001u, 0x2000u, 0x3000u, 0x7fffu, 0x8000u,
+                           0x8001u, 0x18000u, 0x7fffffu, 0x7ff000u, 0x7fe000u, 0x7fefffu})
             for (uint32_t s : {0u, 0x80000000u}) one(s | e << 23 | m);
     CHECK(bad_back16 == 0, "fp16 -> fp32: %d of 65536 differ", bad_back16);
     CHECK(bad16 == 0, "fp32 -> fp16: %d values differ from IEEE round-to-nearest-even", bad16);
     CHECK(badbf == 0, "fp32 -> bf16: %d values differ from round-to-nearest-even", badbf);
-    CHECK(__float2half_rn(65519.99f).__x == 0x7bff && __float2half_rn(65520.0f).__x == 0x7c00, "fp16 overflow edge");
-    CHECK(__floats2half2_rn(1.0f, 2.0f).x.__x == 0x3c00 && __floats2half2_rn(1.0f, 2.0f).y.__x == 0x4000,
+    CHECK(__float2half_rn(65519.99f).__x == 0x7bff && __float2half_rn(65520.0f).__x == 0x7c00,
+          "fp16 overflow edge");
+    CHECK(__floats2half2_rn(1.0f, 2.0f).x.__x == 0x3c00 &&
+              __floats2half2_rn(1.0f, 2.0f).y.__x == 0x4000,
           "half2: low half first");
 }
 
@@ -127,8 +137,10 @@ static __global__ void warp_kernel(int *out, int width) {
 /* Half of the warp shuffles among itself with its own mask. */
 static __global__ void half_warp_kernel(int *out) {
     const int lane = threadIdx.x & 31;
-    if (lane < 16) out[threadIdx.x] = __shfl_xor_sync(0x0000ffffu, lane * 10, 1);
-    else out[threadIdx.x] = -1;
+    if (lane < 16)
+        out[threadIdx.x] = __shfl_xor_sync(0x0000ffffu, lane * 10, 1);
+    else
+        out[threadIdx.x] = -1;
 }
 
 static void test_warp() {
@@ -150,8 +162,8 @@ static void test_warp() {
             const int want[8] = {x, dn, up, idx, (int)ballot, 1, 0, 2 * (t ^ 1) + 1};
             for (int k = 0; k < 8; k++)
                 if (h[t * 8 + k] != want[k] && bad++ < 5)
-                    fprintf(stderr, "  width %d thread %d op %d: got %d want %d\n", width, t, k, h[t * 8 + k],
-                            want[k]);
+                    fprintf(stderr, "  width %d thread %d op %d: got %d want %d\n", width, t, k,
+                            h[t * 8 + k], want[k]);
         }
         CHECK(bad == 0, "warp intrinsics, width %d: %d results wrong", width, bad);
         cudaFree(d);
@@ -209,14 +221,16 @@ static void test_shared() {
         for (int i = 0; i < 256; i++) want += hx[b * 256 + i];
         CHECK(h[b] == (float)want, "block %d sum %g, want %g", b, h[b], want);
     }
-    CHECK(download(count, 1)[0] == (unsigned long long)nb * 256, "atomicAdd count %llu", download(count, 1)[0]);
+    CHECK(download(count, 1)[0] == (unsigned long long)nb * 256, "atomicAdd count %llu",
+          download(count, 1)[0]);
 
     uint32_t *u = dalloc<uint32_t>(64);
     NG_LAUNCH((read_unwritten_kernel), 1, 64, 64 * 4, 0, u);
     auto hu = download(u, 64);
     int poisoned = 0;
     for (uint32_t v : hu) poisoned += v == 0xffffffffu;
-    CHECK(poisoned == 64, "unwritten dynamic shared memory reads as 0xff bytes (%d of 64)", poisoned);
+    CHECK(poisoned == 64, "unwritten dynamic shared memory reads as 0xff bytes (%d of 64)",
+          poisoned);
 
     int *idx = dalloc<int>(3 * 2 * 2 * 4 * 3 * 2);
     NG_LAUNCH((index_kernel), dim3(3, 2, 2), dim3(4, 3, 2), 0, 0, idx);
@@ -274,7 +288,8 @@ static void test_mma() {
                 for (int k = 0; k < 16; k++) s += (double)fA[r * 16 + k] * fB[k * 8 + n];
                 bad += h[r * 8 + n] != (float)s;
             }
-        CHECK(bad == 0, "mma.m16n8k16 %s: %d of 128 results differ from A B + C", bf16 ? "bf16" : "f16", bad);
+        CHECK(bad == 0, "mma.m16n8k16 %s: %d of 128 results differ from A B + C",
+              bf16 ? "bf16" : "f16", bad);
         cudaFree(A), cudaFree(B), cudaFree(D);
     }
 }
@@ -307,7 +322,8 @@ static __global__ void exited_lane_kernel(int *out) {
 }
 
 static __global__ void own_mask_kernel(int *out) {
-    out[threadIdx.x] = __shfl_xor_sync(0x0000fffeu, (int)threadIdx.x, 1); /* lane 0 calls with a mask without it */
+    out[threadIdx.x] =
+        __shfl_xor_sync(0x0000fffeu, (int)threadIdx.x, 1); /* lane 0 calls with a mask without it */
 }
 
 static __global__ void race_kernel(int *out) {
@@ -318,8 +334,10 @@ static __global__ void race_kernel(int *out) {
 }
 
 static __global__ void warp_waits_for_barrier_kernel(int *out) {
-    if (threadIdx.x == 5) __syncthreads();
-    else out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1, 1);
+    if (threadIdx.x == 5)
+        __syncthreads();
+    else
+        out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1, 1);
 }
 
 static __global__ void oob_kernel(float *x, int n) {
@@ -333,7 +351,8 @@ static void expect_refused(cudaError_t want, const char *what) {
 
 static void expect_fault(const char *what) {
     const cudaError_t got = cudaGetLastError();
-    CHECK(got == cudaErrorLaunchFailure, "%s: got %s, want cudaErrorLaunchFailure", what, cudaGetErrorName(got));
+    CHECK(got == cudaErrorLaunchFailure, "%s: got %s, want cudaErrorLaunchFailure", what,
+          cudaGetErrorName(got));
     CHECK(cudaMemset(nullptr, 0, 0) == cudaErrorLaunchFailure, "%s: the fault is sticky", what);
     cudaDeviceReset();
 }
@@ -355,12 +374,12 @@ static void test_limits() {
     float *out = dalloc<float>(64);
     NG_LAUNCH((dyn_smem_kernel), 1, 64, 49 * 1024, 0, out);
     expect_refused(cudaErrorInvalidValue, "49 KiB of dynamic shared memory without the attribute");
-    CHECK(cudaFuncSetAttribute(dyn_smem_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 228 * 1024) ==
-              cudaErrorInvalidValue,
+    CHECK(cudaFuncSetAttribute(dyn_smem_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               228 * 1024) == cudaErrorInvalidValue,
           "the attribute above 227 KiB is refused");
     (void)cudaGetLastError();
-    CHECK(cudaFuncSetAttribute(dyn_smem_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 * 1024) ==
-              cudaSuccess,
+    CHECK(cudaFuncSetAttribute(dyn_smem_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               100 * 1024) == cudaSuccess,
           "the attribute at 100 KiB");
     NG_LAUNCH((dyn_smem_kernel), 1, 64, 100 * 1024, 0, out);
     expect_refused(cudaSuccess, "100 KiB of dynamic shared memory after the attribute");
@@ -415,7 +434,8 @@ int main(int argc, char **argv) {
     test_limits();
     test_faults();
     test_oob_in_child(argv[0]);
-    printf("test_emu: %lld launches, each under %d schedules\n", ng_emu_launches(), ng_emu_schedules());
+    printf("test_emu: %lld launches, each under %d schedules\n", ng_emu_launches(),
+           ng_emu_schedules());
     printf("%d passed, %d failed\n", g_pass, g_fail);
     return g_fail ? 1 : 0;
 }

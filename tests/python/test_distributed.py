@@ -495,7 +495,7 @@ def test_fsdp2_nan_on_one_rank_skips_every_rank(runs, world):
 @dist_ok
 @pytest.mark.parametrize("world", [2, 4])
 def test_fsdp2_grad_scaler(runs, world):
-    for r, d in enumerate(_part(runs, world, "fsdp2")):
+    for d in _part(runs, world, "fsdp2"):
         s = d.scaler
         assert _rel(s["nanguard_norm"], s["torch_norm"]) <= NORM_RTOL_TORCH, s
         assert s["grad_rel"] <= GRAD_RTOL_TORCH and s["type"] == "DTensor"

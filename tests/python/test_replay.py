@@ -379,7 +379,7 @@ def test_watch_history_warns_before_fp16_overflow():
     w = nanguard.watch(model, history=16, policy="record", backward=False, parameters=False)
     assert w.warnings == [] and w.history is not None
     caught, sizes = [], []
-    for step in range(12):
+    for _ in range(12):
         with torch.no_grad():
             model[1].weight.mul_(2.0)  # the output's magnitude doubles every step
             out = model(torch.ones(2, 8, dtype=torch.float16))

@@ -27,7 +27,9 @@ inline uint16_t f32_to_bf16_bits(float f) {
 inline float bf16_bits_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
 } // namespace ng_emu
 
-inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16{ng_emu::f32_to_bf16_bits(f)}; }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+    return __nv_bfloat16{ng_emu::f32_to_bf16_bits(f)};
+}
 inline __nv_bfloat16 __float2bfloat16(float f) { return __float2bfloat16_rn(f); }
 inline float __bfloat162float(__nv_bfloat16 h) { return ng_emu::bf16_bits_to_f32(h.__x); }
 inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) {

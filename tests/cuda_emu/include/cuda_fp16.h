@@ -19,7 +19,8 @@ struct __half2 {
 
 namespace ng_emu {
 /* The bits of `from` as a To of the same size. */
-template <typename To, typename From> inline To bit_cast(From from) {
+template <typename To, typename From>
+inline To bit_cast(From from) {
     static_assert(sizeof(To) == sizeof(From), "bit_cast between types of different sizes");
     To to;
     memcpy(&to, &from, sizeof to);
@@ -64,7 +65,9 @@ inline float f16_bits_to_f32(uint16_t h) {
 inline __half __float2half_rn(float f) { return __half{ng_emu::f32_to_f16_bits(f)}; }
 inline __half __float2half(float f) { return __float2half_rn(f); }
 inline float __half2float(__half h) { return ng_emu::f16_bits_to_f32(h.__x); }
-inline __half2 __floats2half2_rn(float lo, float hi) { return __half2{__float2half_rn(lo), __float2half_rn(hi)}; }
+inline __half2 __floats2half2_rn(float lo, float hi) {
+    return __half2{__float2half_rn(lo), __float2half_rn(hi)};
+}
 inline __half2 __float22half2_rn(float lo, float hi) { return __floats2half2_rn(lo, hi); }
 inline float __low2float(__half2 h) { return __half2float(h.x); }
 inline float __high2float(__half2 h) { return __half2float(h.y); }
