@@ -294,39 +294,8 @@ def safe_sdpa(
     ):
         dt = torch.get_autocast_dtype(query.device.type)
         query, key, value, attn_mask = (_checks.autocast_to(t, dt) for t in (query, key, value, attn_mask))
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        _checks.check_tensor(name, t)
-        if t.dim() < 2:
-            raise ValueError(f"{name} must have at least 2 dims (..., seq, head_dim), got shape {list(t.shape)}")
-    for name, t in (("key", key), ("value", value)):
-        _checks.check_same_device(name, t, "query", query)
-        if t.dtype != query.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but query has {query.dtype}; they must match")
-    E, L, S, Ev = query.shape[-1], query.shape[-2], key.shape[-2], value.shape[-1]
-    if key.shape[-1] != E:
-        raise ValueError(f"key's head dim ({key.shape[-1]}) must equal query's ({E})")
-    if value.shape[-2] != S:
-        raise ValueError(f"value's sequence length ({value.shape[-2]}) must equal key's ({S})")
-    if E > _MAX_HEAD_DIM or Ev > _MAX_HEAD_DIM or E < 1 or Ev < 1:
-        raise ValueError(
-            f"head dims must be in [1, {_MAX_HEAD_DIM}], got query/key {E} and value {Ev} "
-            f"(nanguard's attention kernels stop at {_MAX_HEAD_DIM}, unlike "
-            "torch.nn.functional.scaled_dot_product_attention)"
-        )
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    dropout_p = float(dropout_p)
-    if not (0.0 <= dropout_p <= 1.0):
-        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype != torch.bool \
-            and not scale.is_complex():
-        scale = scale.item()  # a 0-d tensor, as PyTorch's takes (a host sync)
-    if scale is None:
-        scale = 1.0 / math.sqrt(E)
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite float, a 0-d tensor of one, or None, got {scale!r}")
+    E, L, S, Ev = _check_qkv(query, key, value)
+    dropout_p, scale = _check_scalars(dropout_p, is_causal, scale, E)
     if dropout_p == 1.0:
         # Every weight dropped: PyTorch returns zeros (and zero gradients).
         # Computed as the undropped result times 0, so a NaN in the inputs
@@ -350,6 +319,50 @@ def safe_sdpa(
     nd = max(query.dim(), key.dim(), value.dim()) - 2  # leading dims of the result
     lead = (*batch, Hq)[-nd:] if nd > 0 else ()
     return out.reshape(*lead, L, Ev)
+
+
+def _check_qkv(query, key, value):
+    """Dtypes, devices and shapes of query / key / value; returns (E, L, S, Ev)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _checks.check_tensor(name, t)
+        if t.dim() < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., seq, head_dim), got shape {list(t.shape)}")
+    for name, t in (("key", key), ("value", value)):
+        _checks.check_same_device(name, t, "query", query)
+        if t.dtype != query.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but query has {query.dtype}; they must match")
+    E, L, S, Ev = query.shape[-1], query.shape[-2], key.shape[-2], value.shape[-1]
+    if key.shape[-1] != E:
+        raise ValueError(f"key's head dim ({key.shape[-1]}) must equal query's ({E})")
+    if value.shape[-2] != S:
+        raise ValueError(f"value's sequence length ({value.shape[-2]}) must equal key's ({S})")
+    if E > _MAX_HEAD_DIM or Ev > _MAX_HEAD_DIM or E < 1 or Ev < 1:
+        raise ValueError(
+            f"head dims must be in [1, {_MAX_HEAD_DIM}], got query/key {E} and value {Ev} "
+            f"(nanguard's attention kernels stop at {_MAX_HEAD_DIM}, unlike "
+            "torch.nn.functional.scaled_dot_product_attention)"
+        )
+    return E, L, S, Ev
+
+
+def _check_scalars(dropout_p, is_causal, scale, E):
+    """dropout_p, is_causal and scale as PyTorch takes them; returns
+    (dropout_p, scale) as floats (scale's default 1/sqrt(E))."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    dropout_p = float(dropout_p)
+    if not (0.0 <= dropout_p <= 1.0):
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype != torch.bool \
+            and not scale.is_complex():
+        scale = scale.item()  # a 0-d tensor, as PyTorch's takes (a host sync)
+    if scale is None:
+        scale = 1.0 / math.sqrt(E)
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, a 0-d tensor of one, or None, got {scale!r}")
+    return dropout_p, scale
 
 
 def _to_4d(query, key, value, enable_gqa):
