@@ -127,3 +127,11 @@ def test_bad_arguments(kw):
     args = {"steps": 4, **kw}
     with pytest.raises(ValueError, match="must be"):
         History(args.pop("steps"), **args)
+
+
+def test_warnings_of_one_step_come_most_urgent_first():
+    h = History(4, warn_bits=2.0)
+    with pytest.warns(HeadroomWarning) as caught:
+        got = h.add(0, [_row(0, 20000.0, module="a"), _row(0, 60000.0, module="b"), _row(0, 40000.0, module="c")])
+    assert [w.module for w in got] == ["b", "c", "a"]
+    assert [c.message.module for c in caught] == ["b", "c", "a"]

@@ -155,6 +155,7 @@ class History:
             w = self._check(k)
             if w is not None:
                 new.append(w)
+        new.sort(key=lambda w: w.bits_left)  # within a step, the most urgent first
         for w in new:
             warnings.warn(w, stacklevel=3)
         self.warnings.extend(new)
