@@ -67,7 +67,7 @@ def _resolve(path: str):
 def _documented_paths():
     found = set()
     for doc in DOCS:
-        for m in re.finditer(r"(?<![\w/.-])nanguard(?:\.[A-Za-z_][A-Za-z0-9_]*)+", doc.read_text()):
+        for m in re.finditer(r"(?<![\w/.-])nanguard(?:\.[A-Za-z_][A-Za-z0-9_]*)+(?![\w-])", doc.read_text()):
             found.add((doc.name, m.group(0)))
     return sorted(found)
 
