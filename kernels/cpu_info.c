@@ -20,7 +20,9 @@
 
 #include "kernels/cpu_isa.h"
 
+/* weak and hidden: resolved inside this library or left NULL, never by another */
 #pragma weak ng_attention_cpu_path
+__attribute__((visibility("hidden"))) const char *ng_attention_cpu_path(ng_dtype dtype);
 
 static const char *ng_min_isa(ng_cpu_isa a, ng_cpu_isa cap) {
     return ng_cpu_isa_name(a < cap ? a : cap);
