@@ -65,6 +65,17 @@ def paired_times(fn_a: Callable[[], object], fn_b: Callable[[], object], repeats
     return (statistics.median(t["a"]), statistics.median(t["b"])), ratio
 
 
+def paired_ratio(samples: dict[str, list[float]], num: str, den: str) -> tuple[float, float, float]:
+    """Median, first and third quartile over repeats of samples[num][i] /
+    samples[den][i] (time_samples: the two ran next to each other in each
+    repeat, so a drift of the machine's speed mostly cancels)."""
+    r = sorted(a / b for a, b in zip(samples[num], samples[den]))
+    if len(r) < 2:
+        return r[0], r[0], r[0]
+    q1, _, q3 = statistics.quantiles(r, n=4, method="inclusive")
+    return statistics.median(r), q1, q3
+
+
 def copy_bandwidth(device: str = "cpu", nbytes: int = 256 << 20, repeats: int = 10) -> float:
     """Measured GB/s of a large tensor copy (read + write counted)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
@@ -73,12 +84,76 @@ def copy_bandwidth(device: str = "cpu", nbytes: int = 256 << 20, repeats: int = 
     return 2 * nbytes / t / 1e9
 
 
+def read_bandwidth(device: str = "cpu", nbytes: int = 256 << 20, repeats: int = 10) -> float:
+    """Measured GB/s of reading a large fp32 tensor once (torch.sum: a
+    STREAM-like read, the bytes read counted)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    t = time_fns({"read": lambda: src.sum()}, repeats=repeats, warmup=2, device=device)["read"]
+    return nbytes / t / 1e9
+
+
+#: CPU flags (as /proc/cpuinfo spells them) that decide nanguard's or
+#: PyTorch's CPU code paths.
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
+             "avx_vnni", "amx_tile", "amx_bf16", "amx_fp16")
+
+
+def cpu_model() -> str:
+    """lscpu's 'Model name' (else /proc/cpuinfo's 'model name', else platform's)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
+                             env={**os.environ, "LC_ALL": "C"}).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> list[str]:
+    """Which of ISA_FLAGS this CPU has (Linux /proc/cpuinfo; [] elsewhere)."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in ISA_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
+def nanguard_cpu_isa() -> str:
+    """The instruction set nanguard's CPU kernels run ("avx512", "avx2 (capped
+    by NANGUARD_CPU_ISA=avx2)", ...), from the loaded library."""
+    try:
+        from nanguard import _info
+
+        p = _info.cpu_paths()
+    except Exception as e:  # an older nanguard: no _info.cpu_paths
+        return f"unknown ({type(e).__name__})"
+    if "error" in p:
+        return f"unknown ({p['error']})"
+    if p.get("capped"):
+        return f"{p['active']} (capped by NANGUARD_CPU_ISA={p.get('requested', '')}; supports {p['supported']})"
+    return str(p.get("active"))
+
+
 def machine() -> dict:
     info = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
+        "cpu_flags": " ".join(cpu_flags()),
+        "nanguard_cpu_isa": nanguard_cpu_isa(),
     }
     try:
         info["commit"] = subprocess.run(
@@ -92,11 +167,20 @@ def machine() -> dict:
     return info
 
 
-def write_results(name: str, rows: list[dict], columns: list[str], extra: dict | None = None) -> None:
-    """Write bench/results/<name>.json and .md and print the table."""
-    RESULTS.mkdir(exist_ok=True)
+def describe() -> str:
+    """One line naming the machine a benchmark runs on: CPU model, ISA flags,
+    nanguard's CPU path, threads, torch."""
+    return (f"CPU: {cpu_model()}; flags: {' '.join(cpu_flags()) or '-'}; nanguard CPU path: "
+            f"{nanguard_cpu_isa()}; threads: {torch.get_num_threads()}; torch {torch.__version__}")
+
+
+def write_results(name: str, rows: list[dict], columns: list[str], extra: dict | None = None,
+                  notes: str = "", dry: bool | None = None) -> None:
+    """Write bench/results/<name>.json and .md (notes: a paragraph after the
+    table) and print the table; dry=True (default: a smoke run, quick())
+    prints only."""
+    dry = quick() if dry is None else dry
     payload = {"benchmark": name, "machine": machine(), "rows": rows, **(extra or {})}
-    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         cells = []
@@ -104,9 +188,14 @@ def write_results(name: str, rows: list[dict], columns: list[str], extra: dict |
             v = r.get(c, "")
             cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
         lines.append("| " + " | ".join(cells) + " |")
-    md = "\n".join(lines)
-    (RESULTS / f"{name}.md").write_text(f"# {name}\n\n{json.dumps(payload['machine'])}\n\n{md}\n")
+    md = "\n".join(lines) + (f"\n\n{notes}" if notes else "")
     print(md)
+    if dry:
+        print("\n(smoke run: nothing written)")
+        return
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    (RESULTS / f"{name}.md").write_text(f"# {name}\n\n{json.dumps(payload['machine'])}\n\n{md}\n")
     print(f"\nwrote {RESULTS / (name + '.json')} and .md")
 
 

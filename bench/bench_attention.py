@@ -36,6 +36,36 @@ adds _tN.
 --forward: forward only under torch.inference_mode, [4, 8, L, 64] with L = S
 in 512..4096, no mask, fp32 and bf16, against F.scaled_dot_product_attention.
 Results: bench/results/attention_<device>_fwd.{json,md}.
+
+--table: the CPU against the machine, not only against PyTorch. Forward
+(inference_mode, no mask) fp32 and bf16 [4, 8, 2048, 64], fp32 head dim 128
+and L 4096; forward + backward fp32 L 1024 (head dim 64 and 128) and L 2048
+causal; decode (as --decode) fp32 and bf16, GQA 32/8 and MHA 32/32. Each
+forward / backward case reports the ratio to F.scaled_dot_product_attention,
+the GFLOP/s of both, and, timed in the same repeats, torch.mm's GFLOP/s on
+the attention's own GEMMs (8 heads' Q K^T and P V) and on 2048^2 of the
+case's dtype; each decode case the KV read rate (bytes of K and V per
+second) of both against, in the same repeats, torch's read of those very
+K and V bytes (a sum: STREAM-like) and the copy rate of a 256 MiB tensor
+measured at the start of the run. Results name the CPU model, its ISA
+flags and the CPU path nanguard runs (`python -m nanguard info`).
+Results: bench/results/<--name, default attention_<device>_table>[_<isa>].{json,md}.
+
+FLOP convention (every mode): a forward is two GEMMs per (batch, head),
+Q K^T and P V: 2 L S E + 2 L S Ev = 4 B H L S E for Ev = E. The backward
+counts 2.5x the forward (five GEMMs: S = Q K^T recomputed, dP = dO V^T,
+dV = P^T dO, dK = dS^T Q, dQ = dS K), so forward + backward is 3.5x. Causal
+halves both (the L (L + 1) / 2 attended pairs, rounded to L^2 / 2). Softmax,
+masking and the exp are not counted.
+
+--isa avx2 (or baseline, avx512, or a comma list) runs the chosen mode again
+in a child process with NANGUARD_CPU_ISA set (the kernels read it once, at
+their first call: kernels/cpu_isa.c caps the widest supported path at the
+request; a request above what the CPU has is ignored); results get _<isa>.
+--quick: 2 repeats, prints the tables, writes nothing (a smoke run).
+Ratios are medians over repeats of the per-repeat time ratio (candidates
+interleaved in alternating order, bench/_common.py); the repeat count is in
+each result file.
 """
 from __future__ import annotations
 
@@ -44,6 +74,7 @@ import json
 import math
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 
@@ -90,10 +121,16 @@ def inputs(L, dtype, variant, device):
     return q, k, v, gy, mask, variant == "causal"
 
 
+def attn_flops(b, h, L, S, E, Ev, causal, backward):
+    """The module docstring's convention: 2 L S (E + Ev) per head forward,
+    3.5x for forward + backward, halved when causal."""
+    f = 2.0 * b * h * L * S * (E + Ev) * (0.5 if causal else 1.0)
+    return f * (3.5 if backward else 1.0)
+
+
 def flops(L, causal, backward):
     """2 matmuls forward (4 B H L^2 D), 2.5x that for the backward; causal halves."""
-    f = 4.0 * B * H * L * L * D * (0.5 if causal else 1.0)
-    return f * (3.5 if backward else 1.0)
+    return attn_flops(B, H, L, L, D, D, causal, backward)
 
 
 def _rss_kib(field: str) -> int:
@@ -252,10 +289,204 @@ def forward_compare(dev: str, repeats: int, lengths=(512, 1024, 2048, 4096), suf
                           {"B": B, "H": H, "D": D, "mask": "none", "mode": "inference_mode", "repeats": repeats})
 
 
+# ---- --table: against the machine's GEMM and copy rates ---------------------
+
+#: (mode, dtype, B, H, L = S, E = Ev, causal)
+TABLE = [
+    ("fwd", "float32", 4, 8, 2048, 64, False),
+    ("fwd", "bfloat16", 4, 8, 2048, 64, False),
+    ("fwd", "float32", 4, 8, 2048, 128, False),
+    ("fwd", "float32", 4, 8, 4096, 64, False),
+    ("fwd+bwd", "float32", 4, 8, 1024, 64, False),
+    ("fwd+bwd", "float32", 4, 8, 1024, 128, False),
+    ("fwd+bwd", "float32", 4, 8, 2048, 64, True),
+]
+#: (dtype, kv heads) against DECODE's 32 query heads
+DECODE_TABLE = [("float32", 8), ("float32", 32), ("bfloat16", 8), ("bfloat16", 32)]
+MM_N = 2048
+MM_HEADS = 8
+
+
+def _iqr(q1, q3):
+    return f"{q1:.2f}-{q3:.2f}"
+
+
+def _attn_case(mode, dtype_name, b, h, L, E, causal, dev, repeats):
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, gy = (torch.randn(b, h, L, E, generator=g).to(dev, dtype) for _ in range(4))
+    if mode == "fwd":
+        def mk(f):
+            def run():
+                with torch.inference_mode():
+                    f(q, k, v, is_causal=causal)
+            return run
+    else:
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+        def mk(f):
+            def run():
+                f(qg, kg, vg, is_causal=causal).backward(gy)
+                qg.grad = kg.grad = vg.grad = None
+            return run
+    # torch.mm on this case's GEMMs (per head: Q K^T [L, E] x [E, S], P V
+    # [L, S] x [S, E]; MM_HEADS heads into preallocated outputs, so that the
+    # call lasts long enough to time) and on 2048^2, in the case's dtype
+    mq, mkt, mv = (torch.randn(*s, generator=g).to(dev, dtype) for s in ((L, E), (E, L), (L, E)))
+    ms, mo = torch.empty(L, L, dtype=dtype, device=dev), torch.empty(L, E, dtype=dtype, device=dev)
+    ma, mb = (torch.randn(MM_N, MM_N, generator=g).to(dev, dtype) for _ in range(2))
+    heads = min(b * h, MM_HEADS)
+
+    def mm_attn():
+        with torch.inference_mode():
+            for _ in range(heads):
+                torch.mm(mq, mkt, out=ms)
+                torch.mm(ms, mv, out=mo)
+
+    def mm_sq():
+        with torch.inference_mode():
+            torch.mm(ma, mb)
+
+    fns = {"nanguard": mk(safe_sdpa), "torch": mk(F.scaled_dot_product_attention), "mm_attn": mm_attn,
+           "mm_2048": mm_sq}
+    t = _common.time_samples(fns, repeats=repeats, warmup=1, device=dev)
+    med = {n: statistics.median(x) for n, x in t.items()}
+    fl = attn_flops(b, h, L, L, E, E, causal, mode != "fwd")
+    fl_attn_mm, fl_sq = 4.0 * L * L * E * heads, 2.0 * MM_N**3
+    ratio, q1, q3 = _common.paired_ratio(t, "torch", "nanguard")
+    # share of the same repeat's torch.mm rate: (fl / t_ng) / (fl_mm / t_mm)
+    pct_sq = 100 * _common.paired_ratio(t, "mm_2048", "nanguard")[0] * fl / fl_sq
+    pct_attn_mm = 100 * _common.paired_ratio(t, "mm_attn", "nanguard")[0] * fl / fl_attn_mm
+    torch_pct_sq = 100 * _common.paired_ratio(t, "mm_2048", "torch")[0] * fl / fl_sq
+    return {
+        "case": f"{mode} {dtype_name} [{b},{h},{L},{E}]" + (" causal" if causal else ""),
+        "mode": mode, "dtype": dtype_name, "B": b, "H": h, "L": L, "E": E, "causal": causal,
+        "nanguard_ms": med["nanguard"] * 1e3, "torch_ms": med["torch"] * 1e3,
+        "vs_torch": ratio, "vs_torch_iqr": _iqr(q1, q3),
+        "nanguard_GFLOPs": fl / med["nanguard"] / 1e9, "torch_GFLOPs": fl / med["torch"] / 1e9,
+        "mm_attn_GFLOPs": fl_attn_mm / med["mm_attn"] / 1e9, "mm_2048_GFLOPs": fl_sq / med["mm_2048"] / 1e9,
+        "nanguard_pct_mm_attn": pct_attn_mm, "nanguard_pct_mm_2048": pct_sq, "torch_pct_mm_2048": torch_pct_sq,
+    }
+
+
+def _decode_case(dtype_name, hkv, dev, repeats, copy_gbs):
+    b, hq, L, S, E = (DECODE[x] for x in ("B", "Hq", "L", "S", "D"))
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, hq, L, E, generator=g).to(dev, dtype)
+    k, v = (torch.randn(b, hkv, S, E, generator=g).to(dev, dtype) for _ in range(2))
+    mask = torch.ones(b, 1, 1, S, dtype=torch.bool)
+    mask[: b // 2, ..., 3 * S // 4 :] = False
+    mask = mask.to(dev)
+    gqa = hkv != hq
+    # the same K and V bytes read once by torch (viewed as fp32: a bf16 pair
+    # per element, so the sum reads every byte at fp32's speed)
+    kf, vf = (x.view(torch.float32) for x in (k, v))
+
+    def mk(f):
+        def run():
+            with torch.inference_mode():
+                f(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return run
+
+    def kv_read():
+        kf.sum()
+        vf.sum()
+
+    t = _common.time_samples({"nanguard": mk(safe_sdpa), "torch": mk(F.scaled_dot_product_attention),
+                              "kv_read": kv_read}, repeats=repeats, warmup=3, device=dev)
+    med = {n: statistics.median(x) for n, x in t.items()}
+    kv_bytes = 2 * k.numel() * k.element_size()
+    keep = mask.float().mean().item()
+    ratio, q1, q3 = _common.paired_ratio(t, "torch", "nanguard")
+    ng_gbs = kv_bytes / med["nanguard"] / 1e9
+    return {
+        "case": f"decode {dtype_name} {hq}/{hkv}", "dtype": dtype_name, "heads": f"{hq}/{hkv}",
+        "KV_MiB": kv_bytes / 2**20,
+        "nanguard_ms": med["nanguard"] * 1e3, "torch_ms": med["torch"] * 1e3,
+        "vs_torch": ratio, "vs_torch_iqr": _iqr(q1, q3),
+        "nanguard_KV_GBs": ng_gbs, "torch_KV_GBs": kv_bytes / med["torch"] / 1e9,
+        "kv_read_GBs": kv_bytes / med["kv_read"] / 1e9,
+        "nanguard_pct_read": 100 * _common.paired_ratio(t, "kv_read", "nanguard")[0],
+        "nanguard_pct_copy": 100 * ng_gbs / copy_gbs,
+        "nanguard_attended_GBs": ng_gbs * keep,
+    }
+
+
+def table_compare(dev, repeats, dec_repeats, name, dry, cases=None):
+    print(_common.describe(), flush=True)
+    copy_gbs = _common.copy_bandwidth(dev, repeats=max(5, repeats))
+    read_gbs = _common.read_bandwidth(dev, repeats=max(5, repeats))
+    print(f"copy {copy_gbs:.1f} GB/s (read + write counted), read {read_gbs:.1f} GB/s (256 MiB fp32)", flush=True)
+    rows, dec_rows = [], []
+    for c in TABLE:
+        if cases and not any(s in " ".join(map(str, c)) for s in cases):
+            continue
+        rows.append(_attn_case(*c, dev, repeats))
+        print(rows[-1], flush=True)
+    for dtype_name, hkv in DECODE_TABLE:
+        if cases and not any(s in f"decode {dtype_name} {hkv}" for s in cases):
+            continue
+        dec_rows.append(_decode_case(dtype_name, hkv, dev, dec_repeats, copy_gbs))
+        print(dec_rows[-1], flush=True)
+    cols = ["case", "nanguard_ms", "torch_ms", "vs_torch", "vs_torch_iqr", "nanguard_GFLOPs", "torch_GFLOPs",
+            "mm_attn_GFLOPs", "mm_2048_GFLOPs", "nanguard_pct_mm_attn", "nanguard_pct_mm_2048", "torch_pct_mm_2048"]
+    dcols = ["case", "KV_MiB", "nanguard_ms", "torch_ms", "vs_torch", "vs_torch_iqr", "nanguard_KV_GBs",
+             "torch_KV_GBs", "kv_read_GBs", "nanguard_pct_read", "nanguard_pct_copy", "nanguard_attended_GBs"]
+
+    def md(rs, cs):
+        out = ["| " + " | ".join(cs) + " |", "|" + "---|" * len(cs)]
+        for r in rs:
+            out.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cs) + " |")
+        return "\n".join(out)
+
+    notes = (
+        f"copy rate {copy_gbs:.1f} GB/s (256 MiB fp32 copy_, read + write counted); read rate {read_gbs:.1f} GB/s "
+        f"(256 MiB fp32 sum). Forward / backward: {repeats} repeats, decode: {dec_repeats}; medians, ratios "
+        "median of per-repeat ratios (vs_torch_iqr: their quartiles). GFLOP/s: 4 B H L S E forward, 3.5x "
+        "for forward + backward, halved when causal. mm_attn: torch.mm on the case's per-head Q K^T and P V "
+        f"({MM_HEADS} heads, outputs preallocated); mm_{MM_N}: torch.mm {MM_N}^2 of the case's dtype, both "
+        "timed in the same repeats. Decode: "
+        f"q [{DECODE['B']}, 32, 1, {DECODE['D']}], S {DECODE['S']}, bool padding mask (1/8 of the keys "
+        "padded); KV_GBs = bytes of K and V / time; kv_read = torch reading those K and V bytes once (sum), "
+        "in the same repeats; nanguard_pct_read = nanguard's KV rate / that; attended = the bytes of the "
+        "keys the mask keeps.\n\n## decode\n\n" + md(dec_rows, dcols)
+    )
+    # the forward / backward rows are the table; the decode rows, with columns
+    # of their own, follow in the notes (and under "decode_rows" in the JSON)
+    _common.write_results(name, rows, cols, {
+        "decode_rows": dec_rows, "copy_GBs": copy_gbs, "read_GBs": read_gbs, "repeats": repeats,
+        "decode_repeats": dec_repeats, "flops": "4 B H L S E forward; x3.5 forward + backward; x0.5 causal",
+        "decode": DECODE,
+    }, notes=notes, dry=dry)
+
+
+def run_isa(isas: str) -> None:
+    """This script again, without --isa, once per instruction set, each in a
+    child process with NANGUARD_CPU_ISA set."""
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if a == "--isa":
+            skip = True
+            continue
+        if a.startswith("--isa="):
+            continue
+        argv.append(a)
+    for isa in isas.split(","):
+        print(f"== NANGUARD_CPU_ISA={isa}", flush=True)
+        r = subprocess.run([sys.executable, __file__, *argv], env={**os.environ, "NANGUARD_CPU_ISA": isa})
+        if r.returncode:
+            raise SystemExit(r.returncode)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cpu")
-    p.add_argument("--repeats", type=int, default=3 if _common.quick() else 5)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="default 5 (--table: 11 forward / backward, 31 decode); --quick: 2")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--memory-child")
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
@@ -264,7 +495,35 @@ def main():
     p.add_argument("--forward", action="store_true", help="forward only under inference_mode, no mask")
     p.add_argument("--threads", type=int, default=0,
                    help="torch.set_num_threads(N) first; results get a _tN suffix")
+    p.add_argument("--table", action="store_true",
+                   help="CPU: the cases of the table against PyTorch, torch.mm GFLOP/s and the copy rate")
+    p.add_argument("--name", default=None, help="--table: results name (default attention_<device>_table)")
+    p.add_argument("--cases", default="", help="--table: only the cases whose description has one of these "
+                   "comma-separated strings (e.g. 'decode,fwd+bwd')")
+    p.add_argument("--decode-repeats", type=int, default=None, help="--table: repeats of the decode cases")
+    p.add_argument("--isa", default="", help="run again in a child with NANGUARD_CPU_ISA=<isa> per comma-"
+                   "separated entry (avx2, baseline, avx512)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 repeats, nothing written")
     args = p.parse_args()
+    if args.quick:
+        os.environ["NANGUARD_BENCH_QUICK"] = "1"
+    if args.isa:
+        run_isa(args.isa)
+        return
+    quick = _common.quick()
+    if args.table:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        isa = os.environ.get("NANGUARD_CPU_ISA", "")
+        name = (args.name or f"attention_{args.device}_table") + (f"_{isa}" if isa else "") + \
+            (f"_t{args.threads}" if args.threads else "")
+        reps = 2 if quick else (args.repeats or 11)
+        dec_reps = 3 if quick else (args.decode_repeats or args.repeats or 31)
+        table_compare(args.device, reps, dec_reps, name, quick,
+                      [c for c in args.cases.split(",") if c])
+        return
+    if args.repeats is None:
+        args.repeats = 3 if quick else 5
     if args.threads:
         torch.set_num_threads(args.threads)
     # NANGUARD_CPU_ISA=avx2 (or baseline) caps the CPU kernels' instruction set:
@@ -324,6 +583,7 @@ def main():
                         "vs_torch": t["torch"] / t["nanguard"],
                         "vs_naive": t["naive"] / t["nanguard"],
                         "nanguard_GFLOPs": fl / t["nanguard"] / 1e9,
+                        "torch_GFLOPs": fl / t["torch"] / 1e9,
                     }
                     if mode == "fwd+bwd" and L == max(lengths) and not args.no_memory:
                         for n in CANDIDATES:
@@ -331,7 +591,7 @@ def main():
                     rows.append(row)
                     print(row, flush=True)
     cols = ["dtype", "L", "mask", "mode", "nanguard_ms", "torch_ms", "naive_ms", "vs_torch", "vs_naive",
-            "nanguard_GFLOPs", "nanguard_peak_MiB", "torch_peak_MiB", "naive_peak_MiB"]
+            "nanguard_GFLOPs", "torch_GFLOPs", "nanguard_peak_MiB", "torch_peak_MiB", "naive_peak_MiB"]
     _common.write_results(f"attention_{dev}", rows, cols, {"B": B, "H": H, "D": D})
 
 

@@ -13,13 +13,16 @@ checked; bf16: reported, since rounding may flip a near tie).
 
     python bench/bench_generate.py [--repeats 15] [--threads N] [--kv-heads 8,2]
 
-Results: bench/results/generate_<device>[_tN].{json,md}.
+Results: bench/results/generate_<device>[_<isa>][_tN].{json,md}, naming the CPU
+model, its ISA flags and nanguard's CPU path (NANGUARD_CPU_ISA=avx2 caps it
+and adds _avx2 to the name).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import pathlib
 import sys
 
@@ -67,7 +70,7 @@ def main():
     dev = args.device
     ids, am = prompt(dev)
     kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, use_cache=True, pad_token_id=0)
-    print(f"threads: {torch.get_num_threads()}, device: {dev}", flush=True)
+    print(_common.describe() if dev == "cpu" else f"threads: {torch.get_num_threads()}, device: {dev}", flush=True)
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for kv in (int(x) for x in args.kv_heads.split(",")):
@@ -93,7 +96,8 @@ def main():
             rows.append(row)
             print(row, flush=True)
     cols = ["dtype", "heads", "nanguard_s", "stock_s", "vs_stock", "same_tokens"]
-    suffix = f"_t{args.threads}" if args.threads else ""
+    isa = os.environ.get("NANGUARD_CPU_ISA", "") if dev == "cpu" else ""
+    suffix = (f"_{isa}" if isa else "") + (f"_t{args.threads}" if args.threads else "")
     _common.write_results(f"generate_{dev}{suffix}", rows, cols,
                           {"layers": LAYERS, "hidden": HIDDEN, "batch": BATCH, "prompt": PROMPT, "new_tokens": NEW,
                            "repeats": args.repeats})
