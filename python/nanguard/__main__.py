@@ -10,7 +10,7 @@ import sys
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanguard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, loaded libraries, and the devices of every op")
+    sub.add_parser("info", help="versions, loaded libraries, each op's devices and CPU code path")
     # demo and doctor parse their own options (add_help=False hands --help to them)
     sub.add_parser("demo", add_help=False,
                    help="a small Hugging Face causal LM trained in fp16 twice, stock and with nanguard, side by side")
