@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 
+from conftest import requires_cuda
 from nanguard.diagnostics._history import (FP16_MAX, SCORE_PASS, HeadroomWarning, History, Row, ScoreSource,
                                            head_norms, score_bound, score_sources)
 
@@ -280,3 +281,34 @@ def test_warnings_of_one_step_come_most_urgent_first():
         got = h.add(0, [_row(0, 20000.0, module="a"), _row(0, 60000.0, module="b"), _row(0, 40000.0, module="c")])
     assert [w.module for w in got] == ["b", "c", "a"]
     assert [c.message.module for c in caught] == ["b", "c", "a"]
+
+
+@requires_cuda
+def test_score_bound_on_cuda_without_a_sync():
+    transformers = pytest.importorskip("transformers")
+    import nanguard
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg).cuda()
+    attn = model.model.layers[0].self_attn
+    seen = {}
+    attn.q_proj.register_forward_hook(lambda m, a, out: seen.__setitem__("q", out.detach()))
+    attn.k_proj.register_forward_hook(lambda m, a, out: seen.__setitem__("k", out.detach()))
+    w = nanguard.watch(model, history=4, parameters=False)
+    ids = torch.randint(0, 32, (2, 8), device="cuda")
+    model(input_ids=ids, labels=ids).loss.backward()
+    w.step()
+    torch.cuda.set_sync_debug_mode("error")  # the bound is computed and recorded without a host sync
+    try:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    w.step()
+    (r,) = [r for r in w.history.rows() if r.pass_ == SCORE_PASS and r.step == 1]
+    _, cs = _scores_fp64(seen["q"].cpu(), seen["k"].cpu(), 8)
+    assert r.dtype == "float16" and r.max_abs == pytest.approx(cs, rel=1e-5)
+    w.remove()
