@@ -3,7 +3,10 @@ training run: for each seed, the step of the first HeadroomWarning and of
 the first non-finite loss (the lead), the module each names, and the
 warnings issued by runs that stay finite (false alarms): the demo's nanguard
 run (fp16, patched, gradient guard), the stock model in fp32 and in bf16
-autocast.
+autocast. The watcher is given the run's GradScaler (``scaler=``) and the
+stock run's ``record_dir=``: its failing step is replayed, and the layer of
+the replay's first op (the first value made non-finite from finite inputs)
+is the layer the first warning must name.
 
     python bench/bench_early_warning.py [--seeds 0 1 2 3 4] [--steps 60]
 
