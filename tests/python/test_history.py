@@ -312,3 +312,33 @@ def test_score_bound_on_cuda_without_a_sync():
     _, cs = _scores_fp64(seen["q"].cpu(), seen["k"].cpu(), 8)
     assert r.dtype == "float16" and r.max_abs == pytest.approx(cs, rel=1e-5)
     w.remove()
+
+
+def test_a_q_without_its_k_does_not_pair_across_steps():
+    import nanguard
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head_dim = 4
+            self.q_proj, self.k_proj = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+            self.which = "q"
+
+        def forward(self, x):
+            return (self.q_proj if self.which == "q" else self.k_proj)(x)
+
+    m = Attn()
+    w = nanguard.watch(m, history=4, backward=False, parameters=False)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        m(x)  # step 0: q only
+        w.step()
+        m.which = "k"
+        m(x)  # step 1: k only
+        w.step()
+        m(x)
+        m.which = "q"
+        m(x)  # step 2: both
+        w.step()
+    assert [r.step for r in w.history.rows() if r.pass_ == SCORE_PASS] == [2]
+    w.remove()

@@ -32,6 +32,7 @@ class Forensics:
         self.history = History(history, warn_bits=warn_bits, warn_steps=warn_steps) if history else None
         self.recorder = FlightRecorder(model, record_dir, rank=rank) if record_dir is not None else None
         self.scaler = scaler
+        self._pending: List[Dict[str, torch.Tensor]] = []  # per split q / k pair: a half not yet paired
 
     def attach_scores(self, model: nn.Module, record: Callable, on: Callable[[], bool]) -> list:
         """Forward hooks on the q and k projections of each eager attention
@@ -46,6 +47,7 @@ class Forensics:
         for attn, src in score_sources(model).items():
             owner = Owner(attn, type(mods[attn]).__name__)
             pending: Dict[str, torch.Tensor] = {}  # q's or k's head norms, until the other comes
+            self._pending.append(pending)
             if src.q == src.k:
                 handles.append(mods[src.q].register_forward_hook(_fused_hook(src, owner, record, on)))
             else:
@@ -90,6 +92,8 @@ class Forensics:
         return scale is not None and scale > 1.0 and report.pass_ in (BACKWARD, PARAM_GRAD)
 
     def end_step(self) -> None:
+        for pending in self._pending:  # a q without its k (or k without q) never pairs across steps
+            pending.clear()
         if self.recorder is not None:
             self.recorder.step_done(step=-1, nonfinite=False)
 
