@@ -3,7 +3,10 @@ training run: for each seed, the step of the first HeadroomWarning and of
 the first non-finite loss (the lead), the module each names, and the
 warnings issued by runs that stay finite (false alarms): the demo's nanguard
 run (fp16, patched, gradient guard), the stock model in fp32 and in bf16
-autocast.
+autocast. The watcher is given the run's GradScaler (``scaler=``) and the
+stock run's ``record_dir=``: its failing step is replayed, and the layer of
+the replay's first op (the first value made non-finite from finite inputs)
+is the layer the first warning must name.
 
     python bench/bench_early_warning.py [--seeds 0 1 2 3 4] [--steps 60]
 
@@ -18,6 +21,7 @@ import math
 import os
 import platform
 import subprocess
+import tempfile
 import warnings
 
 import torch
@@ -34,9 +38,17 @@ def cpu_model() -> str:
         return platform.processor() or "unknown"
 
 
-def run(seed: int, steps: int, mode: str) -> dict:
+def layer(module: str) -> str:
+    """The transformer block a module belongs to (``transformer.h.1``)."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if module.startswith("transformer.h.") else module
+
+
+def run(seed: int, steps: int, mode: str, record_dir: str) -> dict:
     """mode: "stock" (fp16, eager attention, torch's GradScaler), "nanguard"
-    (fp16, patched, nanguard's GradScaler), "fp32", "bf16" (stock model)."""
+    (fp16, patched, nanguard's GradScaler), "fp32", "bf16" (stock model).
+    The stock run's first non-finite step is recorded and replayed: the
+    op checker's first op names where the overflow happened."""
     cfg = demo.Config(seed=seed, steps=steps, device="cpu")
     model = demo.build_model(cfg).train()
     if mode == "nanguard":
@@ -44,7 +56,9 @@ def run(seed: int, steps: int, mode: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     fp16 = mode in ("stock", "nanguard")
     scaler = (nanguard.amp.GradScaler if mode == "nanguard" else torch.amp.GradScaler)("cpu", enabled=fp16)
-    w = nanguard.watch(model, history=64, policy="record", parameters=False)
+    rec = os.path.join(record_dir, f"seed{seed}") if mode == "stock" else None
+    w = nanguard.watch(model, history=64, policy="record", parameters=False, scaler=scaler if fp16 else None,
+                       record_dir=rec)
     data = demo.batches(cfg, demo.corpus())
     first_bad = None
     for step in range(steps):
@@ -68,13 +82,20 @@ def run(seed: int, steps: int, mode: str) -> dict:
             first_bad = step
         if first_bad is not None and step >= first_bad + 2:
             break
-    report = w.records[0] if w.records else None
+    report = next((r for r in w.records if r.step == first_bad), None)
     ws = w.warnings
     w.remove()
-    return {"seed": seed, "mode": mode, "first_nonfinite": first_bad,
-            "first_nonfinite_module": report.module if report is not None and first_bad is not None else None,
-            "warnings": [{"step": x.step, "module": x.module, "pass": x.pass_, "bits_left": round(x.bits_left, 2),
-                          "predicted_step": x.predicted_step} for x in ws]}
+    out = {"seed": seed, "mode": mode, "first_nonfinite": first_bad,
+           "first_nonfinite_module": report.module if report is not None else None,
+           "warnings": [{"step": x.step, "module": x.module, "pass": x.pass_, "bits_left": round(x.bits_left, 2),
+                         "predicted_step": x.predicted_step} for x in ws]}
+    if report is not None and getattr(report, "replay_path", None):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = nanguard.replay(report.replay_path)
+        out.update(recorded_step=int(os.path.basename(report.replay_path).split("step")[1].split(".")[0].split("-")[0]),
+                   first_op=res.first_op, first_op_module=res.module, first_op_pass=res.pass_)
+    return out
 
 
 def main() -> None:
@@ -85,27 +106,34 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     rows = []
+    tmp = tempfile.mkdtemp(prefix="nanguard-early-warning-")
     for seed in args.seeds:
         for mode in ("stock", "nanguard", "fp32", "bf16"):
-            r = run(seed, args.steps, mode)
+            r = run(seed, args.steps, mode, tmp)
             rows.append(r)
             print(json.dumps(r), flush=True)
     meta = {"cpu": cpu_model(), "torch": torch.__version__, "steps": args.steps, "threads": 1}
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "runs": rows}, f, indent=1)
     lines = [f"# fp16 early warning on the demo run ({meta['cpu']}, torch {meta['torch']}, one thread)", "",
-             "| seed | stock: first warning (module) | stock: first non-finite | lead (steps) | false alarms: "
-             "nanguard fp16 / fp32 / bf16 |", "|---|---|---|---|---|"]
+             "watch(history=64, scaler=...) with its defaults; the overflow's layer is the one of the first op "
+             "the replay of the recorded step names (the op checker's first Inf).", "",
+             "| seed | stock: first warning (module) | stock: first non-finite loss (watch's module) | "
+             "replay: first op (module, pass) | lead (steps) | same layer | false alarms: nanguard fp16 / fp32 / "
+             "bf16 |", "|---|---|---|---|---|---|---|"]
     for seed in args.seeds:
         by = {r["mode"]: r for r in rows if r["seed"] == seed}
         s = by["stock"]
         fw = s["warnings"][0] if s["warnings"] else None
         fb = s["first_nonfinite"]
         lead = fb - fw["step"] if fw and fb is not None else None
+        where = s.get("first_op_module") or s["first_nonfinite_module"]
+        same = "yes" if fw and where and layer(fw["module"]) == layer(where) else "no"
         fa = " / ".join(str(len(by[m]["warnings"])) for m in ("nanguard", "fp32", "bf16"))
+        op = f"{s.get('first_op')} ({s.get('first_op_module')}, {s.get('first_op_pass')})" if s.get("first_op") else "-"
         lines.append(f"| {seed} | {fw['step'] if fw else '-'} ({fw['module'] + ' ' + fw['pass'] if fw else '-'}) | "
-                     f"{fb if fb is not None else 'none'} ({s['first_nonfinite_module']}) | "
-                     f"{lead if lead is not None else '-'} | {fa} |")
+                     f"{fb if fb is not None else 'none'} ({s['first_nonfinite_module']}) | {op} | "
+                     f"{lead if lead is not None else '-'} | {same} | {fa} |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -162,50 +162,66 @@ def tiny_llama(hidden: int, layers: int, vocab: int):
 
 
 def size_row(hidden: int, args) -> dict:
-    """Paired, alternating timing of the guarded step with and without watch."""
+    """Paired, alternating timing of the guarded step with and without watch.
+    With --history / --record, a third variant (watch with those on) runs in
+    the same alternating loop, so that what they add to plain watch is a
+    same-process ratio too."""
     torch.manual_seed(0)
     base = tiny_llama(hidden, args.layers_llama, args.vocab)
     ids = torch.randint(0, args.vocab, (args.batch_llama, args.seq_llama))
-    models = {k: copy.deepcopy(base) for k in ("guard", "watch")}
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     extra = {}
     if args.history:
         extra["history"] = args.history
     if args.record:
         extra["record_dir"] = tempfile.mkdtemp(prefix="nanguard-bench-")
-    w = nanguard.watch(models["watch"], **extra)
+    kinds = ["guard", "watch"] + (["forensics"] if extra else [])
+    models = {k: copy.deepcopy(base) for k in kinds}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    watchers = {"watch": nanguard.watch(models["watch"])}
+    if extra:
+        watchers["forensics"] = nanguard.watch(models["forensics"], **extra)
 
     def make_step(k):
-        m, opt = models[k], opts[k]
+        m, opt, w = models[k], opts[k], watchers.get(k)
 
         def step():
             opt.zero_grad(set_to_none=True)
             m(input_ids=ids, labels=ids).loss.backward()
             nanguard.clip_grad_norm_(m.parameters(), 1.0)
-            if k == "watch":
+            if w is not None:
                 w.step()
             opt.step()
 
         return step
 
     repeats = args.repeats_llama or max(8, min(40, int(40 * 128 / hidden)))
-    cpu: Dict[str, List[float]] = {"guard": [], "watch": []}
+    cpu: Dict[str, List[float]] = {k: [] for k in kinds}
     warmup = 2
-    (tg, tw), ratio = _common.paired_times(cpu_timed(cpu["guard"], make_step("guard")),
-                                           cpu_timed(cpu["watch"], make_step("watch")),
-                                           repeats=repeats, warmup=warmup)
-    cg, cw = cpu["guard"][warmup:], cpu["watch"][warmup:]
+    wall = _common.time_samples({k: cpu_timed(cpu[k], make_step(k)) for k in kinds}, repeats, warmup)
+    w = watchers["watch"]
     models["watch"].zero_grad()  # count what one step records (w.step() resets)
     models["watch"](input_ids=ids, labels=ids).loss.backward()
     recorded = w.num_recorded
-    w.remove()
-    return {
+    for x in watchers.values():
+        x.remove()
+    c = {k: v[warmup:] for k, v in cpu.items()}
+    last = kinds[-1]
+
+    def ratio(samples, a, b):
+        return statistics.median(y / x for x, y in zip(samples[a], samples[b]))
+
+    row = {
         "hidden": hidden, "params_M": sum(p.numel() for p in base.parameters()) / 1e6,
         "modules": len(w.watched), "records": recorded, "repeats": repeats,
-        "guard_ms": tg * 1e3, "watch_ms": tw * 1e3, "ratio": ratio,
-        "guard_cpu_ms": statistics.median(cg) * 1e3, "watch_cpu_ms": statistics.median(cw) * 1e3,
-        "cpu_ratio": statistics.median(b / a for a, b in zip(cg, cw)),
+        "guard_ms": statistics.median(wall["guard"]) * 1e3, "watch_ms": statistics.median(wall[last]) * 1e3,
+        "ratio": ratio(wall, "guard", last),
+        "guard_cpu_ms": statistics.median(c["guard"]) * 1e3, "watch_cpu_ms": statistics.median(c[last]) * 1e3,
+        "cpu_ratio": ratio(c, "guard", last),
     }
+    if extra:  # plain watch in the same loop, and what history / record add to it
+        row.update(plain_watch_cpu_ratio=ratio(c, "guard", "watch"), added_cpu_ratio=ratio(c, "watch", last),
+                   added_ratio=ratio(wall, "watch", last))
+    return row
 
 
 def sizes(args) -> None:
@@ -220,10 +236,11 @@ def sizes(args) -> None:
     print(config)
     config["watch_kwargs"] = {"history": args.history, "record_dir": bool(args.record)}
     name = "watch_cpu_sizes" + ("_history" if args.history else "") + ("_record" if args.record else "")
-    _common.write_results(name, rows,
-                          ["hidden", "params_M", "modules", "records", "repeats", "guard_ms",
-                           "watch_ms", "ratio", "guard_cpu_ms", "watch_cpu_ms", "cpu_ratio"],
-                          {"config": config})
+    cols = ["hidden", "params_M", "modules", "records", "repeats", "guard_ms", "watch_ms", "ratio",
+            "guard_cpu_ms", "watch_cpu_ms", "cpu_ratio"]
+    if args.history or args.record:
+        cols += ["plain_watch_cpu_ratio", "added_cpu_ratio", "added_ratio"]
+    _common.write_results(name, rows, cols, {"config": config})
 
 
 def cpu_model() -> str:

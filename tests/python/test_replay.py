@@ -414,3 +414,66 @@ def test_replay_on_cuda_restores_the_cuda_generator(tmp_path):
     fresh = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.ReLU()).cuda()
     res = replay(path, model=fresh, loss_fn=loss_fn)
     assert res.reproduced and res.first_op == "aten::log" and res.module is None
+
+
+class CubeTanh(nn.Module):
+    """tanh(x^3), as GPT-2's gelu_new computes its inner term: in fp16 the
+    cube of 100 is Inf, and tanh turns it into 1: finite output."""
+
+    def forward(self, x):
+        return torch.tanh(x ** 3)
+
+
+class Times(nn.Module):
+    def __init__(self, k):
+        super().__init__()
+        self.k = nn.Parameter(torch.tensor(k, dtype=torch.float16))
+
+    def forward(self, x):
+        return x * self.k
+
+
+def test_an_inf_absorbed_inside_a_module_is_not_the_first_op(tmp_path):
+    # the cube's Inf never leaves module 0 (its output is finite); the real
+    # overflow is module 2's product: 100 * 1000 > 65504 in fp16
+    def model():
+        return nn.Sequential(CubeTanh(), Times(100.0), Times(1000.0))
+
+    x = torch.full((2, 4), 100.0, dtype=torch.float16)
+    loss_fn = lambda out, _: out.float().sum()  # noqa: E731
+    path = _record(tmp_path, model(), args=(x,), loss_fn=loss_fn)
+    res = replay(path, model=model(), loss_fn=loss_fn)
+    assert res.reproduced
+    assert res.first_op == "aten::mul" and res.module == "2" and res.pass_ == "forward"
+
+
+def test_watch_does_not_record_the_scalers_backoff_steps(tmp_path):
+    # with scaler=, a step non-finite in its gradients only at a loss scale
+    # above 1 is the GradScaler's ordinary backoff: reported, not recorded;
+    # the first step non-finite in its forward is
+    import nanguard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    with torch.no_grad():
+        model[1].weight.fill_(2.0)
+    scaler = nanguard.amp.GradScaler("cpu", init_scale=2.0**16)
+    w = nanguard.watch(model, record_dir=tmp_path / "rec", history=4, scaler=scaler, policy="record")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(1, 64) * 0.01
+    reports = []
+    for step in range(2):
+        if step == 1:
+            x = x.clone()
+            x[0, 0] = math.nan
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        scaler.scale(out.float().sum()).backward()
+        reports.append(w.step())
+        opt.zero_grad(set_to_none=True)
+    assert reports[0] is not None and reports[0].pass_ == "backward"  # 2^16 * 64 * 2 overflows fp16
+    assert getattr(reports[0], "replay_path", None) is None
+    assert reports[1] is not None and reports[1].pass_ == "forward"
+    assert reports[1].replay_path == str(tmp_path / "rec" / "nanguard-step1.pt")
+    assert os.listdir(tmp_path / "rec") == ["nanguard-step1.pt"]
+    w.remove()

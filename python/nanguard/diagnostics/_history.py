@@ -16,14 +16,23 @@ have no fp16 ceiling: their series never warn.
 
 **Attention scores.** The overflow that kills fp16 training is often in
 ``q @ k.T`` inside an attention *function*, whose result no module returns.
-Its sound bound from module outputs is Cauchy-Schwarz per head:
-``|q . k| <= d * max|q| * max|k|`` over a head of ``d`` dimensions. For
-attention modules whose q and k come from child projections (``q_proj`` /
-``k_proj``, GPT-2's fused ``c_attn``), :func:`score_sources` finds them and
-the history adds a derived series ``"scores (bound)"`` for the module,
-held in the projections' dtype. The bound is at most ``d`` times the true
-maximum, so it warns early rather than late; a module whose attention
-nanguard has patched computes scores in fp32 and gets no bound.
+Its sound bound is Cauchy-Schwarz per pair of rows: ``|q_i . k_j| <=
+|q_i| |k_j|``, so the largest raw score of a head is at most ``max_i |q_i|
+* max_j |k_j|`` (row norms over the head's ``d`` dimensions; with grouped
+keys, each query head against its key head). For attention modules whose q
+and k come from child projections (``q_proj`` / ``k_proj``, GPT-2's fused
+``c_attn``, ``query`` / ``key``), :func:`score_sources` finds them and the
+watcher computes the bound from the projections' outputs on their device
+(one fp32 row-norm reduction per projection output, no extra read: it is
+recorded like any tensor and read with the step's statistics); the history
+keeps it as the series ``"scores (bound)"`` of the attention module, held
+in the projections' dtype. Over all pairs, masked ones included (the
+matmul forms them all). The bound is tight when the largest query and key
+point the same way, which is how attention logits grow; rotary embeddings
+rotate q and k and keep row norms, so it holds through them. A module that
+normalises q and k after the projection (QK-norm) is skipped, and a module
+whose attention nanguard has patched computes scores in fp32 and gets no
+bound.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from __future__ import annotations
 import collections
 import csv
 import dataclasses
+import itertools
 import math
 import warnings
 from typing import Deque, Dict, Iterable, List, Optional, Tuple
@@ -46,11 +56,14 @@ Key = Tuple[str, str]  # (module, pass)
 
 class HeadroomWarning(UserWarning):
     """A float16 tensor is within ``bits_left`` bits of fp16's largest finite
-    value, or growing towards it (``predicted_step``)."""
+    value, or growing towards it (``predicted_step``). ``steps_left`` is the
+    growth's estimate of the steps to the ceiling (``inf`` when not
+    growing): the warnings of one step come soonest first."""
 
-    def __init__(self, module: str, pass_: str, step: int, bits_left: float, predicted_step: Optional[int]):
+    def __init__(self, module: str, pass_: str, step: int, bits_left: float, predicted_step: Optional[int],
+                 steps_left: float = math.inf):
         self.module, self.pass_, self.step = module, pass_, step
-        self.bits_left, self.predicted_step = bits_left, predicted_step
+        self.bits_left, self.predicted_step, self.steps_left = bits_left, predicted_step, steps_left
         when = f"; at its growth it overflows around step {predicted_step}" if predicted_step is not None else ""
         super().__init__(f"step {step}: {pass_} of `{module or '<root>'}` is {bits_left:.1f} bits below "
                          f"float16's largest value {FP16_MAX:g}{when}")
@@ -69,6 +82,8 @@ class Row:
     nan: int = 0
     posinf: int = 0
     neginf: int = 0
+    #: the loss scale the step's gradients carry (gradient passes; 1 elsewhere)
+    loss_scale: float = 1.0
 
     @property
     def nonfinite(self) -> int:
@@ -80,6 +95,16 @@ def _bits_left(dtype: str, max_abs: float) -> float:
     return math.inf if max_abs <= 0 else math.log2(top) - math.log2(max_abs)
 
 
+#: passes whose tensors carry the loss scale
+SCALED_PASSES = ("backward", "parameter grad")
+_LOG2_FP16_MAX = math.log2(FP16_MAX)
+
+
+def _log2_unscaled(r: Row) -> float:
+    """log2 max|x| at loss scale 1."""
+    return math.log2(r.max_abs) - (math.log2(r.loss_scale) if r.loss_scale != 1.0 else 0.0)
+
+
 def _slope(points: List[Tuple[int, float]]) -> float:
     """Least-squares slope of (step, value) points."""
     n = len(points)
@@ -89,29 +114,63 @@ def _slope(points: List[Tuple[int, float]]) -> float:
     return 0.0 if sxx == 0 else sum((p[0] - mx) * (p[1] - my) for p in points) / sxx
 
 
-def score_sources(model: nn.Module) -> Dict[str, Tuple[List[str], int]]:
+@dataclasses.dataclass(frozen=True)
+class ScoreSource:
+    """Where an attention module's q and k come from: ``q`` and ``k`` name
+    the producing children (the same one for a fused projection, whose
+    output holds q in ``[..., :width]`` and k in ``[..., width:2 * width]``),
+    ``head_dim`` the row length of one head."""
+
+    q: str
+    k: str
+    head_dim: int
+    width: Optional[int] = None  # fused projections only
+
+
+def score_sources(model: nn.Module) -> Dict[str, ScoreSource]:
     """Attention modules whose q and k come from child projections:
-    ``{module: ([q/k producing children], head_dim)}``. Only modules whose
-    scores are formed by an fp16-able matmul count: transformers' ``eager``
-    attention (or a module without a transformers config); SDPA, flash and
-    nanguard's own attention (``nanguard.patch``) keep scores in fp32."""
-    out: Dict[str, Tuple[List[str], int]] = {}
+    ``{module: ScoreSource}``. Only modules whose scores are formed by an
+    fp16-able matmul of the projections' outputs count: transformers'
+    ``eager`` attention (or a module without a transformers config), no
+    QK-norm, no cross-attention; SDPA, flash and nanguard's own attention
+    (``nanguard.patch``) keep scores in fp32."""
+    out: Dict[str, ScoreSource] = {}
     for name, m in model.named_modules():
         d = getattr(m, "head_dim", None)
         impl = getattr(getattr(m, "config", None), "_attn_implementation", None)
-        if not isinstance(d, int) or impl not in (None, "eager"):
+        if not isinstance(d, int) or d < 1 or impl not in (None, "eager") or getattr(m, "is_cross_attention", False):
             continue
         kids = dict(m.named_children())
+        if any(n in kids for n in ("q_norm", "k_norm", "query_norm", "key_norm")):
+            continue  # q and k normalised after the projection: not their outputs' norms
+        pre = f"{name}." if name else ""
         if "q_proj" in kids and "k_proj" in kids:
-            src = ["q_proj", "k_proj"]
-        elif "c_attn" in kids:  # GPT-2: q, k and v in one output
-            src = ["c_attn"]
+            out[name] = ScoreSource(pre + "q_proj", pre + "k_proj", d)
         elif "query" in kids and "key" in kids:
-            src = ["query", "key"]
-        else:
-            continue
-        out[name] = ([f"{name}.{s}" if name else s for s in src], d)
+            out[name] = ScoreSource(pre + "query", pre + "key", d)
+        elif "c_attn" in kids and isinstance(getattr(m, "split_size", None), int):  # GPT-2: q, k, v fused
+            out[name] = ScoreSource(pre + "c_attn", pre + "c_attn", d, m.split_size)
     return out
+
+
+def head_norms(x: torch.Tensor, head_dim: int) -> Optional[torch.Tensor]:
+    """The largest row norm of each head of a projection's output
+    ``[..., heads * head_dim]``, in fp32 (shape ``[heads]``); None when the
+    output is empty or not split into heads of ``head_dim``."""
+    if x.numel() == 0 or x.shape[-1] % head_dim:
+        return None
+    n = torch.linalg.vector_norm(x.unflatten(-1, (-1, head_dim)), dim=-1, dtype=torch.float32)
+    return n.reshape(-1, n.shape[-1]).amax(0)
+
+
+def score_bound(qn: torch.Tensor, kn: torch.Tensor) -> torch.Tensor:
+    """``max_h max|q_i| * max|k_j|`` over query heads ``h`` and their key
+    head (grouped-query attention: query head ``h`` reads key head
+    ``h // (H / G)``); a 1-element fp32 tensor on their device."""
+    h, g = qn.numel(), kn.numel()
+    if h % g:  # not a grouping: every query head against every key head
+        return (qn.amax() * kn.amax()).reshape(1)
+    return (qn.view(g, h // g) * kn.view(g, 1)).amax().reshape(1)
 
 
 class History:
@@ -120,7 +179,7 @@ class History:
     raised (also issued with ``warnings.warn`` and kept in ``warnings``)."""
 
     def __init__(self, steps: int, *, warn_bits: float = 2.0, warn_steps: int = 5, window: int = 4,
-                 predict_bits: float = 4.0, scores: Optional[Dict[str, Tuple[List[str], int]]] = None):
+                 predict_bits: float = 2.0):
         for name, v, lo in (("history", steps, 1), ("window", window, 2), ("warn_steps", warn_steps, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
@@ -129,13 +188,14 @@ class History:
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
         self.steps, self.warn_bits, self.warn_steps, self.window = steps, float(warn_bits), warn_steps, window
         self.predict_bits = float(predict_bits)
-        self.scores = scores or {}
         self._series: Dict[Key, Deque[Row]] = collections.defaultdict(lambda: collections.deque(maxlen=steps))
         self._warned: set = set()
         self.warnings: List[HeadroomWarning] = []
         self.first_nonfinite: Optional[int] = None
 
     def add(self, step: int, rows: Iterable[Row]) -> List[HeadroomWarning]:
+        """One checked step's rows (a gradient row's ``loss_scale`` says
+        which scale its magnitudes carry)."""
         merged: Dict[Key, Row] = {}
         for r in rows:  # a module called twice in a step: its largest magnitude, its counts summed
             k = (r.module, r.pass_)
@@ -146,7 +206,6 @@ class History:
                 m.nan, m.posinf, m.neginf = m.nan + r.nan, m.posinf + r.posinf, m.neginf + r.neginf
             else:
                 merged[k] = dataclasses.replace(r, step=step)
-        merged.update(self._score_rows(step, merged))
         new = []
         for k, r in merged.items():
             self._series[k].append(r)
@@ -155,41 +214,37 @@ class History:
             w = self._check(k)
             if w is not None:
                 new.append(w)
-        new.sort(key=lambda w: w.bits_left)  # within a step, the most urgent first
+        # within a step, the most urgent first: those at the ceiling now, then the soonest predicted
+        new.sort(key=lambda w: (w.bits_left >= self.warn_bits, w.steps_left, w.bits_left))
         for w in new:
             warnings.warn(w, stacklevel=3)
         self.warnings.extend(new)
         return new
 
-    def _score_rows(self, step: int, rows: Dict[Key, Row]) -> Dict[Key, Row]:
-        out = {}
-        for attn, (sources, d) in self.scores.items():
-            src = [rows.get((s, "forward")) for s in sources]
-            if any(r is None for r in src):
-                continue
-            m = [r.max_abs for r in src]
-            bound = d * (m[0] * m[1] if len(m) == 2 else m[0] ** 2)
-            nonfin = sum(r.nonfinite for r in src)
-            out[(attn, SCORE_PASS)] = Row(step, attn, SCORE_PASS, src[0].dtype, bound, 0.0, nan=nonfin)
-        return out
-
     def _check(self, key: Key) -> Optional[HeadroomWarning]:
+        """A series' warning, once: ``bits`` below fp16's ceiling (at loss
+        scale 1 for gradients: a scaled gradient's overflow is the scaler's
+        to back off from), or within ``predict_bits`` and growing to the
+        ceiling within ``warn_steps`` steps (least squares over the last
+        ``window`` steps)."""
         series = self._series[key]
         last = series[-1]
         if last.dtype != "float16" or key in self._warned or last.nonfinite or last.max_abs <= 0:
             return None
-        bits = _bits_left("float16", last.max_abs)
-        predicted = None
-        pts = [(r.step, math.log2(r.max_abs)) for r in list(series)[-self.window:] if r.max_abs > 0 and
-               not r.nonfinite]
-        if len(pts) >= self.window and bits < self.predict_bits:
-            slope = _slope(pts)
-            if slope > 0 and bits / slope <= self.warn_steps:
-                predicted = last.step + max(1, math.ceil(bits / slope))
+        bits = _LOG2_FP16_MAX - _log2_unscaled(last)
+        eta = math.inf
+        if bits < self.predict_bits and len(series) >= self.window:
+            pts = [(r.step, _log2_unscaled(r)) for r in itertools.islice(reversed(series), self.window)
+                   if r.max_abs > 0 and not r.nonfinite]
+            if len(pts) >= self.window:
+                slope = _slope(pts)
+                if slope > 0:
+                    eta = bits / slope
+        predicted = last.step + max(1, math.ceil(eta)) if eta <= self.warn_steps else None
         if bits >= self.warn_bits and predicted is None:
             return None
         self._warned.add(key)
-        return HeadroomWarning(key[0], key[1], last.step, bits, predicted)
+        return HeadroomWarning(key[0], key[1], last.step, bits, predicted, eta)
 
     # ---- export -------------------------------------------------------------------------------
 

@@ -10,7 +10,10 @@ Three views of one step, joined:
   is not;
 - forward pre/post hooks on every named module keep the stack of modules
   running, so a forward op is attributed to the innermost one (none: the op
-  ran outside the model, in the loss function);
+  ran outside the model, in the loss function). A non-finite value made
+  inside a module call whose outputs are all finite was absorbed there
+  (GPT-2's ``gelu_new`` cubes its input, and ``tanh`` of the resulting
+  ``inf`` is 1): it is dropped, and the search goes on;
 - a ``TorchFunctionMode`` maps each autograd node made in the forward to the
   module that made it, and a pre-hook on every node of the loss's graph names
   the node (``AddmmBackward0``) and its module while its backward ops run.
@@ -87,7 +90,11 @@ class OpChecker:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.first: Optional[FirstNonFinite] = None
+        self.absorbed: List[FirstNonFinite] = []  #: non-finite values a module's finite outputs absorbed
         self._stack: List[str] = []
+        self._calls: List[int] = []  # ids of the module calls running, innermost last
+        self._next_call = 0
+        self._first_calls: tuple = ()  # the calls running when ``first`` was made
         self._node_module: Dict[Any, Optional[str]] = {}
         self._node: Optional[str] = None
         self._node_mod: Optional[str] = None
@@ -98,12 +105,22 @@ class OpChecker:
 
     # -- forward: which module is running ------------------------------------------------------
     def _hooks(self) -> None:
-        def leave(*_):  # a forward hook's return value would replace the output: return None
+        def enter(label):
+            self._stack.append(label)
+            self._calls.append(self._next_call)
+            self._next_call += 1
+
+        def leave(_m, _args, output):  # a forward hook's return value would replace the output: return None
             self._stack.pop()
+            call = self._calls.pop()
+            if (self.first is not None and not self._backward and call in self._first_calls
+                    and all(_finite(o) for o in tree_flatten(output)[0])):
+                self.absorbed.append(self.first)  # made inside this call, gone from its outputs
+                self.first, self._first_calls = None, ()
 
         for name, m in self.model.named_modules():
             label = name or type(m).__name__
-            self._handles.append(m.register_forward_pre_hook(lambda _m, _a, label=label: self._stack.append(label)))
+            self._handles.append(m.register_forward_pre_hook(lambda _m, _a, label=label: enter(label)))
             self._handles.append(m.register_forward_hook(leave, always_call=True))
 
     def module(self) -> Optional[str]:
@@ -152,6 +169,7 @@ class OpChecker:
             node=self._node if backward else None,
             inputs=[tensor_stats(x) for x in inputs if isinstance(x, torch.Tensor)],
             output=tensor_stats(bad))
+        self._first_calls = () if backward else tuple(self._calls)
 
     def __enter__(self) -> "OpChecker":
         self._hooks()

@@ -17,8 +17,10 @@ key                 value
 ``rng``             ``{"cpu": ByteTensor, "cuda": [device index, ByteTensor]}``
                     at the step's start (``cuda`` None without CUDA)
 ``state``           the model's parameters and buffers (``state_dict``; a
-                    DTensor as its local shard, its placements in
-                    ``sharding``)
+                    DTensor as its local shard)
+``sharding``        per DTensor entry of ``state``: ``{"placements"`` (their
+                    reprs, ``"Shard(dim=0)"``), ``"global_shape"``,
+                    ``"mesh_shape"``, ``"mesh_dim_names"}``; empty otherwise
 ``training``        ``model.training``
 ``autocast``        ``{"device_type": "cpu", "dtype": "float16"}`` or None
 ``loss_scale``      the loss scale in force (a GradScaler's), or None
@@ -132,8 +134,10 @@ def _state(model: torch.nn.Module) -> tuple[dict, dict]:
 
     state, sharding = {}, {}
     for k, v in model.state_dict(keep_vars=False).items():
-        if _dist.is_dtensor(v):
-            sharding[k] = [str(p) for p in v.placements]
+        if _dist.is_dtensor(v):  # its local shard, and what places it in the whole
+            mesh = v.device_mesh
+            sharding[k] = {"placements": [repr(p) for p in v.placements], "global_shape": list(v.shape),
+                           "mesh_shape": list(mesh.shape), "mesh_dim_names": list(mesh.mesh_dim_names or ())}
             v = v.to_local()
         state[k] = v.detach()
     return state, sharding

@@ -3,7 +3,10 @@ write it (``_record``) when the step is first found non-finite.
 
 At the step's first module call, a pre-hook keeps that module's inputs
 *by reference* (the very args and kwargs objects: no copy) and the RNG
-states and autocast settings in force. That module is the model itself, or
+states and autocast settings in force (autocast as the next module call
+sees it, inside the entry's forward: accelerate, and so the Hugging Face
+Trainer, enters it in a wrapper of the model's ``forward``, after the
+pre-hooks). That module is the model itself, or
 the outermost module a wrapper calls (a LightningModule's ``training_step``
 calling ``self.lm(**batch)`` records ``lm`` and its inputs); it is the one
 the record saves and :func:`nanguard.replay` runs (``entry`` in the
@@ -26,7 +29,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._record import StepStart, write_record
+from ._record import StepStart, current_autocast, write_record
 
 
 class FlightRecorder:
@@ -38,6 +41,7 @@ class FlightRecorder:
         self.model, self.directory, self.rank = model, os.fspath(directory), rank
         self.path: Optional[str] = None  # the record written, once one is
         self._args = self._kwargs = self._start = self._entry = None
+        self._inner = False
         self._handles = [m.register_forward_pre_hook(self._make_hook(name, m), with_kwargs=True)
                          for name, m in model.named_modules()]
 
@@ -50,6 +54,14 @@ class FlightRecorder:
             if self._start is None:  # the step's first call: later ones (accumulation) reuse it
                 self._start = StepStart.capture(self._device())
                 self._args, self._kwargs, self._entry = args, kwargs, (name, module)
+                self._inner = True
+            elif self._inner:
+                # the first call inside the entry's forward: autocast entered
+                # by a wrapper of that forward (accelerate's, the Trainer's)
+                # is in force now, and was not at the entry's pre-hook
+                self._inner = False
+                if self._start.autocast is None:
+                    self._start.autocast = current_autocast(self._device())
             return None
 
         return on_forward

@@ -25,6 +25,9 @@ class Kind(IntEnum):
     IN = 1  #: an input of a module call that no watched module produced (forward)
     GRAD = 2  #: the gradient arriving at an output of a module call (backward)
     PGRAD = 3  #: a parameter's accumulated gradient
+    #: a bound on an attention module's raw scores (the history's early
+    #: warning): derived from recorded outputs, never an offender itself
+    SCORE = 4
 
 
 class Call:

@@ -107,7 +107,11 @@ class Watch:
         record_dir: write the first non-finite step's flight record
             (``nanguard-step<N>[-rank<R>].pt``) there, for
             :func:`nanguard.replay`; ``NonFiniteError.replay_path`` names it.
-        scaler: the GradScaler in use, whose loss scale the record keeps.
+        scaler: the GradScaler in use. The record keeps its loss scale; the
+            early warning reads gradients at loss scale 1 (a scaled
+            gradient's overflow is the scaler's to back off from); and a
+            step non-finite in its gradients only, at a scale above 1 (the
+            scaler's ordinary backoff), is reported but not recorded.
 
     Use as ``with nanguard.watch(model) as w: ...`` (checked and removed on
     exit) or keep the handle: ``w = nanguard.watch(model)``, ``w.step()`` once
@@ -169,6 +173,8 @@ class Watch:
                                         warn_steps=warn_steps, scaler=scaler)
         self._handles.append(model.register_forward_pre_hook(self._make_root(model)))
         self._attach(model, modules, backward, parameters)
+        if self._forensics is not None:
+            self._handles += self._forensics.attach_scores(model, self._record, lambda: self._on)
         if optimizer is not None:
             def before_step(opt, args, kwargs):
                 self.step()  # raises under policy "raise": the step is not applied
@@ -330,7 +336,8 @@ class Watch:
         self._bufs[dev] = (counts, values)
         return counts, values
 
-    def _record(self, t: torch.Tensor, kind: Kind, call, label: str, fwd_record: int = -1) -> int:
+    def _record(self, t: torch.Tensor, kind: Kind, call, label: str, fwd_record: int = -1,
+                dtype: Optional[torch.dtype] = None) -> int:
         if type(t) is not torch.Tensor and type(t) is not nn.Parameter:
             t = _dist.local(t)  # a DTensor's census is its local shard's
         dev = t.device
@@ -341,7 +348,7 @@ class Watch:
         with _below_autograd():
             _op(t, buf[0], buf[1], slot)
         self._used[dev] = slot + 1
-        self._recs.append(Rec(dev, slot, kind, call, label, t.shape, t.dtype, fwd_record))
+        self._recs.append(Rec(dev, slot, kind, call, label, t.shape, dtype or t.dtype, fwd_record))
         return len(self._recs) - 1
 
     @property
@@ -389,6 +396,8 @@ class Watch:
         host = self._read()
         first, total = -1, 0
         for dev, (c, _) in host.items():
+            if not bool(c.any()):  # the usual step: nothing non-finite on this device, one reduction
+                continue
             lenient = torch.zeros(c.shape[0], dtype=torch.bool)
             idx = [m.slot for m in self._recs if m.dev == dev and m.kind == Kind.IN]
             if idx:
@@ -396,6 +405,9 @@ class Watch:
             strict = c.sum(1) > 0
             soft = (c[:, 0] + c[:, 1]) > 0
             bad = torch.where(lenient, soft, strict)
+            derived = [m.slot for m in self._recs if m.dev == dev and m.kind == Kind.SCORE]
+            if derived:  # a bound computed from recorded outputs: those are the offenders
+                bad[derived] = False
             nz = bad.nonzero().flatten()
             total += int(nz.numel())
             if nz.numel():
