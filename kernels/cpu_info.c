@@ -40,15 +40,16 @@ __attribute__((visibility("default"))) const char *ng_cpu_info(void) {
     const char *a = ng_cpu_isa_name(act), *ln = act >= NG_ISA_AVX2 ? "avx2" : "baseline";
     char widened[64];
     snprintf(widened, sizeof widened, "%s, widened to fp32 tiles", a);
-    snprintf(buf, sizeof buf,
-             "supported=%s\nactive=%s\nrequested=%s\n"
-             "attention.f32=%s\nattention.f64=%s\nattention.bf16=%s\nattention.f16=%s\n"
-             "layernorm.f32=%s\nlayernorm.f64=baseline, fp64 loops\n"
-             "layernorm.bf16=%s, fp32 rows\nlayernorm.f16=%s, fp32 rows\n"
-             "grad_guard.f32=%s\ngrad_guard.f64=%s\ngrad_guard.bf16=%s\ngrad_guard.f16=%s\n"
-             "tensor_stats.f32=%s\ntensor_stats.f64=%s\ntensor_stats.bf16=%s\ntensor_stats.f16=%s\n",
-             ng_cpu_isa_name(sup), a, env ? env : "", ng_attn_text(NG_F32, a),
-             ng_attn_text(NG_F64, ng_min_isa(act, NG_ISA_AVX2)), ng_attn_text(NG_BF16, widened),
-             ng_attn_text(NG_F16, widened), ln, ln, ln, ln, ln, ln, ln, a, a, a, a);
+    snprintf(
+        buf, sizeof buf,
+        "supported=%s\nactive=%s\nrequested=%s\n"
+        "attention.f32=%s\nattention.f64=%s\nattention.bf16=%s\nattention.f16=%s\n"
+        "layernorm.f32=%s\nlayernorm.f64=baseline, fp64 loops\n"
+        "layernorm.bf16=%s, fp32 rows\nlayernorm.f16=%s, fp32 rows\n"
+        "grad_guard.f32=%s\ngrad_guard.f64=%s\ngrad_guard.bf16=%s\ngrad_guard.f16=%s\n"
+        "tensor_stats.f32=%s\ntensor_stats.f64=%s\ntensor_stats.bf16=%s\ntensor_stats.f16=%s\n",
+        ng_cpu_isa_name(sup), a, env ? env : "", ng_attn_text(NG_F32, a),
+        ng_attn_text(NG_F64, ng_min_isa(act, NG_ISA_AVX2)), ng_attn_text(NG_BF16, widened),
+        ng_attn_text(NG_F16, widened), ln, ln, ln, ln, ln, ln, ln, a, a, a, a);
     return buf;
 }

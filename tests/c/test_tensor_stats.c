@@ -199,6 +199,28 @@ static void test_special(void) {
 }
 
 /* Strided views of a larger buffer: transposes, slices, stride 0, 8 dims. */
+/* One non-finite value at each edge of the contiguous loop's 4096-element
+ * chunks (all-finite chunks take a two-reduction pass; a chunk with a NaN or
+ * Inf is read again by the counting loop), between finite chunks. */
+static void test_chunk_edges(void) {
+    static const int64_t at[] = {0, 4095, 4096, 8191, 8192, 12292};
+    const int64_t n = 12293;
+    ng_rng rng = {7};
+    for (size_t di = 0; di < sizeof DTYPES / sizeof DTYPES[0]; di++) {
+        ng_dtype t = DTYPES[di];
+        void *buf = malloc((size_t)n * ng_dtype_size(t));
+        for (size_t k = 0; k < sizeof at / sizeof at[0]; k++) {
+            for (int w = 0; w < 3; w++) {
+                fill(buf, t, n, 2.0, 0, &rng);
+                ng_store_f64(buf, t, at[k], w == 0 ? NAN : w == 1 ? INFINITY : -INFINITY);
+                ng_tensor_stats_args a = contig_args(t, buf, n);
+                check_one("chunk edge", &a, NULL);
+            }
+        }
+        free(buf);
+    }
+}
+
 static void test_strided(void) {
     ng_rng rng = {7};
     for (size_t di = 0; di < sizeof DTYPES / sizeof DTYPES[0]; di++) {
@@ -273,6 +295,7 @@ int main(void) {
         printf("tensor_stats: CPU path %s\n", ng_cpu_isa_name((ng_cpu_isa)isa));
         test_contiguous();
         test_special();
+        test_chunk_edges();
         test_strided();
     }
     test_coalesce();
