@@ -73,6 +73,24 @@ def test_fused_matches_fp64_reference(case, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_fused_float16_inference_keeps_scores_in_fp32(device):
+    """float16 without gradients is delegated: q.k above 65504 (inf in
+    float16) stays finite and correct, since the fused kernels form scores
+    in fp32."""
+    g = torch.Generator().manual_seed(0)
+    q = (150 + 50 * torch.rand(1, 2, 8, 64, generator=g)).half()
+    k = (150 + 50 * torch.rand(1, 2, 80, 64, generator=g)).half()
+    v = torch.randn(1, 2, 80, 64, generator=g).half()
+    assert torch.isinf(q[0, 0, 0] @ k[0, 0, 0]).item()
+    n = sum(_delegate.counts.values())
+    with torch.no_grad():
+        out = safe_sdpa(q.to(device), k.to(device), v.to(device), is_causal=True, backend="fused")
+    assert sum(_delegate.counts.values()) == n + 1
+    assert torch.isfinite(out).all()
+    assert_close(out, ref_sdpa(q, k, v, causal=True), "out", torch.float16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["plain", "causal_L_gt_S", "gqa", "decode", "long"])
 def test_fused_lse_is_nanguards_lse_and_feeds_nanguards_backward(case, device):
     """The statistics are the same quantity: the fused kernel's logsumexp
