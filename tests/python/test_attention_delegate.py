@@ -7,7 +7,8 @@ On the CPU the fused kernel is aten._scaled_dot_product_flash_attention_for_cpu
 (forced here with backend="fused": "auto" keeps nanguard's faster CPU
 kernel). The same file runs the CUDA kernels (flash, memory-efficient) where
 a GPU is present. The whole attention suite runs with delegation on under
-NANGUARD_SDPA_BACKEND=fused-if-allowed (scripts/test.sh, scripts/gpu_check.sh)."""
+NANGUARD_SDPA_BACKEND=fused-if-allowed (scripts/gpu_check.sh runs it both
+ways)."""
 
 from __future__ import annotations
 
