@@ -3,16 +3,21 @@
 # newer) and a CUDA build of PyTorch: build with CUDA, run the CUDA ctest
 # binary (every launcher against the CPU kernel: the cases the CPU emulator
 # runs in CI, all of them, on the device), the CUDA cases of pytest
-# (the CUDA ops against the CPU ops, through PyTorch), then the attention
-# benchmarks against PyTorch: training shapes against its flash backend,
-# and decode steps (the split-KV decode kernel) with their KV-read bandwidth.
+# (the CUDA ops against the CPU ops, through PyTorch), the attention suite
+# twice: with nanguard's own kernels only (NANGUARD_SDPA_BACKEND=nanguard)
+# and with every call the conditions allow delegated to PyTorch's fused
+# kernels (fused-if-allowed; docs/attention.md, "Delegation"), then the
+# attention benchmarks against PyTorch: training shapes against its flash
+# backend with delegation off and on (safe_sdpa's default, auto), and
+# decode steps (the split-KV decode kernel) with their KV-read bandwidth.
 #
 #   bash scripts/gpu_check.sh             # everything, about 10 minutes on 16 cores
 #   bash scripts/gpu_check.sh --no-bench  # tests only
 #
 # Needs the test extras (pip install --no-build-isolation ".[test]").
-# Results: stdout, bench/results/attention_cuda_flash.{json,md} and
-# bench/results/attention_cuda_decode.{json,md}.
+# Results: stdout, bench/results/attention_cuda_flash_nanguard.{json,md}
+# (delegation off), bench/results/attention_cuda_flash.{json,md} (auto: the
+# fused kernel where allowed) and bench/results/attention_cuda_decode.{json,md}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -26,13 +31,22 @@ command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S . -B "$build" "${generator[@]}" -DNG_CUDA=ON -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$build" -j"$(nproc)"
 
+export NANGUARD_LIB_DIR="$PWD/$build" PYTHONPATH="$PWD/python"
 status=0
 "$build/test_cuda" || status=1
-NANGUARD_LIB_DIR="$PWD/$build" PYTHONPATH="$PWD/python" \
-    "$PY" -m pytest -q -p no:cacheprovider -k cuda tests/python || status=1
+NANGUARD_SDPA_BACKEND=nanguard "$PY" -m pytest -q -p no:cacheprovider -k cuda tests/python || status=1
+# the attention suite, delegation off then on (the CPU cases run both ways too)
+attention=(tests/python/test_attention.py tests/python/test_attention_delegate.py)
+for mode in nanguard fused-if-allowed; do
+    echo "== attention suite, NANGUARD_SDPA_BACKEND=$mode"
+    NANGUARD_SDPA_BACKEND=$mode "$PY" -m pytest -q -p no:cacheprovider "${attention[@]}" || status=1
+done
 
 if [[ "${1:-}" != --no-bench && $status -eq 0 ]]; then
-    NANGUARD_LIB_DIR="$PWD/$build" PYTHONPATH="$PWD/python" "$PY" bench/bench_attention.py --flash
-    NANGUARD_LIB_DIR="$PWD/$build" PYTHONPATH="$PWD/python" "$PY" bench/bench_attention.py --device cuda --decode
+    results=bench/results
+    NANGUARD_SDPA_BACKEND=nanguard "$PY" bench/bench_attention.py --flash
+    for ext in json md; do mv "$results/attention_cuda_flash.$ext" "$results/attention_cuda_flash_nanguard.$ext"; done
+    NANGUARD_SDPA_BACKEND=auto "$PY" bench/bench_attention.py --flash
+    NANGUARD_SDPA_BACKEND=nanguard "$PY" bench/bench_attention.py --device cuda --decode
 fi
 exit $status

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from . import _checks
+from . import _delegate
 from . import distributed as _dist
 
 __all__ = ["safe_sdpa", "SafeAttention"]
@@ -261,6 +262,7 @@ def safe_sdpa(
     *,
     max_score: Optional[float] = None,
     softcap: Optional[float] = None,
+    backend: Optional[str] = None,
 ) -> torch.Tensor:
     """NaN-safe ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -288,7 +290,20 @@ def safe_sdpa(
     gets (lower precision on the CPU and CUDA): float16 / bfloat16 / float32
     ``query``, ``key``, ``value`` and float ``attn_mask`` become the autocast
     dtype, so the result has the dtype PyTorch's would have.
+
+    ``backend`` (keyword-only) picks the kernel. ``"auto"``: one of
+    PyTorch's fused kernels (CUDA flash / memory-efficient) where it has
+    exactly these semantics (no mask, no guard, no dropout, top-left causal,
+    at least one key, no float16 backward, ...: docs/attention.md lists
+    every condition and its reason) and is the faster one on the device
+    (CUDA), nanguard's own otherwise. ``"nanguard"``: always nanguard's.
+    ``"fused"``: the fused kernel (PyTorch's CPU flash kernel on the CPU), or
+    a ValueError naming the argument that rules it out.
+    ``"fused-if-allowed"``: the fused kernel wherever the conditions hold, on
+    every device. ``None`` (default): the ``NANGUARD_SDPA_BACKEND``
+    environment variable at import (``auto`` unless set).
     """
+    backend = _delegate.check_backend(backend)
     if isinstance(query, torch.Tensor) and _checks.autocast_active(
         "scaled_dot_product_attention", query.device.type
     ):
@@ -301,7 +316,7 @@ def safe_sdpa(
         # Computed as the undropped result times 0, so a NaN in the inputs
         # still reaches the output, as it does in PyTorch's.
         out = safe_sdpa(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,
-                        max_score=max_score, softcap=softcap)
+                        max_score=max_score, softcap=softcap, backend=backend)
         return out * 0.0
     max_score = _check_guard("max_score", max_score)
     softcap = _check_guard("softcap", softcap)
@@ -311,7 +326,11 @@ def safe_sdpa(
         attn_mask, rng = _dtensor_args(query, key, value, attn_mask, dropout_p, rng)
     q4, k4, v4, batch, Hq = _to_4d(query, key, value, enable_gqa)
     params = (dropout_p, is_causal, float(scale), max_score, softcap, rng)
-    if attn_mask is None:
+    kernel = _delegate.choose(q4, k4, v4, attn_mask, dropout_p, is_causal, float(scale), max_score,
+                              softcap, backend)
+    if kernel is not None:
+        out = _delegate.fused_attention(kernel, q4, k4, v4, is_causal, float(scale))
+    elif attn_mask is None:
         out, _ = _ops.safe_sdpa(q4, k4, v4, *params)
     else:
         m = _mask_4d(attn_mask, query, batch, Hq, L, S)
@@ -443,7 +462,7 @@ class SafeAttention(nn.Module):
     (``softmax(q @ k.T * scale + mask) @ v`` with dropout).
 
     ``forward(query, key, value, attn_mask=None)`` calls :func:`safe_sdpa`
-    with the module's settings; dropout applies in training mode only. The
+    with the module's settings (``backend`` included); dropout applies in training mode only. The
     module has no parameters, so swapping it in leaves ``state_dict``
     unchanged.
     """
@@ -457,10 +476,13 @@ class SafeAttention(nn.Module):
         enable_gqa: bool = False,
         max_score: Optional[float] = None,
         softcap: Optional[float] = None,
+        backend: Optional[str] = None,
     ):
         super().__init__()
         if not (0.0 <= float(dropout) < 1.0):
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        _delegate.check_backend(backend)
+        self.backend = backend
         self.dropout = float(dropout)
         self.is_causal = is_causal
         self.scale = scale
@@ -480,11 +502,12 @@ class SafeAttention(nn.Module):
             enable_gqa=self.enable_gqa,
             max_score=self.max_score,
             softcap=self.softcap,
+            backend=self.backend,
         )
 
     def extra_repr(self) -> str:
         parts = [f"dropout={self.dropout}", f"is_causal={self.is_causal}"]
-        for name in ("scale", "max_score", "softcap"):
+        for name in ("scale", "max_score", "softcap", "backend"):
             if getattr(self, name) is not None:
                 parts.append(f"{name}={getattr(self, name)}")
         if self.enable_gqa:

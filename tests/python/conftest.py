@@ -87,3 +87,19 @@ CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
 
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+
+def pytest_report_header(config):
+    from nanguard import _delegate
+
+    return f"nanguard safe_sdpa backend: {_delegate.DEFAULT} (NANGUARD_SDPA_BACKEND)"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """With NANGUARD_SDPA_BACKEND=fused-if-allowed the attention suite runs
+    every call the conditions allow through PyTorch's fused kernels: say how
+    many did, so a run that delegated nothing cannot pass for one that did."""
+    from nanguard import _delegate
+
+    if _delegate.DEFAULT != "auto" or any(_delegate.counts.values()):
+        terminalreporter.write_line(f"safe_sdpa calls through fused kernels (eager): {_delegate.counts}")
