@@ -235,7 +235,7 @@ NG_TARGET_AVX2 static void ng_gemm_f32_avx2(int64_t M, int64_t N, int64_t K, con
                 _mm512_storeu_ps(C + (i + r) * ldc + n + 16 * x, c[r][x]);                         \
     }
 
-/* The AVX2 kernel's blocking with 32 columns per step (16 for a tail): each
+/* The AVX2 kernel's blocking with 64 or 32 columns per step (16 for a tail): each
  * C element is the same sequence of FMAs over k, so the results are those of
  * ng_gemm_f32_avx2 bit for bit, at twice the width. */
 NG_TARGET_AVX512 static void ng_gemm_f32_avx512(int64_t M, int64_t N, int64_t K, const float *A,
@@ -246,6 +246,13 @@ NG_TARGET_AVX512 static void ng_gemm_f32_avx512(int64_t M, int64_t N, int64_t K,
         const int64_t rem = M - i;
         const int six = rem == 6 || rem >= 10;
         int64_t n = 0;
+        /* 64 columns: 24 accumulators, 4 loads + R broadcasts per 4R FMAs */
+        for (; n + 64 <= N; n += 64) {
+            if (six)
+                NG_GEMM_F32_ROWS512(6, 4)
+            else
+                NG_GEMM_F32_ROWS512(4, 4)
+        }
         for (; n + 32 <= N; n += 32) {
             if (six)
                 NG_GEMM_F32_ROWS512(6, 2)
@@ -430,6 +437,54 @@ NG_TARGET_AVX2 __attribute__((noinline)) static float ng_exp_row_f32_avx2(float 
 }
 #endif
 
+#if NG_X86
+/* ng_exp8 on 16 lanes: the same operations lane by lane, so the same values;
+ * 2^n by vscalefps, which equals the exponent-field product for the n in
+ * [-126, 127] that the clamp leaves. */
+NG_TARGET_AVX512 static inline __m512 ng_exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(88.0f);
+    __m512 xc = _mm512_min_ps(_mm512_max_ps(x, lo), hi); /* NaN -> -87, restored below */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    y = _mm512_scalef_ps(y, n);
+    /* exp(-inf) = 0; NaN stays NaN */
+    y = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), y);
+    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+
+/* The AVX2 row exp at 16 lanes: the sum folds the 16 lanes to 8 (low +
+ * high) and then adds them in the AVX2 form's order. */
+NG_TARGET_AVX512 __attribute__((noinline)) static float ng_exp_row_f32_avx512(float *x, int64_t n,
+                                                                              float m) {
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m512 p = ng_exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm));
+        _mm512_storeu_ps(x + j, p);
+        acc = _mm512_add_ps(acc, p);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, ng_fold16(acc));
+    float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+                ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for (; j < n; j++) {
+        x[j] = ng_expf_poly(x[j] - m);
+        sum += x[j];
+    }
+    return sum;
+}
+#endif
+
 static double ng_exp_row_f64_base(double *x, int64_t n, double m) {
     double sum = 0.0;
     for (int64_t j = 0; j < n; j++) {
@@ -474,9 +529,8 @@ static inline int64_t ng_pad16(int64_t n) { return NG_CEIL_DIV(n, 16) * 16; }
 #define NG_DOTS_ALIGN 8
 #include "kernels/attention_cpu.inc"
 
-/* AVX-512: the micro-kernel, the decode path's dots and P V at 16 lanes;
- * the row exp is AVX2's */
-#define ng_exp_row_f32_avx512 ng_exp_row_f32_avx2
+/* AVX-512: the micro-kernel, the decode path's dots and P V and the row exp
+ * at 16 lanes */
 #define NG_T f32
 #define NG_ISA avx512
 #define NG_ATTR NG_TARGET_AVX512
