@@ -19,12 +19,13 @@
  * access far out of bounds faults and is reported with the buffer it missed.
  * Under AddressSanitizer the few bytes between the buffer's end and the
  * guard (and before its start) are poisoned too. Fresh buffers hold 0xff
- * bytes, as shared memory does at every block start.
+ * bytes.
  *
  * Two schedules per launch: device memory is snapshotted, the grid runs with
- * blocks in order and threads in order, the result is kept, memory is
- * restored, the grid runs again with blocks shuffled and threads in reverse
- * order, and the two results must be equal byte for byte.
+ * blocks in order, lanes in order and warps in lockstep, the result is kept,
+ * memory is restored, the grid runs again with blocks shuffled, lanes
+ * reversed and warps chosen at random (see `schedule`), and the two results
+ * must be equal byte for byte.
  */
 #include "cuda_emu.h"
 
@@ -177,7 +178,9 @@ enum tstate { T_RUN, T_BAR, T_WARP, T_DONE };
  * advances one warp intrinsic per sweep); SERIAL the same warp again while it
  * has a runnable lane (it runs on to the next __syncthreads or its end);
  * RANDOM any warp with a runnable lane, drawn from the schedule's seeded
- * generator. */
+ * generator, or the same warp again with a probability drawn per block (1:
+ * serial, 7/8, or 0: drawn afresh at every stop), so that warps drift apart
+ * by a few intrinsics or by all of them between two barriers. */
 enum warp_policy { P_LOCKSTEP, P_SERIAL, P_RANDOM };
 
 struct thread_state {
@@ -231,6 +234,7 @@ struct launch_info {
     warp_policy policy;            /* which warp runs when one stops */
     int cur_warp, cur_lane;        /* the warp running and its last lane run; -1: none */
     uint64_t rng;                  /* the schedule's generator (xorshift64) */
+    int stay;                      /* RANDOM: stay on the running warp with probability stay / 8 */
     std::vector<unsigned> runnable; /* per warp: lanes in state T_RUN */
     std::vector<unsigned> waiting; /* per warp: lanes waiting at a warp intrinsic */
     std::vector<unsigned> gone;    /* per warp: lanes that exited */
@@ -413,6 +417,10 @@ thread_state *next_in_sweep() {
         }
         break;
     case P_RANDOM: {
+        /* stay on the running warp with the block's probability, else draw */
+        if (w >= 0 && g_launch.runnable[w] && g_launch.stay > 0 &&
+            (g_launch.stay >= 8 || (int)(next_random() % 8) < g_launch.stay))
+            break;
         int cand[32], nc = 0;
         for (int c = 0; c < nw; c++)
             if (g_launch.runnable[c]) cand[nc++] = c;
@@ -1097,6 +1105,12 @@ bool run_block(uint64_t lin) {
     g_launch.present.assign(nwarps, 0xffffffffu);
     if (n % 32) g_launch.present[nwarps - 1] = (1u << (n % 32)) - 1u;
     g_launch.runnable = g_launch.present;
+    /* RANDOM: per block, warps run serially (each on to its next barrier),
+     * mostly serially (7 in 8 stops), or drawn afresh at every stop */
+    if (g_launch.policy == P_RANDOM) {
+        static const int kStay[3] = {8, 7, 0};
+        g_launch.stay = kStay[next_random() % 3];
+    }
     while (g_launch.live > 0) {
         g_launch.cur_warp = -1;
         thread_state *first = next_in_sweep();

@@ -461,6 +461,7 @@ static __global__ void warp_waits_for_barrier_kernel(int *out) {
         out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1, 1);
 }
 
+#ifdef NG_EMU_RACECHECK
 /* A write-after-read race whose results coincide: every thread reads cell,
  * then thread 32 (warp 1) overwrites it, with no barrier between; a thread
  * of warp 0 may read either value, and keeps only whether it is positive.
@@ -493,6 +494,7 @@ static __global__ void flag_kernel(const int *x, int *out) {
         __syncthreads();
     }
 }
+#endif
 
 static __global__ void oob_kernel(float *x, int n) {
     x[threadIdx.x + n + 16384] = 1.0f; /* 64 KiB past the end */
