@@ -296,7 +296,7 @@ static __global__ void __launch_bounds__(kDecThreads)
         l[t] = 0.0f;
     }
 
-    __shared__ int live; /* the tile has a key the mask leaves to some row of the block */
+    NG_SHARED(int, live); /* the tile has a key the mask leaves to some row of the block */
     const int64_t jb = split * p.split_len, je = NG_MIN(p.klen, jb + p.split_len);
     for (int64_t j0 = jb; j0 < je; j0 += kBK) {
         const int64_t nk = NG_MIN((int64_t)kBK, je - j0);

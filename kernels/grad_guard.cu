@@ -126,9 +126,10 @@ struct __align__(16) gg_pack {
 template <int P>
 static __device__ __forceinline__ void gg_block_reduce(double &acc, long long &nan, long long &inf,
                                                        int &bad) {
-    __shared__ double s_acc[32];
-    __shared__ long long s_nan[32], s_inf[32];
-    __shared__ int s_bad[32];
+    NG_SHARED(double, s_acc, [32]);
+    NG_SHARED(long long, s_nan, [32]);
+    NG_SHARED(long long, s_inf, [32]);
+    NG_SHARED(int, s_bad, [32]);
     const unsigned full = 0xffffffffu;
     for (int o = 16; o > 0; o >>= 1) {
         acc = ng_gg_combine(acc, __shfl_down_sync(full, acc, o), (ng_gg_norm)P);
@@ -246,8 +247,8 @@ static __global__ void __launch_bounds__(GG_THREADS)
     gg_apply_kernel(const gg_batch b, const float *__restrict__ inv_scale,
                     const double *__restrict__ stats, double max_norm, int p) {
     typedef typename T::S S;
-    __shared__ double s_coef;
-    __shared__ int s_ok;
+    NG_SHARED(double, s_coef);
+    NG_SHARED(int, s_ok);
     if (threadIdx.x == 0) {
         double c;
         s_ok = ng_gg_coef(stats, *inv_scale, max_norm, (ng_gg_norm)p, &c);

@@ -120,7 +120,7 @@ static __device__ void row_stats(const void *x, ng_dtype t, int64_t base, int64_
 }
 
 static __global__ void __launch_bounds__(1024) ln_fwd_kernel(ng_layernorm_args a, int64_t row0) {
-    __shared__ float red[32];
+    NG_SHARED(float, red, [32]);
     const int64_t r = row0 + blockIdx.x;
     if (r >= a.rows) return;
     const int64_t n = a.cols, base = r * n;
@@ -140,7 +140,7 @@ static __global__ void __launch_bounds__(1024) ln_fwd_kernel(ng_layernorm_args a
 }
 
 static __global__ void __launch_bounds__(1024) ln_bwd_dx_kernel(ng_layernorm_args a, int64_t row0) {
-    __shared__ float red[32];
+    NG_SHARED(float, red, [32]);
     const int64_t r = row0 + blockIdx.x;
     if (r >= a.rows) return;
     const int64_t n = a.cols, base = r * n;
@@ -177,7 +177,8 @@ static int64_t ln_param_chunks(int64_t rows) {
  * ([chunks][cols]). */
 static __global__ void ln_bwd_params_kernel(ng_layernorm_args a, int64_t chunks, float *part_w,
                                             float *part_b) {
-    __shared__ float sw[8][33], sb[8][33];
+    NG_SHARED(float, sw, [8][33]);
+    NG_SHARED(float, sb, [8][33]);
     const int64_t j = (int64_t)blockIdx.x * 32 + threadIdx.x, chunk = blockIdx.y;
     const int64_t r0 = a.rows * chunk / chunks, r1 = a.rows * (chunk + 1) / chunks;
     float accw = 0.0f, accb = 0.0f;

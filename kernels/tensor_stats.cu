@@ -63,8 +63,9 @@ static __device__ __forceinline__ void ts_warp_reduce(long long &c0, long long &
 
 /* Reduce a partial over the block; the result is valid in thread 0. */
 static __device__ void ts_block_reduce(ng_ts_part &p) {
-    __shared__ long long s_cnt[3][32];
-    __shared__ ts_u64 s_max[32], s_min[32];
+    NG_SHARED(long long, s_cnt, [3][32]);
+    NG_SHARED(ts_u64, s_max, [32]);
+    NG_SHARED(ts_u64, s_min, [32]);
     long long c0 = p.nan, c1 = p.pinf, c2 = p.ninf;
     ts_u64 mx = p.max_bits, mn = p.min_bits;
     ts_warp_reduce(c0, c1, c2, mx, mn);

@@ -34,7 +34,7 @@ enum { LAY_BHSD, LAY_BSHD, LAY_PAD, LAY_SHIFT };
 enum { AM_NONE, AM_BOOL, AM_NEG_INF, AM_LOWEST };
 enum { MS_FULL, MS_PAD, MS_LS }; /* mask shape: [B, Hq, L, S], [B, 1, 1, S], [L, S] */
 /* Special inputs (the CUDA test's; see test_cuda_attention.c). */
-enum { SP_NONE, SP_LARGE, SP_NAN, SP_NAN_DOUT, SP_PAD_TAIL };
+enum { SP_NONE, SP_LARGE, SP_NAN, SP_NAN_DOUT, SP_PAD_TAIL, SP_PAD_HEAD };
 
 typedef struct acase {
     const char *name;
@@ -46,7 +46,9 @@ typedef struct acase {
     int special;     /* SP_LARGE: q.k far beyond fp16's range (forward only: its
                         softmax is one-hot, so its gradients are rounding noise);
                         SP_NAN: one NaN in q; SP_NAN_DOUT: one NaN in dout;
-                        SP_PAD_TAIL: batch 0's keys past S / 3 masked too */
+                        SP_PAD_TAIL: batch 0's keys past S / 3 masked too;
+                        SP_PAD_HEAD: batch 0's keys below S - S / 8 masked
+                        too, key 0 included (left padding) */
     uint64_t offset; /* dropout counter offset */
     int64_t tail;    /* with a mask: the last `tail` keys are masked in every row */
 } acase;
@@ -162,6 +164,7 @@ static inline amask amask_new(const acase *c, ng_dtype mdt, ng_rng *rng) {
         if (j == 0 && !c->full_rows) f = 0;                 /* otherwise no row is empty */
         if (j >= S - c->tail) f = 1;                        /* a padded tail (whole key splits) */
         if (c->special == SP_PAD_TAIL && row == 0 && j >= S / 3) f = 1;
+        if (c->special == SP_PAD_HEAD && row == 0 && j < S - S / 8) f = 1;
         m.flag[x] = (uint8_t)f;
         if (c->mask == AM_BOOL)
             ((uint8_t *)m.p)[x] = (uint8_t)!f;

@@ -2,11 +2,13 @@
  * tests/c/cuda_fixture.c - main of the CUDA test binary, its case
  * bookkeeping, tolerance check and device plumbing (see cuda_fixture.h).
  *
- * Usage: build/test_cuda [--set=NAME] [filter ...]. One line per case on
+ * Usage: build/test_cuda [--set=NAME] [--shard=I/N] [filter ...]. One line per case on
  * stdout, "ok" or "FAIL" with the worst error seen as a fraction of its
  * limit; mismatches in detail on stderr. With filters only the cases whose
  * line contains one of them run ("attention", "bfloat16", "gqa", ...);
- * --set=NAME adds a named list of filters (SETS below). With NG_TEST_VERBOSE
+ * --set=NAME adds a named list of filters (SETS below); --shard=I/N runs
+ * only the I-th (0-based) of every N cases that pass the filters, so N
+ * processes together run each case once. With NG_TEST_VERBOSE
  * set in the environment every comparison's worst error goes to stderr.
  * Without a usable CUDA device (cudaGetDeviceCount fails or finds none) it
  * prints "SKIP: no CUDA device" and exits 77, which ctest reports as skipped.
@@ -28,6 +30,7 @@ const ng_dtype FLOAT_TYPES[3] = {NG_F32, NG_F16, NG_BF16};
 /* ---- cases and checks ---------------------------------------------------- */
 
 static const char **g_filters; /* run only the cases whose line contains one of these */
+static int g_shard, g_nshards = 1, g_seen; /* --shard=I/N; cases that passed the filters */
 static int g_nfilters;
 int g_sample;
 static int g_verbose; /* NG_TEST_VERBOSE set: the worst error of every comparison on stderr */
@@ -76,6 +79,14 @@ static int parse_filters(int argc, char **argv) {
     g_filters = calloc((size_t)cap, sizeof *g_filters);
     g_nfilters = 0;
     for (int i = 1; i < argc; i++) {
+        if (strncmp(argv[i], "--shard=", 8) == 0) {
+            if (sscanf(argv[i] + 8, "%d/%d", &g_shard, &g_nshards) != 2 || g_nshards < 1 ||
+                g_shard < 0 || g_shard >= g_nshards) {
+                fprintf(stderr, "test_cuda: --shard=I/N needs 0 <= I < N, not \"%s\"\n", argv[i] + 8);
+                return 0;
+            }
+            continue;
+        }
         if (strncmp(argv[i], "--set=", 6) != 0) {
             g_filters[g_nfilters++] = argv[i];
             continue;
@@ -101,6 +112,7 @@ int case_begin(const char *fmt, ...) {
         for (int f = 0; f < g_nfilters && !hit; f++) hit = strstr(g_case, g_filters[f]) != NULL;
         if (!hit) return 0;
     }
+    if (g_seen++ % g_nshards != g_shard) return 0;
     g_case_bad = 0;
     g_case_worst = 0.0;
     g_cases++;
@@ -256,6 +268,7 @@ int main(int argc, char **argv) {
     int rt = 0, drv = 0;
     CU(cudaRuntimeGetVersion(&rt));
     CU(cudaDriverGetVersion(&drv));
+    if (g_nshards > 1) printf("test_cuda: shard %d of %d (every %d-th case)\n", g_shard, g_nshards, g_nshards);
     printf("test_cuda: device 0 of %d: %s, sm_%d%d; runtime %d, driver %d%s%s%s\n", ndev, prop.name,
            prop.major, prop.minor, rt, drv, argc > 1 ? "; filter: " : "", argc > 1 ? argv[1] : "",
            argc > 2 ? " ..." : "");

@@ -118,6 +118,14 @@ static const acase ATTN_CASES[] = {
     /* batch 1 all padding, batch 0 padding past S / 3: whole key splits
      * see only masked keys and must weigh nothing in the combine */
     {"decode_L1_pad_tail_splits", 2, 8, 2, 1,  900, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1,   0, SP_PAD_TAIL, 42, 0},
+    /* left padding (batched generation's layout): batch 0 sees only keys
+     * past S - S / 8, all in the last of its 4 splits, so the combine's
+     * common max must include the last split (every other split's max is
+     * -inf) */
+    {"decode_L1_left_pad_splits", 2, 8, 2, 1,  900, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  0, 0, 0,   0,   0,   1,   0, SP_PAD_HEAD, 42, 0},
+    /* B * Hq * L = 3 rows, not a multiple of the combine's 4 rows (warps) a
+     * block: its last block has a warp past the last row */
+    {"decode_L1_H3_splits",     1, 3, 3,  1,  2048, 64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42, 0},
     /* more heads than gridDim.y / z allow (65535) */
     {"heads_65537",             1, 65537, 65537, 1, 3,   64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42, 0},
     {"empty_S",                 1, 2, 2,  5,   0,   64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42, 0},

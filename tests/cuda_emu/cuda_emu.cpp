@@ -19,12 +19,13 @@
  * access far out of bounds faults and is reported with the buffer it missed.
  * Under AddressSanitizer the few bytes between the buffer's end and the
  * guard (and before its start) are poisoned too. Fresh buffers hold 0xff
- * bytes, as shared memory does at every block start.
+ * bytes.
  *
  * Two schedules per launch: device memory is snapshotted, the grid runs with
- * blocks in order and threads in order, the result is kept, memory is
- * restored, the grid runs again with blocks shuffled and threads in reverse
- * order, and the two results must be equal byte for byte.
+ * blocks in order, lanes in order and warps in lockstep, the result is kept,
+ * memory is restored, the grid runs again with blocks shuffled, lanes
+ * reversed and warps chosen at random (see `schedule`), and the two results
+ * must be equal byte for byte.
  */
 #include "cuda_emu.h"
 
@@ -59,10 +60,6 @@
 #include <ucontext.h>
 #endif
 
-/* The static __shared__ variables of every kernel (cuda_emu.h puts them in
- * this section); weak, in case a program has none. */
-extern "C" char __start_ng_emu_shared[] __attribute__((weak));
-extern "C" char __stop_ng_emu_shared[] __attribute__((weak));
 
 namespace ng_emu {
 
@@ -175,6 +172,17 @@ const alloc *find_mapping(uintptr_t p) {
 
 enum tstate { T_RUN, T_BAR, T_WARP, T_DONE };
 
+/* Which warp runs on when the running one stops (all its lanes wait at a
+ * barrier or a warp intrinsic, or have exited, or its lanes were all run
+ * once): LOCKSTEP the next warp of a sweep over the block (so every warp
+ * advances one warp intrinsic per sweep); SERIAL the same warp again while it
+ * has a runnable lane (it runs on to the next __syncthreads or its end);
+ * RANDOM any warp with a runnable lane, drawn from the schedule's seeded
+ * generator, or the same warp again with a probability drawn per block (1:
+ * serial, 7/8, or 0: drawn afresh at every stop), so that warps drift apart
+ * by a few intrinsics or by all of them between two barriers. */
+enum warp_policy { P_LOCKSTEP, P_SERIAL, P_RANDOM };
+
 struct thread_state {
     lane_view v; /* first: g_cur points here */
     void *sp;
@@ -200,6 +208,7 @@ struct thread_state {
 
 constexpr size_t kStack = 256 * 1024, kStackGuard = kPage;
 std::vector<char *> g_stacks; /* one per thread slot, allocated on demand */
+std::vector<char> g_stack_dirty; /* per slot: a fiber was abandoned on it mid-kernel */
 std::vector<thread_state> g_threads;
 thread_state *g_running; /* the fiber now running, or null */
 void *g_sched_sp;        /* the scheduler's saved stack pointer */
@@ -218,12 +227,19 @@ struct launch_info {
     kernel_body *body;
     char *dyn;
     size_t dyn_size;
-    int nthreads;
+    int nthreads, nwarps;
     int live, at_barrier, exited;
-    int sweep, reverse;            /* the sweep's position and direction */
+    int schedule;                  /* 0: the first schedule, 1: the second */
+    int reverse;                   /* lanes (and, in lockstep, warps) in reverse order */
+    warp_policy policy;            /* which warp runs when one stops */
+    int cur_warp, cur_lane;        /* the warp running and its last lane run; -1: none */
+    uint64_t rng;                  /* the schedule's generator (xorshift64) */
+    int stay;                      /* RANDOM: stay on the running warp with probability stay / 8 */
+    std::vector<unsigned> runnable; /* per warp: lanes in state T_RUN */
     std::vector<unsigned> waiting; /* per warp: lanes waiting at a warp intrinsic */
     std::vector<unsigned> gone;    /* per warp: lanes that exited */
     std::vector<unsigned> present; /* per warp: lanes the block has */
+    unsigned char poison;          /* the byte shared memory holds at a block's start */
     bool fault;
     bool active;
 } g_launch;
@@ -264,6 +280,7 @@ namespace ng_emu {
 namespace {
 
 void fiber_entry();
+void rc_flush();
 #if !defined(__x86_64__)
 void fiber_entry_uc() { fiber_entry(); }
 #endif
@@ -278,13 +295,19 @@ char *stack_for(int i) {
         }
         mprotect(m, kStackGuard, PROT_NONE); /* overflow faults */
         g_stacks.push_back((char *)m + kStackGuard);
+        g_stack_dirty.push_back(0);
     }
     return g_stacks[i];
 }
 
 void init_fiber(thread_state *t) {
     t->stack = stack_for(t->linear);
-    asan_unpoison(t->stack, kStack); /* a fiber abandoned mid-kernel leaves its frames' poison */
+    /* A fiber abandoned mid-kernel (a fault) leaves its frames' poison; one
+     * that returned has unpoisoned them itself. */
+    if (g_stack_dirty[t->linear]) {
+        asan_unpoison(t->stack, kStack);
+        g_stack_dirty[t->linear] = 0;
+    }
 #if defined(__x86_64__)
     /* Stacks are kStack apart, so their tops would all fall in the same
      * cache sets; start each at its own offset within a page. */
@@ -331,14 +354,84 @@ void switch_to(thread_state *from, thread_state *to, bool dying) {
     g_cur = from ? &from->v : nullptr;
 }
 
-/* The next runnable thread of this sweep after the cursor, or null at its end. */
+void set_state(thread_state *t, tstate s) {
+    t->state = s;
+    if (s == T_RUN)
+        g_launch.runnable[t->warp] |= 1u << t->lane;
+    else
+        g_launch.runnable[t->warp] &= ~(1u << t->lane);
+}
+
+uint64_t next_random() {
+    uint64_t &s = g_launch.rng;
+    s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+    return s;
+}
+
+/* The first runnable lane of `lanes` in the schedule's lane order. */
+int first_lane(unsigned lanes) {
+    return g_launch.reverse ? 31 - __builtin_clz(lanes) : __builtin_ctz(lanes);
+}
+
+/* The next thread to run, or null: the sweep is over (LOCKSTEP) or no thread
+ * can run. Within a warp, lanes run in the schedule's order, each until it
+ * waits or ends; when the warp has no runnable lane left after the last one
+ * run, the policy picks the next warp. */
 thread_state *next_in_sweep() {
-    const int n = g_launch.nthreads;
-    while (++g_launch.sweep < n) {
-        thread_state *t = &g_threads[g_launch.reverse ? n - 1 - g_launch.sweep : g_launch.sweep];
-        if (t->state == T_RUN) return t;
+    const int nw = g_launch.nwarps;
+    int w = g_launch.cur_warp;
+    if (w >= 0) {
+        const unsigned m = g_launch.runnable[w], l = (unsigned)g_launch.cur_lane;
+        const unsigned after = g_launch.reverse ? m & ((1u << l) - 1u)
+                               : l == 31        ? 0u
+                                                : m & (0xffffffffu << (l + 1));
+        if (after) {
+            g_launch.cur_lane = first_lane(after);
+            return &g_threads[w * 32 + g_launch.cur_lane];
+        }
     }
-    return nullptr;
+    switch (g_launch.policy) {
+    case P_LOCKSTEP: {
+        /* warps in order (reversed: from the last), each once per sweep */
+        int k = w < 0 ? 0 : (g_launch.reverse ? nw - 1 - w : w) + 1;
+        for (w = -1; k < nw; k++) {
+            const int c = g_launch.reverse ? nw - 1 - k : k;
+            if (g_launch.runnable[c]) {
+                w = c;
+                break;
+            }
+        }
+        break;
+    }
+    case P_SERIAL:
+        if (w < 0 || !g_launch.runnable[w]) {
+            int k = w < 0 ? 0 : 1;
+            const int start = w < 0 ? 0 : (g_launch.reverse ? nw - 1 - w : w);
+            for (w = -1; k <= nw; k++) {
+                const int c0 = (start + k) % nw, c = g_launch.reverse ? nw - 1 - c0 : c0;
+                if (g_launch.runnable[c]) {
+                    w = c;
+                    break;
+                }
+            }
+        }
+        break;
+    case P_RANDOM: {
+        /* stay on the running warp with the block's probability, else draw */
+        if (w >= 0 && g_launch.runnable[w] && g_launch.stay > 0 &&
+            (g_launch.stay >= 8 || (int)(next_random() % 8) < g_launch.stay))
+            break;
+        int cand[32], nc = 0;
+        for (int c = 0; c < nw; c++)
+            if (g_launch.runnable[c]) cand[nc++] = c;
+        w = nc ? cand[next_random() % (uint64_t)nc] : -1;
+        break;
+    }
+    }
+    g_launch.cur_warp = w;
+    if (w < 0) return nullptr;
+    g_launch.cur_lane = first_lane(g_launch.runnable[w]);
+    return &g_threads[w * 32 + g_launch.cur_lane];
 }
 
 /* A fiber stops (it waits or ends): the next runnable thread of the sweep
@@ -360,7 +453,8 @@ void fiber_entry() {
 #endif
     thread_state *t = g_running;
     g_launch.body->run();
-    t->state = T_DONE;
+    rc_flush();
+    set_state(t, T_DONE);
     g_launch.live--;
     g_launch.exited++;
     g_launch.gone[t->warp] |= 1u << t->lane;
@@ -398,8 +492,10 @@ __attribute__((format(printf, 2, 3))) void fault(thread_state *t, const char *fm
         say("%s: block (%u, %u, %u): %s", g_launch.name.c_str(), g_block_idx.x, g_block_idx.y,
             g_block_idx.z, msg);
     g_launch.fault = true;
+    for (int i = 0; i < g_launch.nthreads && i < (int)g_stack_dirty.size(); i++)
+        g_stack_dirty[i] = 1;
     if (t) {
-        t->state = T_DONE;
+        set_state(t, T_DONE);
         switch_to(t, nullptr, true);
         __builtin_unreachable();
     }
@@ -543,7 +639,7 @@ void try_resolve(thread_state *t) {
         }
     }
     }
-    for (unsigned m = mask; m; m &= m - 1) w[__builtin_ctz(m)].state = T_RUN;
+    for (unsigned m = mask; m; m &= m - 1) set_state(&w[__builtin_ctz(m)], T_RUN);
     g_launch.waiting[t->warp] &= ~mask;
 }
 
@@ -559,7 +655,7 @@ uint64_t post(thread_state *t) {
     if (!(t->mask >> t->lane & 1u))
         fault(t, "%s at %s: lane %d calls it with mask 0x%08x, which does not include it",
               kind_name(t->kind), t->site, t->lane, t->mask);
-    t->state = T_WARP;
+    set_state(t, T_WARP);
     g_launch.waiting[t->warp] |= 1u << t->lane;
     try_resolve(t);
     if (t->state == T_WARP) leave(t, false);
@@ -638,7 +734,6 @@ cudaError_t injected(const char *call) {
     g_inject.erase(it);
     return fail(e);
 }
-long long g_launches;
 
 /* "kernel<T, N> [with ng_dtype T = NG_F16; int N = 64]": the launch's text
  * and the template arguments of the launcher it is in (from gcc's
@@ -661,18 +756,332 @@ std::string display_name(const char *kernel, const char *where) {
     return kept.empty() ? k : k + " [with " + kept + "]";
 }
 
+/* ---- schedules ----------------------------------------------------------------- */
+
+/* The two schedules of every launch. The first: blocks in order, lanes in
+ * order, warps in lockstep, shared memory poisoned with 0xff bytes (NaN in
+ * every float type; the identity of an unsigned min). The second: blocks
+ * shuffled, lanes reversed, the warp to run on drawn at random whenever one
+ * stops (NG_EMU_WARPS=serial or lockstep chooses another policy), shared
+ * memory poisoned with 0x00 bytes (zero; the identity of a sum or an unsigned
+ * max). Its generator is seeded by NG_EMU_SEED (default 1) and the launch's
+ * number in the process, so a run with the same seed and the same case
+ * filter repeats it exactly. */
+struct schedule {
+    bool shuffled;
+    int reverse;
+    warp_policy policy;
+    unsigned char poison;
+};
+const char *policy_name(warp_policy p) {
+    return p == P_LOCKSTEP ? "lockstep" : p == P_SERIAL ? "serial" : "random";
+}
+warp_policy second_policy() {
+    static int p = -1;
+    if (p < 0) {
+        const char *e = getenv("NG_EMU_WARPS");
+        p = !e || !*e || !strcmp(e, "random") ? P_RANDOM
+            : !strcmp(e, "serial")           ? P_SERIAL
+            : !strcmp(e, "lockstep")         ? P_LOCKSTEP
+                                             : -2;
+        if (p == -2) {
+            say("NG_EMU_WARPS=%s is not lockstep, serial or random; using random", e);
+            p = P_RANDOM;
+        }
+    }
+    return (warp_policy)p;
+}
+unsigned long long g_seed_env() {
+    static unsigned long long seed = 0;
+    static bool read = false;
+    if (!read) {
+        read = true;
+        const char *e = getenv("NG_EMU_SEED");
+        seed = e && *e ? strtoull(e, nullptr, 0) : 1ull;
+    }
+    return seed;
+}
+schedule the_schedule(int which) {
+    if (which == 0) return schedule{false, 0, P_LOCKSTEP, 0xff};
+    return schedule{true, 1, second_policy(), 0x00};
+}
+long long g_launches;
+/* "NG_EMU_SEED=1, launch 7: blocks shuffled, lanes reversed, warps random,
+ * shared memory 0x00" */
+std::string schedule_text(int which) {
+    const schedule sc = the_schedule(which);
+    char buf[256];
+    if (which == 0)
+        snprintf(buf, sizeof buf, "the first schedule (blocks in order, lanes in order, warps lockstep, shared memory 0xff)");
+    else
+        snprintf(buf, sizeof buf,
+                 "the second schedule (blocks shuffled, lanes reversed, warps %s, shared memory 0x%02x; "
+                 "NG_EMU_SEED=%llu, launch %lld of the process)",
+                 policy_name(sc.policy), sc.poison, g_seed_env(), g_launches + 1);
+    return buf;
+}
+
+/* ---- static shared memory (NG_SHARED) -------------------------------------------- */
+
+/* Every NG_SHARED variable of every kernel has its own place in this arena,
+ * given the first time its declaration runs; the used part is poisoned
+ * before every block, as dynamic shared memory is. */
+constexpr size_t kStaticSmem = 64 * 1024;
+alignas(256) char g_static_smem[kStaticSmem];
+size_t g_static_used;
+
+struct smem_var {
+    size_t off, size;
+    const char *name, *site;
+};
+std::vector<smem_var> g_static_vars; /* for the race detector's messages */
+
 void poison_shared() {
-    if (__start_ng_emu_shared && __stop_ng_emu_shared)
-        memset(__start_ng_emu_shared, 0xff, (size_t)(__stop_ng_emu_shared - __start_ng_emu_shared));
-    if (g_launch.dyn_size) memset(g_launch.dyn, 0xff, g_launch.dyn_size);
+    memset(g_static_smem, g_launch.poison, g_static_used);
+    if (g_launch.dyn_size) memset(g_launch.dyn, g_launch.poison, g_launch.dyn_size);
+}
+
+/* ---- the shared-memory race detector ------------------------------------------- */
+
+/* With the kernels compiled with -fsanitize=thread (NG_EMU_RACECHECK: the
+ * compiler then calls __tsan_read4(p), __tsan_write8(p), ... before every
+ * load and store of memory that may be shared; no ThreadSanitizer runtime is
+ * linked, the functions below are those calls' only definition), every access
+ * of a block's shared memory is checked against the shadow of its bytes: the
+ * last write and up to two reads of the current barrier epoch (two of
+ * different warps, so that any read by another warp is remembered), each with
+ * the thread and the code address. An access by a thread of another warp in
+ * the same epoch (no __syncthreads between them) that is not read after read
+ * is a hazard, as compute-sanitizer's racecheck reports one; so is a read of a
+ * byte no thread of the block has written. A store that leaves a byte as it
+ * was (a flag set to 1 by many threads, or cleared when it is already 0) is
+ * no write to the hazard check: whatever the order, every thread reads the
+ * same value. (The hook runs before the store, so a store is checked when its
+ * thread next reaches the detector, a barrier, a warp intrinsic or its end,
+ * before any other thread runs.) Threads of one warp are not checked against
+ * each other. Epochs are numbered through the whole process (a new one at
+ * each block's start and each barrier), so nothing is reset. */
+struct shadow_acc {
+    uint32_t epoch; /* 0: none */
+    uint16_t tid;
+    int32_t pc; /* code address, relative to rc_base() */
+};
+struct shadow {
+    shadow_acc w, r, r2;
+    uint32_t init; /* the epoch of the last store, changing the byte or not */
+};
+std::vector<shadow> g_shadow_static(kStaticSmem), g_shadow_dyn;
+uint32_t g_epoch = 1, g_block_epoch = 1; /* the current epoch; the block's first */
+bool g_racecheck_seen;                   /* some instrumented access reached the detector */
+bool g_racecheck_off;                    /* NG_EMU_RACECHECK=0: the detector ignores every access */
+long long g_races_checked;               /* shared-memory accesses checked */
+
+uintptr_t rc_base() { return (uintptr_t)&poison_shared; }
+
+void new_epoch(bool block_start) {
+    if (++g_epoch >= 0xfffffff0u) { /* 4 billion barriers: start over */
+        for (shadow &x : g_shadow_static) x = shadow{};
+        for (shadow &x : g_shadow_dyn) x = shadow{};
+        g_epoch = 1;
+    }
+    if (block_start) g_block_epoch = g_epoch;
+}
+
+/* "layernorm.cu:47 block_sum <- ln_bwd_dx_kernel" from addr2line, or the address. */
+std::string pc_site(int32_t rel) {
+    const uintptr_t pc = rc_base() + (intptr_t)rel;
+    char out[1024];
+    snprintf(out, sizeof out, "code address %p", (void *)pc);
+    char exe[4096];
+    const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n <= 0) return out;
+    exe[n] = 0;
+    /* the executable's load address: where its ELF header is mapped */
+    uintptr_t base = 0;
+    if (FILE *m = fopen("/proc/self/maps", "r")) {
+        char line[4608];
+        while (fgets(line, sizeof line, m)) {
+            unsigned long lo, off;
+            char path[4096] = "";
+            if (sscanf(line, "%lx-%*s %*s %lx %*s %*s %4095s", &lo, &off, path) == 3 && off == 0 &&
+                strcmp(path, exe) == 0) {
+                base = lo;
+                break;
+            }
+        }
+        fclose(m);
+    }
+    unsigned char hdr[18] = {0};
+    if (FILE *f = fopen(exe, "rb")) {
+        if (fread(hdr, 1, sizeof hdr, f) != sizeof hdr) hdr[16] = 0;
+        fclose(f);
+    }
+    const uintptr_t addr = hdr[16] == 3 ? pc - base : pc; /* ET_DYN (PIE): relative */
+    char cmd[4400];
+    snprintf(cmd, sizeof cmd, "addr2line -C -f -i -e '%s' 0x%lx 2>/dev/null", exe,
+             (unsigned long)(addr - 1));
+    FILE *p = popen(cmd, "r");
+    if (!p) return out;
+    std::string fn, site, text;
+    char line[1024];
+    for (int i = 0; fgets(line, sizeof line, p); i++) {
+        line[strcspn(line, "\n")] = 0;
+        if (char *d = strstr(line, " (discriminator")) *d = 0;
+        if (i % 2 == 0) {
+            fn = line;
+        } else {
+            const char *slash = strrchr(line, '/');
+            if (!text.empty()) text += " <- ";
+            text += std::string(slash ? slash + 1 : line) + " " + fn;
+        }
+    }
+    pclose(p);
+    if (text.empty() || text.compare(0, 2, "??") == 0) return out;
+    return text;
+}
+
+/* "static shared memory red (layernorm.cu:123) byte 8" or "dynamic shared memory byte 520" */
+std::string smem_place(bool dyn, size_t off) {
+    char buf[512];
+    if (dyn) {
+        snprintf(buf, sizeof buf, "dynamic shared memory, byte %zu of %zu", off, g_launch.dyn_size);
+        return buf;
+    }
+    for (const smem_var &v : g_static_vars)
+        if (off >= v.off && off < v.off + v.size) {
+            snprintf(buf, sizeof buf, "NG_SHARED %s (%s), byte %zu of %zu", v.name, v.site,
+                     off - v.off, v.size);
+            return buf;
+        }
+    snprintf(buf, sizeof buf, "static shared memory, arena byte %zu", off);
+    return buf;
+}
+
+std::string thread_text(uint16_t tid) {
+    const int x = tid % g_block_dim.x, y = tid / g_block_dim.x % g_block_dim.y,
+              z = tid / (g_block_dim.x * g_block_dim.y);
+    char buf[96];
+    snprintf(buf, sizeof buf, "thread (%d, %d, %d) (warp %d, lane %d)", x, y, z, tid >> 5, tid & 31);
+    return buf;
+}
+
+[[noreturn]] void hazard(thread_state *t, const char *kind, bool dyn, size_t off, size_t n,
+                         bool is_write, int32_t pc, const shadow_acc *other, bool other_write) {
+    std::string msg = std::string("shared-memory race (") + kind + ") on " + smem_place(dyn, off) +
+                      " (an access of " + std::to_string(n) + " bytes):\n    " +
+                      (is_write ? "write" : "read") + " by " + thread_text((uint16_t)t->linear) +
+                      " at " + pc_site(pc);
+    if (other)
+        msg += std::string("\n    ") + (other_write ? "write" : "read") + " by " +
+               thread_text(other->tid) + " at " + pc_site(other->pc) +
+               "\n    with no __syncthreads between them";
+    else
+        msg += "\n    no thread of this block has written that byte since the block started";
+    fault(t, "%s", msg.c_str());
+    __builtin_unreachable();
+}
+
+/* The store the running thread is about to make (its hook has run, the
+ * store follows at once): checked at the thread's next rc_flush. */
+struct pending_store {
+    bool active;
+    bool dyn;
+    size_t off, n;
+    shadow *sh;
+    const unsigned char *mem;
+    unsigned char old[16];
+    uint32_t ep;
+    int32_t pc;
+} g_pending;
+
+void rc_flush() {
+    if (!g_pending.active) return;
+    g_pending.active = false;
+    thread_state *t = g_running;
+    const pending_store &q = g_pending;
+    if (!t || q.ep != g_epoch) return; /* a fault abandoned the block */
+    const uint16_t tid = (uint16_t)t->linear;
+    const int warp = t->warp;
+    for (size_t k = 0; k < q.n; k++) {
+        shadow &x = q.sh[q.off + k];
+        x.init = q.ep;
+        if (q.mem[k] == q.old[k]) continue; /* left as it was: not a write */
+        if (x.w.epoch == q.ep && x.w.tid >> 5 != warp)
+            hazard(t, "write after write", q.dyn, q.off + k, q.n, true, q.pc, &x.w, true);
+        if (x.r.epoch == q.ep && x.r.tid >> 5 != warp)
+            hazard(t, "write after read", q.dyn, q.off + k, q.n, true, q.pc, &x.r, false);
+        if (x.r2.epoch == q.ep && x.r2.tid >> 5 != warp)
+            hazard(t, "write after read", q.dyn, q.off + k, q.n, true, q.pc, &x.r2, false);
+        x.w = shadow_acc{q.ep, tid, q.pc};
+    }
+}
+
+inline void rc_access(const void *p, size_t n, bool is_write, const void *ret) {
+    const uintptr_t a = (uintptr_t)p;
+    if (g_racecheck_off) return;
+    if (g_pending.active) rc_flush();
+    shadow *sh;
+    bool dyn;
+    size_t off;
+    if (a - (uintptr_t)g_static_smem < g_static_used) {
+        off = a - (uintptr_t)g_static_smem, dyn = false, sh = g_shadow_static.data();
+    } else if (a - (uintptr_t)g_launch.dyn < g_launch.dyn_size) {
+        off = a - (uintptr_t)g_launch.dyn, dyn = true, sh = g_shadow_dyn.data();
+    } else {
+        return;
+    }
+    thread_state *t = g_running;
+    if (!t) return;
+    g_racecheck_seen = true;
+    g_races_checked++;
+    const uint32_t ep = g_epoch, ep0 = g_block_epoch;
+    const uint16_t tid = (uint16_t)t->linear;
+    const int warp = t->warp;
+    const int32_t pc = (int32_t)((intptr_t)ret - (intptr_t)rc_base());
+    const size_t lim = dyn ? g_launch.dyn_size : g_static_used,
+                 end = off + n <= lim ? off + n : lim;
+    if (is_write && end - off <= sizeof g_pending.old) {
+        g_pending.active = true;
+        g_pending.dyn = dyn;
+        g_pending.off = off;
+        g_pending.n = end - off;
+        g_pending.sh = sh;
+        g_pending.mem = (const unsigned char *)p;
+        memcpy(g_pending.old, p, end - off);
+        g_pending.ep = ep;
+        g_pending.pc = pc;
+        return;
+    }
+    for (size_t i = off; i < end; i++) {
+        shadow &x = sh[i];
+        if (is_write) { /* a range too long to compare: every byte a write */
+            if (x.w.epoch == ep && x.w.tid >> 5 != warp)
+                hazard(t, "write after write", dyn, i, n, true, pc, &x.w, true);
+            if (x.r.epoch == ep && x.r.tid >> 5 != warp)
+                hazard(t, "write after read", dyn, i, n, true, pc, &x.r, false);
+            if (x.r2.epoch == ep && x.r2.tid >> 5 != warp)
+                hazard(t, "write after read", dyn, i, n, true, pc, &x.r2, false);
+            x.w = shadow_acc{ep, tid, pc};
+            x.init = ep;
+        } else {
+            if (x.init < ep0) hazard(t, "read of unwritten memory", dyn, i, n, false, pc, nullptr, false);
+            if (x.w.epoch == ep && x.w.tid >> 5 != warp)
+                hazard(t, "read after write", dyn, i, n, false, pc, &x.w, true);
+            if (x.r.epoch != ep)
+                x.r = shadow_acc{ep, tid, pc};
+            else if (x.r.tid >> 5 != warp && x.r2.epoch != ep)
+                x.r2 = shadow_acc{ep, tid, pc};
+        }
+    }
 }
 
 /* Run block `lin` (x fastest) of the grid; false after a fault. */
-bool run_block(uint64_t lin, bool reverse) {
+bool run_block(uint64_t lin) {
     g_block_idx.x = (unsigned)(lin % g_grid_dim.x);
     g_block_idx.y = (unsigned)(lin / g_grid_dim.x % g_grid_dim.y);
     g_block_idx.z = (unsigned)(lin / ((uint64_t)g_grid_dim.x * g_grid_dim.y));
     poison_shared();
+    new_epoch(true);
     const int n = g_launch.nthreads;
     for (int i = 0; i < n; i++) {
         thread_state &t = g_threads[i];
@@ -689,14 +1098,21 @@ bool run_block(uint64_t lin, bool reverse) {
     g_launch.live = n;
     g_launch.at_barrier = 0;
     g_launch.exited = 0;
-    g_launch.reverse = reverse;
     const int nwarps = (n + 31) / 32;
+    g_launch.nwarps = nwarps;
     g_launch.waiting.assign(nwarps, 0u);
     g_launch.gone.assign(nwarps, 0u);
     g_launch.present.assign(nwarps, 0xffffffffu);
     if (n % 32) g_launch.present[nwarps - 1] = (1u << (n % 32)) - 1u;
+    g_launch.runnable = g_launch.present;
+    /* RANDOM: per block, warps run serially (each on to its next barrier),
+     * mostly serially (7 in 8 stops), or drawn afresh at every stop */
+    if (g_launch.policy == P_RANDOM) {
+        static const int kStay[3] = {8, 7, 0};
+        g_launch.stay = kStay[next_random() % 3];
+    }
     while (g_launch.live > 0) {
-        g_launch.sweep = -1;
+        g_launch.cur_warp = -1;
         thread_state *first = next_in_sweep();
         const bool ran = first != nullptr;
         if (first) switch_to(nullptr, first, false); /* runs the whole sweep, fiber to fiber */
@@ -723,8 +1139,9 @@ bool run_block(uint64_t lin, bool reverse) {
                 return false;
             }
             for (int i = 0; i < n; i++)
-                if (g_threads[i].state == T_BAR) g_threads[i].state = T_RUN;
+                if (g_threads[i].state == T_BAR) set_state(&g_threads[i], T_RUN);
             g_launch.at_barrier = 0;
+            new_epoch(false);
             continue;
         }
         if (!ran) {
@@ -735,23 +1152,29 @@ bool run_block(uint64_t lin, bool reverse) {
     return true;
 }
 
-bool run_grid(bool shuffled) {
+bool run_grid(int which) {
+    const schedule sc = the_schedule(which);
+    g_launch.schedule = which;
+    g_launch.reverse = sc.reverse;
+    g_launch.policy = sc.policy;
+    g_launch.poison = sc.poison;
+    /* splitmix64 of the seed and the launch's number: never 0 (xorshift) */
+    uint64_t z = g_seed_env() + 0x9e3779b97f4a7c15ull * (uint64_t)(g_launches + 1);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    g_launch.rng = (z ^ (z >> 31)) | 1u;
     const uint64_t nb = (uint64_t)g_grid_dim.x * g_grid_dim.y * g_grid_dim.z;
-    if (!shuffled) {
+    if (!sc.shuffled) {
         for (uint64_t b = 0; b < nb; b++)
-            if (!run_block(b, false)) return false;
+            if (!run_block(b)) return false;
         return true;
     }
-    /* a permutation of the blocks from a generator seeded by the launch */
+    /* a permutation of the blocks from the schedule's generator */
     std::vector<uint64_t> order(nb);
     for (uint64_t b = 0; b < nb; b++) order[b] = b;
-    uint64_t s = 0x9e3779b97f4a7c15ull * (uint64_t)(g_launches + 1);
-    for (uint64_t i = nb; i > 1; i--) {
-        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-        std::swap(order[i - 1], order[s % i]);
-    }
+    for (uint64_t i = nb; i > 1; i--) std::swap(order[i - 1], order[next_random() % i]);
     for (uint64_t b : order)
-        if (!run_block(b, true)) return false;
+        if (!run_block(b)) return false;
     return true;
 }
 
@@ -774,7 +1197,8 @@ struct snapshot {
 
 void syncthreads(const char *site) {
     thread_state *t = running("__syncthreads");
-    t->state = T_BAR;
+    rc_flush();
+    set_state(t, T_BAR);
     t->site = site;
     g_launch.at_barrier++;
     leave(t, false);
@@ -783,6 +1207,7 @@ void syncthreads(const char *site) {
 uint64_t warp_op(warp_kind kind, unsigned mask, uint64_t value, int arg, int width,
                  const char *site) {
     thread_state *t = running("a warp intrinsic");
+    rc_flush();
     if (width < 1 || width > 32 || (width & (width - 1)))
         fault(t, "%s at %s: width %d is not a power of two in [1, 32]", kind_name(kind), site,
               width);
@@ -803,6 +1228,7 @@ unsigned activemask() {
 void mma_m16n8k16(int bf16, float c[4], const uint32_t a[4], const uint32_t b[2],
                   const char *site) {
     thread_state *t = running("mma.sync");
+    rc_flush();
     t->kind = W_MMA;
     t->mask = 0xffffffffu;
     t->site = site;
@@ -818,6 +1244,22 @@ void trap(const char *site) {
     thread_state *t = running("__trap");
     fault(t, "__trap() at %s", site);
     __builtin_unreachable();
+}
+
+void *static_smem(smem_slot *slot, size_t size, size_t align, const char *name, const char *site) {
+    thread_state *t = running("NG_SHARED");
+    if (!slot->size) {
+        const size_t off = round_up(g_static_used, align < 16 ? 16 : align);
+        if (off + size > kStaticSmem)
+            fault(t, "NG_SHARED: %zu bytes do not fit in the emulator's %zu-byte arena of static shared memory", size,
+                  kStaticSmem);
+        memset(g_static_smem + off, g_launch.poison, size);
+        slot->off = (uint32_t)off;
+        slot->size = (uint32_t)size;
+        g_static_used = off + size;
+        g_static_vars.push_back(smem_var{off, size, name, site});
+    }
+    return g_static_smem + slot->off;
 }
 
 void *dynamic_smem() {
@@ -887,6 +1329,12 @@ cudaError_t launch_impl(const char *kernel, const char *where, const void *fn, d
         return fail(cudaErrorInvalidValue);
     }
     install_handlers();
+    static const bool rc_env_read = [] {
+        const char *e = getenv("NG_EMU_RACECHECK");
+        g_racecheck_off = e && strcmp(e, "0") == 0;
+        return true;
+    }();
+    (void)rc_env_read;
 
     g_launch.name = name;
     g_launch.body = body;
@@ -894,6 +1342,7 @@ cudaError_t launch_impl(const char *kernel, const char *where, const void *fn, d
     g_launch.dyn_size = smem;
     g_launch.dyn =
         (char *)malloc(smem ? smem : 1); /* exactly smem bytes: overruns are heap errors */
+    if (g_shadow_dyn.size() < smem) g_shadow_dyn.resize(smem);
     g_launch.fault = false;
     g_launch.active = true;
     g_grid_dim = grid;
@@ -902,12 +1351,13 @@ cudaError_t launch_impl(const char *kernel, const char *where, const void *fn, d
 
     snapshot before, first;
     before.take();
-    bool ok = run_grid(false);
+    bool ok = run_grid(0);
     if (ok) {
         first.take();
         before.restore();
-        ok = run_grid(true);
+        ok = run_grid(1);
     }
+    if (!ok) say("%s: the fault above is from %s", name.c_str(), schedule_text(g_launch.schedule).c_str());
     if (ok) {
         for (size_t i = 0; i < first.bufs.size() && ok; i++) {
             const alloc *b = first.bufs[i].first;
@@ -916,9 +1366,9 @@ cudaError_t launch_impl(const char *kernel, const char *where, const void *fn, d
             size_t off = 0;
             while (x[off] == b->ptr[off]) off++;
             say("%s: the two schedules disagree (a race, or a read of memory no thread wrote): device buffer of %zu "
-                "bytes at %p, first difference at byte %zu (0x%02x in order, 0x%02x shuffled / reversed)",
+                "bytes at %p, first difference at byte %zu (0x%02x in the first schedule, 0x%02x in the second); %s",
                 name.c_str(), b->size, (void *)b->ptr, off, (unsigned char)x[off],
-                (unsigned char)b->ptr[off]);
+                (unsigned char)b->ptr[off], schedule_text(1).c_str());
             ok = false;
         }
     }
@@ -961,6 +1411,12 @@ long long ng_emu_calls(const char *call) {
 }
 long long ng_emu_launches(void) { return g_launches; }
 int ng_emu_schedules(void) { return 2; }
+int ng_emu_shared_poison(void) { return g_launch.poison; }
+int ng_emu_is_shared(const void *p, size_t n) {
+    const char *c = (const char *)p;
+    return (c >= g_static_smem && c + n <= g_static_smem + g_static_used) ||
+           (g_launch.dyn && c >= g_launch.dyn && c + n <= g_launch.dyn + g_launch.dyn_size);
+}
 
 cudaError_t cudaGetDeviceCount(int *count) {
     *count = 1;
@@ -1175,4 +1631,83 @@ cudaError_t cudaStreamSynchronize(cudaStream_t) {
     return cudaSuccess; /* launches and copies ran when they were made */
 }
 
+} /* extern "C" */
+
+/* ---- the race detector's entry points -------------------------------------------
+ * What gcc -fsanitize=thread calls before each load and store of the kernels
+ * (NG_EMU_RACECHECK builds; see rc_access), and the few other entry points
+ * its instrumentation references. Atomic operations (std::atomic in host code
+ * of the kernel files) are done here as the builtins they stand for. */
+
+#define NG_RC_RET __builtin_return_address(0)
+extern "C" {
+void __tsan_init(void) {}
+void __tsan_func_entry(void *) {}
+void __tsan_func_exit(void) {}
+void __tsan_vptr_update(void **, void *) {}
+void __tsan_vptr_read(void **) {}
+#define NG_RC_RW(n)                                                                                \
+    void __tsan_read##n(void *p) { rc_access(p, n, false, NG_RC_RET); }                           \
+    void __tsan_write##n(void *p) { rc_access(p, n, true, NG_RC_RET); }                           \
+    void __tsan_unaligned_read##n(void *p) { rc_access(p, n, false, NG_RC_RET); }                 \
+    void __tsan_unaligned_write##n(void *p) { rc_access(p, n, true, NG_RC_RET); }                 \
+    void __tsan_volatile_read##n(void *p) { rc_access(p, n, false, NG_RC_RET); }                  \
+    void __tsan_volatile_write##n(void *p) { rc_access(p, n, true, NG_RC_RET); }
+NG_RC_RW(1)
+NG_RC_RW(2)
+NG_RC_RW(4)
+NG_RC_RW(8)
+NG_RC_RW(16)
+#undef NG_RC_RW
+void __tsan_read_range(void *p, unsigned long n) { rc_access(p, n, false, NG_RC_RET); }
+void __tsan_write_range(void *p, unsigned long n) { rc_access(p, n, true, NG_RC_RET); }
+
+/* memory orders as the instrumentation passes them: 0 relaxed .. 5 seq_cst */
+#define NG_RC_ATOMIC(bits, T)                                                                      \
+    T __tsan_atomic##bits##_load(const volatile T *a, int) {                                       \
+        return __atomic_load_n(a, __ATOMIC_SEQ_CST);                                               \
+    }                                                                                              \
+    void __tsan_atomic##bits##_store(volatile T *a, T v, int) {                                    \
+        __atomic_store_n(a, v, __ATOMIC_SEQ_CST);                                                  \
+    }                                                                                              \
+    T __tsan_atomic##bits##_exchange(volatile T *a, T v, int) {                                    \
+        return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST);                                        \
+    }                                                                                              \
+    T __tsan_atomic##bits##_fetch_add(volatile T *a, T v, int) {                                   \
+        return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST);                                         \
+    }                                                                                              \
+    T __tsan_atomic##bits##_fetch_sub(volatile T *a, T v, int) {                                   \
+        return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST);                                         \
+    }                                                                                              \
+    T __tsan_atomic##bits##_fetch_and(volatile T *a, T v, int) {                                   \
+        return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST);                                         \
+    }                                                                                              \
+    T __tsan_atomic##bits##_fetch_or(volatile T *a, T v, int) {                                    \
+        return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST);                                          \
+    }                                                                                              \
+    T __tsan_atomic##bits##_fetch_xor(volatile T *a, T v, int) {                                   \
+        return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST);                                         \
+    }                                                                                              \
+    int __tsan_atomic##bits##_compare_exchange_strong(volatile T *a, T *c, T v, int, int) {        \
+        return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);    \
+    }                                                                                              \
+    int __tsan_atomic##bits##_compare_exchange_weak(volatile T *a, T *c, T v, int, int) {          \
+        return __atomic_compare_exchange_n(a, c, v, true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);     \
+    }                                                                                              \
+    T __tsan_atomic##bits##_compare_exchange_val(volatile T *a, T c, T v, int, int) {              \
+        __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);          \
+        return c;                                                                                  \
+    }
+NG_RC_ATOMIC(8, unsigned char)
+NG_RC_ATOMIC(16, unsigned short)
+NG_RC_ATOMIC(32, unsigned int)
+NG_RC_ATOMIC(64, unsigned long long)
+#undef NG_RC_ATOMIC
+void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+void __tsan_atomic_signal_fence(int) { __atomic_signal_fence(__ATOMIC_SEQ_CST); }
+
+/* Whether the race detector has seen an access of shared memory (the kernels
+ * were compiled for it), and how many it has checked. */
+int ng_emu_racecheck(void) { return g_racecheck_seen; }
+long long ng_emu_racecheck_accesses(void) { return g_races_checked; }
 } /* extern "C" */

@@ -4,14 +4,15 @@
  *
  * A .cu file compiled by g++ with -I tests/cuda_emu/include gets this header
  * through <cuda_runtime.h>. The kernel sources change only mechanically for
- * it: launches go through NG_LAUNCH and dynamic shared memory through
+ * it: launches go through NG_LAUNCH and shared memory through NG_SHARED and
  * NG_DYNAMIC_SMEM (kernels/cuda_launch.h), and the one inline PTX
  * instruction, mma.sync, sits behind ng_mma_16816 (kernels/attention_mma.h).
  *
  * Model (the runtime is tests/cuda_emu/cuda_emu.cpp):
  * - Blocks run one after another; the threads of a block are fibers with
  *   stacks of their own. A thread runs until it reaches __syncthreads, a warp
- *   intrinsic or its end, then the next thread runs. __syncthreads releases
+ *   intrinsic or its end, then the next lane of its warp runs; when the warp
+ *   has none left, the schedule picks the next warp. __syncthreads releases
  *   when every thread of the block has arrived; a barrier that part of the
  *   block can never reach (threads that exited, or wait elsewhere) is an
  *   error, never a hang.
@@ -20,13 +21,20 @@
  *   reached the same intrinsic with the same mask; a mask naming a lane that
  *   has exited or does not exist, a lane outside its own mask, or lanes of
  *   one mask at different intrinsics is an error.
- * - __shared__ variables live in one linker section, and dynamic shared
- *   memory in a buffer of exactly the launch's size; both are filled with
- *   0xff bytes (NaN in every float type) before each block, so reading shared
- *   memory before writing it changes results.
- * - Every launch runs twice from the same device memory: blocks in order with
- *   threads in order, then blocks shuffled with threads in reverse; the two
- *   results must agree bit for bit.
+ * - NG_SHARED variables live in one arena (each its own place, those of
+ *   function templates too), and dynamic shared memory in a buffer of
+ *   exactly the launch's size; both are filled before each block with 0xff
+ *   bytes in the first schedule and 0x00 bytes in the second, so reading
+ *   shared memory before writing it changes results.
+ * - Every launch runs twice from the same device memory: blocks in order,
+ *   lanes in order, warps in lockstep (each advances one warp intrinsic per
+ *   sweep); then blocks shuffled, lanes reversed, and the next warp drawn at
+ *   random (seed NG_EMU_SEED) whenever one stops. The two results must agree
+ *   bit for bit.
+ * - With the kernels compiled for it (NG_EMU_RACECHECK, gcc's
+ *   -fsanitize=thread instrumentation calling into cuda_emu.cpp), every
+ *   shared-memory access is checked for a hazard with another warp in the
+ *   same barrier epoch, and for a read of bytes the block never wrote.
  * - Launch limits are a GPU's: at most 1024 threads (z <= 64) per block,
  *   gridDim.x < 2^31, gridDim.y and z <= 65535, dynamic shared memory above
  *   48 KiB only after cudaFuncSetAttribute raised it and never above the
@@ -61,7 +69,13 @@
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
-#define __shared__ static __attribute__((section("ng_emu_shared")))
+/* Static shared memory is declared with NG_SHARED (kernels/cuda_launch.h),
+ * which the emulator places in its own arena, poisons before every block and
+ * watches; a plain __shared__ (which it could do neither for, e.g. in a
+ * function template) does not compile. */
+#define __shared__                                                                                 \
+    static_assert(false, "declare shared memory with NG_SHARED(type, name, [dims]) "               \
+                         "(kernels/cuda_launch.h) so that the emulator poisons and watches it");
 
 struct uint3 {
     unsigned x, y, z;
@@ -110,6 +124,11 @@ unsigned activemask();
 void mma_m16n8k16(int bf16, float c[4], const uint32_t a[4], const uint32_t b[2], const char *site);
 [[noreturn]] void trap(const char *site);
 void *dynamic_smem();
+struct smem_slot {
+    uint32_t off, size; /* size 0: not placed yet */
+};
+void *static_smem(smem_slot *slot, size_t size, size_t align, const char *name,
+                  const char *site);
 
 inline void syncwarp(const char *site, unsigned mask = 0xffffffffu) {
     (void)warp_op(W_SYNCWARP, mask, 0, 0, 32, site);
@@ -176,6 +195,15 @@ void launch(const char *kernel, const char *where, void (*fn)(P...), dim3 grid, 
     ng_emu::launch(#kernel, __PRETTY_FUNCTION__, NG_EMU_UNPAREN kernel, (grid), (block), (smem),   \
                    (stream), __VA_ARGS__)
 #define NG_DYNAMIC_SMEM(type, name) type *name = static_cast<type *>(ng_emu::dynamic_smem())
+/* NG_SHARED(float, red, [32]): a reference to the variable's place in the
+ * arena (the slot, a static of the enclosing function, is one per template
+ * instantiation, as the __shared__ variable is). */
+#define NG_SHARED(type, name, ...)                                                                 \
+    static ng_emu::smem_slot ng_emu_slot_##name;                                                   \
+    typedef type ng_emu_type_##name __VA_ARGS__;                                                   \
+    ng_emu_type_##name &name = *static_cast<ng_emu_type_##name *>(ng_emu::static_smem(            \
+        &ng_emu_slot_##name, sizeof(ng_emu_type_##name), alignof(ng_emu_type_##name), #name,    \
+        NG_EMU_SITE))
 
 template <typename F>
 inline cudaError_t cudaFuncSetAttribute(F *fn, enum cudaFuncAttribute attr, int value) {

@@ -182,7 +182,7 @@ static void test_warp() {
 
 /* Block sum through static shared memory; every block its own data. */
 static __global__ void block_sum_kernel(const float *x, float *out, unsigned long long *count) {
-    __shared__ float part[256];
+    NG_SHARED(float, part, [256]);
     part[threadIdx.x] = x[blockIdx.x * blockDim.x + threadIdx.x];
     __syncthreads();
     for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
@@ -193,10 +193,110 @@ static __global__ void block_sum_kernel(const float *x, float *out, unsigned lon
     atomicAdd(count, 1ull);
 }
 
-/* Reads dynamic shared memory nobody wrote: the poison. */
+/* Whether n bytes at p all hold the schedule's shared-memory poison. Not
+ * seen by the race detector, to which reading unwritten shared memory is an
+ * error. */
+__attribute__((no_sanitize_thread)) static __device__ int poisoned(const void *p, size_t n) {
+    const unsigned char *c = (const unsigned char *)p;
+    for (size_t i = 0; i < n; i++)
+        if (c[i] != (unsigned char)ng_emu_shared_poison()) return 0;
+    return 1;
+}
+
+/* Dynamic shared memory nobody wrote holds the poison (1 per thread). */
 static __global__ void read_unwritten_kernel(uint32_t *out) {
     NG_DYNAMIC_SMEM(uint32_t, smem);
-    out[threadIdx.x] = smem[threadIdx.x];
+    out[threadIdx.x] = (uint32_t)poisoned(&smem[threadIdx.x], 4);
+}
+
+/* Static shared memory of a function template (where GCC ignores a section
+ * attribute on a static): in the arena, poisoned at the start of every
+ * block, although the block before wrote it (out[block] = 1 when so). */
+template <typename T>
+static __device__ int tmpl_shared_fresh() {
+    NG_SHARED(T, s_val);
+    NG_SHARED(T, s_arr, [3][5]);
+    const int fresh = poisoned(&s_val, sizeof s_val) && poisoned(&s_arr, sizeof s_arr) &&
+                      ng_emu_is_shared(&s_val, sizeof s_val) &&
+                      ng_emu_is_shared(&s_arr, sizeof s_arr);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        s_val = (T)(blockIdx.x + 1);
+        for (int i = 0; i < 15; i++) s_arr[i / 5][i % 5] = (T)i;
+    }
+    return fresh;
+}
+template <typename T>
+static __global__ void tmpl_shared_kernel(int *out) {
+    const int fresh = tmpl_shared_fresh<T>();
+    if (threadIdx.x == 0) out[blockIdx.x] = fresh;
+}
+
+/* gg_apply_kernel's pattern without its barrier: thread 0 writes a template
+ * __shared__ the block then reads; the value read before the write is the
+ * poison, which differs between the schedules. */
+template <typename T>
+static __global__ void tmpl_read_before_write_kernel(T *out) {
+    NG_SHARED(T, s_coef);
+    if (threadIdx.x == 0) s_coef = (T)2;
+    /* __syncthreads() missing */
+    out[blockIdx.x * blockDim.x + threadIdx.x] = s_coef;
+}
+
+/* tensor_stats' pattern with a read one slot too far: an unsigned min over
+ * per-warp partials that also reads an unwritten slot. 0xff bytes are the
+ * identity of the min, so only the second poison (0x00) changes the result. */
+static __global__ void identity_read_kernel(unsigned long long *out) {
+    NG_SHARED(unsigned long long, s_min, [32]);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    if (lane == 0) s_min[warp] = 1000u + (unsigned)warp;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned long long mn = ~0ull;
+        for (int w = 0; w <= nwarps; w++) mn = s_min[w] < mn ? s_min[w] : mn; /* <=: one too far */
+        out[blockIdx.x] = mn;
+    }
+}
+
+/* layernorm's block_sum called twice without its write-after-read barrier:
+ * the second call's write of red[warp] may land before a slower warp has read
+ * red in the first call. Five shuffles separate the two in every warp, so
+ * warps that advance in lockstep (one warp intrinsic each per sweep) never
+ * see it; warps that run independently do. */
+static __device__ float lockstep_hidden_sum(float v, float *red) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+    /* __syncthreads() missing: red may still be read from the previous call */
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (int w = 0; w < nwarps; w++) s += red[w];
+    return s;
+}
+static __global__ void lockstep_hidden_kernel(const float *x, float *out) {
+    NG_SHARED(float, red, [32]);
+    const float v = x[blockIdx.x * blockDim.x + threadIdx.x];
+    const float a = lockstep_hidden_sum(v, red);
+    const float b = lockstep_hidden_sum(v * v, red);
+    out[blockIdx.x * blockDim.x + threadIdx.x] = a + b;
+}
+/* The same with the barrier: correct under every schedule. */
+static __device__ float fixed_sum(float v, float *red) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (int w = 0; w < nwarps; w++) s += red[w];
+    return s;
+}
+static __global__ void fixed_sum_kernel(const float *x, float *out) {
+    NG_SHARED(float, red, [32]);
+    const float v = x[blockIdx.x * blockDim.x + threadIdx.x];
+    const float a = fixed_sum(v, red);
+    const float b = fixed_sum(v * v, red);
+    out[blockIdx.x * blockDim.x + threadIdx.x] = a + b;
 }
 
 static __global__ void index_kernel(int *out) {
@@ -226,11 +326,32 @@ static void test_shared() {
 
     uint32_t *u = dalloc<uint32_t>(64);
     NG_LAUNCH((read_unwritten_kernel), 1, 64, 64 * 4, 0, u);
+    CHECK(cudaGetLastError() == cudaSuccess, "read_unwritten_kernel launch");
     auto hu = download(u, 64);
-    int poisoned = 0;
-    for (uint32_t v : hu) poisoned += v == 0xffffffffu;
-    CHECK(poisoned == 64, "unwritten dynamic shared memory reads as 0xff bytes (%d of 64)",
-          poisoned);
+    int npoisoned = 0;
+    for (uint32_t v : hu) npoisoned += v == 1u;
+    CHECK(npoisoned == 64, "unwritten dynamic shared memory holds the poison (%d of 64)",
+          npoisoned);
+
+    int *fresh = dalloc<int>(5);
+    NG_LAUNCH((tmpl_shared_kernel<double>), 5, 64, 0, 0, fresh);
+    NG_LAUNCH((tmpl_shared_kernel<short>), 5, 64, 0, 0, fresh);
+    CHECK(cudaGetLastError() == cudaSuccess, "tmpl_shared_kernel launches");
+    auto hf = download(fresh, 5);
+    int nfresh = 0;
+    for (int v : hf) nfresh += v == 1;
+    CHECK(nfresh == 5,
+          "a function template's NG_SHARED variables are in the arena and poisoned before every block (%d of 5)",
+          nfresh);
+    cudaFree(fresh);
+
+    float *sx = dalloc<float>(6 * 256), *so = dalloc<float>(6 * 256);
+    std::vector<float> hsx(6 * 256);
+    for (size_t i = 0; i < hsx.size(); i++) hsx[i] = (float)(i % 13) - 6.0f;
+    cudaMemcpy(sx, hsx.data(), hsx.size() * 4, cudaMemcpyHostToDevice);
+    NG_LAUNCH((fixed_sum_kernel), 6, 256, 0, 0, sx, so);
+    CHECK(cudaGetLastError() == cudaSuccess, "two block sums with their barriers pass");
+    cudaFree(sx), cudaFree(so);
 
     int *idx = dalloc<int>(3 * 2 * 2 * 4 * 3 * 2);
     NG_LAUNCH((index_kernel), dim3(3, 2, 2), dim3(4, 3, 2), 0, 0, idx);
@@ -327,7 +448,7 @@ static __global__ void own_mask_kernel(int *out) {
 }
 
 static __global__ void race_kernel(int *out) {
-    __shared__ int cell[64];
+    NG_SHARED(int, cell, [64]);
     cell[threadIdx.x] = (int)threadIdx.x;
     /* no __syncthreads: the neighbour's cell may not be written yet */
     out[threadIdx.x] = cell[(threadIdx.x + 33) % 64];
@@ -339,6 +460,41 @@ static __global__ void warp_waits_for_barrier_kernel(int *out) {
     else
         out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1, 1);
 }
+
+#ifdef NG_EMU_RACECHECK
+/* A write-after-read race whose results coincide: every thread reads cell,
+ * then thread 32 (warp 1) overwrites it, with no barrier between; a thread
+ * of warp 0 may read either value, and keeps only whether it is positive.
+ * Both schedules compute the same results; only the race detector sees it,
+ * and names both sites. */
+static const int kRaceReadLine = __LINE__ + 6;
+static const int kRaceWriteLine = __LINE__ + 6;
+static __global__ void same_value_race_kernel(int *out) {
+    NG_SHARED(int, cell);
+    if (threadIdx.x == 0) cell = 7;
+    __syncthreads();
+    const int v = cell;
+    if (threadIdx.x == 32) cell = 8;
+    out[threadIdx.x] = v > 0;
+}
+
+/* Stores that leave shared memory as it was are not races: a flag set by
+ * every thread that sees a key (many warps, one epoch), and cleared when it
+ * is already clear while slower warps still read it (the decode kernel's
+ * mask-skip flag). */
+static __global__ void flag_kernel(const int *x, int *out) {
+    NG_SHARED(int, any);
+    for (int it = 0; it < 3; it++) {
+        if (threadIdx.x == 0) any = 0;
+        __syncthreads();
+        if (x[it * blockDim.x + threadIdx.x] > 0) any = 1;
+        __syncthreads();
+        if (!any) continue;
+        if (threadIdx.x == 0) out[it] = 1;
+        __syncthreads();
+    }
+}
+#endif
 
 static __global__ void oob_kernel(float *x, int n) {
     x[threadIdx.x + n + 16384] = 1.0f; /* 64 KiB past the end */
@@ -402,6 +558,19 @@ static void test_faults() {
     out = dalloc<int>(64);
     NG_LAUNCH((race_kernel), 1, 64, 0, 0, out);
     expect_fault("a missing barrier (the two schedules disagree)");
+    float *d = dalloc<float>(4 * 256);
+    std::vector<float> hd(4 * 256);
+    for (size_t i = 0; i < hd.size(); i++) hd[i] = (float)(i % 7);
+    cudaMemcpy(d, hd.data(), hd.size() * 4, cudaMemcpyHostToDevice);
+    float *o = dalloc<float>(4 * 256);
+    NG_LAUNCH((lockstep_hidden_kernel), 4, 256, 0, 0, d, o);
+    expect_fault("a missing barrier that warps in lockstep would hide");
+    double *dd = dalloc<double>(64);
+    NG_LAUNCH((tmpl_read_before_write_kernel<double>), 1, 64, 0, 0, dd);
+    expect_fault("a function template's __shared__ read before thread 0 writes it");
+    unsigned long long *mn = dalloc<unsigned long long>(2);
+    NG_LAUNCH((identity_read_kernel), 2, 128, 0, 0, mn);
+    expect_fault("an unsigned min reading an unwritten slot (0xff bytes are its identity)");
     out = dalloc<int>(64);
     NG_LAUNCH((warp_waits_for_barrier_kernel), 1, 32, 0, 0, out);
     expect_fault("a warp waiting on a lane stuck at a barrier (deadlock)");
@@ -421,7 +590,50 @@ static void test_oob_in_child(const char *self) {
           "an out-of-bounds store is reported with its buffer; got:\n%s", buf);
 }
 
+#ifdef NG_EMU_RACECHECK
+/* The race detector: a race the schedules cannot see is reported with both
+ * sites (in a child, to read its message); correct kernels pass. */
+static void test_racecheck(const char *self) {
+    CHECK(ng_emu_racecheck() && ng_emu_racecheck_accesses() > 0,
+          "the race detector saw the shared-memory accesses of the kernels so far (%lld)",
+          ng_emu_racecheck_accesses());
+    int *x = dalloc<int>(3 * 128), *out = dalloc<int>(3);
+    std::vector<int> hx(3 * 128, 0);
+    for (int i = 128; i < 256; i += 3) hx[i] = 1; /* iteration 1 sees keys, 0 and 2 none */
+    cudaMemcpy(x, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice);
+    cudaMemset(out, 0, 12);
+    NG_LAUNCH((flag_kernel), 1, 128, 0, 0, x, out);
+    CHECK(cudaGetLastError() == cudaSuccess, "a flag set and cleared by stores that change nothing");
+    const std::vector<int> ho = download(out, 3);
+    CHECK(ho[0] == 0 && ho[1] == 1 && ho[2] == 0, "flag_kernel: %d %d %d", ho[0], ho[1], ho[2]);
+    cudaFree(x), cudaFree(out);
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "'%s' --race 2>&1", self);
+    FILE *p = popen(cmd, "r");
+    char buf[8192];
+    size_t n = p ? fread(buf, 1, sizeof buf - 1, p) : 0;
+    buf[n] = 0;
+    const int rc = p ? pclose(p) : 0;
+    char rd[64], wr[64];
+    snprintf(rd, sizeof rd, "test_emu.cpp:%d", kRaceReadLine);
+    snprintf(wr, sizeof wr, "test_emu.cpp:%d", kRaceWriteLine);
+    CHECK(rc == 0 && strstr(buf, "race-detected") && strstr(buf, "shared-memory race (write after read)") &&
+              strstr(buf, "NG_SHARED cell") && strstr(buf, rd) && strstr(buf, wr) &&
+              strstr(buf, "thread (32, 0, 0)") && strstr(buf, "thread (0, 0, 0)"),
+          "a same-value write-after-read race is reported with both threads and sites (%s, %s); got:\n%s",
+          rd, wr, buf);
+}
+#endif
+
 int main(int argc, char **argv) {
+#ifdef NG_EMU_RACECHECK
+    if (argc > 1 && strcmp(argv[1], "--race") == 0) {
+        int *out = dalloc<int>(64);
+        NG_LAUNCH((same_value_race_kernel), 1, 64, 0, 0, out);
+        printf("%s\n", cudaGetLastError() == cudaErrorLaunchFailure ? "race-detected" : "race-missed");
+        return 0;
+    }
+#endif
     if (argc > 1 && strcmp(argv[1], "--oob") == 0) {
         float *x = dalloc<float>(100);
         NG_LAUNCH((oob_kernel), 1, 32, 0, 0, x, 100);
@@ -434,6 +646,12 @@ int main(int argc, char **argv) {
     test_limits();
     test_faults();
     test_oob_in_child(argv[0]);
+#ifdef NG_EMU_RACECHECK
+    /* NG_EMU_RACECHECK=0 (ctest cuda_emu_self_norace): what the schedules
+     * and poisons catch without the detector */
+    if (!(getenv("NG_EMU_RACECHECK") && strcmp(getenv("NG_EMU_RACECHECK"), "0") == 0))
+        test_racecheck(argv[0]);
+#endif
     printf("test_emu: %lld launches, each under %d schedules\n", ng_emu_launches(),
            ng_emu_schedules());
     printf("%d passed, %d failed\n", g_pass, g_fail);

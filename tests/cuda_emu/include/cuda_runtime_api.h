@@ -126,6 +126,16 @@ long long ng_emu_calls(const char *call);
 /* Launches emulated so far, and the schedules each ran under. */
 long long ng_emu_launches(void);
 int ng_emu_schedules(void);
+/* Inside a kernel: the byte shared memory held at the block's start in the
+ * schedule now running (0xff in the first, 0x00 in the second), and whether
+ * [p, p + n) lies in the block's shared memory (an NG_SHARED variable or the
+ * launch's dynamic shared memory). For the emulator's own tests. */
+int ng_emu_shared_poison(void);
+int ng_emu_is_shared(const void *p, size_t n);
+/* Whether the shared-memory race detector has seen an access (the kernels
+ * were compiled for it: NG_EMU_RACECHECK), and how many it has checked. */
+int ng_emu_racecheck(void);
+long long ng_emu_racecheck_accesses(void);
 
 #ifdef __cplusplus
 }
