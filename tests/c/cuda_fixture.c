@@ -29,7 +29,7 @@ const ng_dtype FLOAT_TYPES[3] = {NG_F32, NG_F16, NG_BF16};
 
 /* ---- cases and checks ---------------------------------------------------- */
 
-static const char **g_filters; /* run only the cases whose line contains one of these */
+static const char **g_filters;             /* run only the cases whose line contains one of these */
 static int g_shard, g_nshards = 1, g_seen; /* --shard=I/N; cases that passed the filters */
 static int g_nfilters;
 int g_sample;
@@ -82,7 +82,8 @@ static int parse_filters(int argc, char **argv) {
         if (strncmp(argv[i], "--shard=", 8) == 0) {
             if (sscanf(argv[i] + 8, "%d/%d", &g_shard, &g_nshards) != 2 || g_nshards < 1 ||
                 g_shard < 0 || g_shard >= g_nshards) {
-                fprintf(stderr, "test_cuda: --shard=I/N needs 0 <= I < N, not \"%s\"\n", argv[i] + 8);
+                fprintf(stderr, "test_cuda: --shard=I/N needs 0 <= I < N, not \"%s\"\n",
+                        argv[i] + 8);
                 return 0;
             }
             continue;
@@ -268,7 +269,8 @@ int main(int argc, char **argv) {
     int rt = 0, drv = 0;
     CU(cudaRuntimeGetVersion(&rt));
     CU(cudaDriverGetVersion(&drv));
-    if (g_nshards > 1) printf("test_cuda: shard %d of %d (every %d-th case)\n", g_shard, g_nshards, g_nshards);
+    if (g_nshards > 1)
+        printf("test_cuda: shard %d of %d (every %d-th case)\n", g_shard, g_nshards, g_nshards);
     printf("test_cuda: device 0 of %d: %s, sm_%d%d; runtime %d, driver %d%s%s%s\n", ndev, prop.name,
            prop.major, prop.minor, rt, drv, argc > 1 ? "; filter: " : "", argc > 1 ? argv[1] : "",
            argc > 2 ? " ..." : "");

@@ -60,7 +60,6 @@
 #include <ucontext.h>
 #endif
 
-
 namespace ng_emu {
 
 lane_view *g_cur;
@@ -207,7 +206,7 @@ struct thread_state {
 };
 
 constexpr size_t kStack = 256 * 1024, kStackGuard = kPage;
-std::vector<char *> g_stacks; /* one per thread slot, allocated on demand */
+std::vector<char *> g_stacks;    /* one per thread slot, allocated on demand */
 std::vector<char> g_stack_dirty; /* per slot: a fiber was abandoned on it mid-kernel */
 std::vector<thread_state> g_threads;
 thread_state *g_running; /* the fiber now running, or null */
@@ -229,17 +228,17 @@ struct launch_info {
     size_t dyn_size;
     int nthreads, nwarps;
     int live, at_barrier, exited;
-    int schedule;                  /* 0: the first schedule, 1: the second */
-    int reverse;                   /* lanes (and, in lockstep, warps) in reverse order */
-    warp_policy policy;            /* which warp runs when one stops */
-    int cur_warp, cur_lane;        /* the warp running and its last lane run; -1: none */
-    uint64_t rng;                  /* the schedule's generator (xorshift64) */
-    int stay;                      /* RANDOM: stay on the running warp with probability stay / 8 */
+    int schedule;                   /* 0: the first schedule, 1: the second */
+    int reverse;                    /* lanes (and, in lockstep, warps) in reverse order */
+    warp_policy policy;             /* which warp runs when one stops */
+    int cur_warp, cur_lane;         /* the warp running and its last lane run; -1: none */
+    uint64_t rng;                   /* the schedule's generator (xorshift64) */
+    int stay;                       /* RANDOM: stay on the running warp with probability stay / 8 */
     std::vector<unsigned> runnable; /* per warp: lanes in state T_RUN */
-    std::vector<unsigned> waiting; /* per warp: lanes waiting at a warp intrinsic */
-    std::vector<unsigned> gone;    /* per warp: lanes that exited */
-    std::vector<unsigned> present; /* per warp: lanes the block has */
-    unsigned char poison;          /* the byte shared memory holds at a block's start */
+    std::vector<unsigned> waiting;  /* per warp: lanes waiting at a warp intrinsic */
+    std::vector<unsigned> gone;     /* per warp: lanes that exited */
+    std::vector<unsigned> present;  /* per warp: lanes the block has */
+    unsigned char poison;           /* the byte shared memory holds at a block's start */
     bool fault;
     bool active;
 } g_launch;
@@ -781,9 +780,9 @@ warp_policy second_policy() {
     if (p < 0) {
         const char *e = getenv("NG_EMU_WARPS");
         p = !e || !*e || !strcmp(e, "random") ? P_RANDOM
-            : !strcmp(e, "serial")           ? P_SERIAL
-            : !strcmp(e, "lockstep")         ? P_LOCKSTEP
-                                             : -2;
+            : !strcmp(e, "serial")            ? P_SERIAL
+            : !strcmp(e, "lockstep")          ? P_LOCKSTEP
+                                              : -2;
         if (p == -2) {
             say("NG_EMU_WARPS=%s is not lockstep, serial or random; using random", e);
             p = P_RANDOM;
@@ -812,12 +811,15 @@ std::string schedule_text(int which) {
     const schedule sc = the_schedule(which);
     char buf[256];
     if (which == 0)
-        snprintf(buf, sizeof buf, "the first schedule (blocks in order, lanes in order, warps lockstep, shared memory 0xff)");
+        snprintf(
+            buf, sizeof buf,
+            "the first schedule (blocks in order, lanes in order, warps lockstep, shared memory 0xff)");
     else
-        snprintf(buf, sizeof buf,
-                 "the second schedule (blocks shuffled, lanes reversed, warps %s, shared memory 0x%02x; "
-                 "NG_EMU_SEED=%llu, launch %lld of the process)",
-                 policy_name(sc.policy), sc.poison, g_seed_env(), g_launches + 1);
+        snprintf(
+            buf, sizeof buf,
+            "the second schedule (blocks shuffled, lanes reversed, warps %s, shared memory 0x%02x; "
+            "NG_EMU_SEED=%llu, launch %lld of the process)",
+            policy_name(sc.policy), sc.poison, g_seed_env(), g_launches + 1);
     return buf;
 }
 
@@ -961,7 +963,8 @@ std::string thread_text(uint16_t tid) {
     const int x = tid % g_block_dim.x, y = tid / g_block_dim.x % g_block_dim.y,
               z = tid / (g_block_dim.x * g_block_dim.y);
     char buf[96];
-    snprintf(buf, sizeof buf, "thread (%d, %d, %d) (warp %d, lane %d)", x, y, z, tid >> 5, tid & 31);
+    snprintf(buf, sizeof buf, "thread (%d, %d, %d) (warp %d, lane %d)", x, y, z, tid >> 5,
+             tid & 31);
     return buf;
 }
 
@@ -1064,7 +1067,8 @@ inline void rc_access(const void *p, size_t n, bool is_write, const void *ret) {
             x.w = shadow_acc{ep, tid, pc};
             x.init = ep;
         } else {
-            if (x.init < ep0) hazard(t, "read of unwritten memory", dyn, i, n, false, pc, nullptr, false);
+            if (x.init < ep0)
+                hazard(t, "read of unwritten memory", dyn, i, n, false, pc, nullptr, false);
             if (x.w.epoch == ep && x.w.tid >> 5 != warp)
                 hazard(t, "read after write", dyn, i, n, false, pc, &x.w, true);
             if (x.r.epoch != ep)
@@ -1251,8 +1255,10 @@ void *static_smem(smem_slot *slot, size_t size, size_t align, const char *name, 
     if (!slot->size) {
         const size_t off = round_up(g_static_used, align < 16 ? 16 : align);
         if (off + size > kStaticSmem)
-            fault(t, "NG_SHARED: %zu bytes do not fit in the emulator's %zu-byte arena of static shared memory", size,
-                  kStaticSmem);
+            fault(
+                t,
+                "NG_SHARED: %zu bytes do not fit in the emulator's %zu-byte arena of static shared memory",
+                size, kStaticSmem);
         memset(g_static_smem + off, g_launch.poison, size);
         slot->off = (uint32_t)off;
         slot->size = (uint32_t)size;
@@ -1357,7 +1363,9 @@ cudaError_t launch_impl(const char *kernel, const char *where, const void *fn, d
         before.restore();
         ok = run_grid(1);
     }
-    if (!ok) say("%s: the fault above is from %s", name.c_str(), schedule_text(g_launch.schedule).c_str());
+    if (!ok)
+        say("%s: the fault above is from %s", name.c_str(),
+            schedule_text(g_launch.schedule).c_str());
     if (ok) {
         for (size_t i = 0; i < first.bufs.size() && ok; i++) {
             const alloc *b = first.bufs[i].first;
@@ -1647,11 +1655,11 @@ void __tsan_func_exit(void) {}
 void __tsan_vptr_update(void **, void *) {}
 void __tsan_vptr_read(void **) {}
 #define NG_RC_RW(n)                                                                                \
-    void __tsan_read##n(void *p) { rc_access(p, n, false, NG_RC_RET); }                           \
-    void __tsan_write##n(void *p) { rc_access(p, n, true, NG_RC_RET); }                           \
-    void __tsan_unaligned_read##n(void *p) { rc_access(p, n, false, NG_RC_RET); }                 \
-    void __tsan_unaligned_write##n(void *p) { rc_access(p, n, true, NG_RC_RET); }                 \
-    void __tsan_volatile_read##n(void *p) { rc_access(p, n, false, NG_RC_RET); }                  \
+    void __tsan_read##n(void *p) { rc_access(p, n, false, NG_RC_RET); }                            \
+    void __tsan_write##n(void *p) { rc_access(p, n, true, NG_RC_RET); }                            \
+    void __tsan_unaligned_read##n(void *p) { rc_access(p, n, false, NG_RC_RET); }                  \
+    void __tsan_unaligned_write##n(void *p) { rc_access(p, n, true, NG_RC_RET); }                  \
+    void __tsan_volatile_read##n(void *p) { rc_access(p, n, false, NG_RC_RET); }                   \
     void __tsan_volatile_write##n(void *p) { rc_access(p, n, true, NG_RC_RET); }
 NG_RC_RW(1)
 NG_RC_RW(2)

@@ -127,8 +127,7 @@ void *dynamic_smem();
 struct smem_slot {
     uint32_t off, size; /* size 0: not placed yet */
 };
-void *static_smem(smem_slot *slot, size_t size, size_t align, const char *name,
-                  const char *site);
+void *static_smem(smem_slot *slot, size_t size, size_t align, const char *name, const char *site);
 
 inline void syncwarp(const char *site, unsigned mask = 0xffffffffu) {
     (void)warp_op(W_SYNCWARP, mask, 0, 0, 32, site);
@@ -201,9 +200,9 @@ void launch(const char *kernel, const char *where, void (*fn)(P...), dim3 grid, 
 #define NG_SHARED(type, name, ...)                                                                 \
     static ng_emu::smem_slot ng_emu_slot_##name;                                                   \
     typedef type ng_emu_type_##name __VA_ARGS__;                                                   \
-    ng_emu_type_##name &name = *static_cast<ng_emu_type_##name *>(ng_emu::static_smem(            \
-        &ng_emu_slot_##name, sizeof(ng_emu_type_##name), alignof(ng_emu_type_##name), #name,    \
-        NG_EMU_SITE))
+    ng_emu_type_##name &name = *static_cast<ng_emu_type_##name *>(                                 \
+        ng_emu::static_smem(&ng_emu_slot_##name, sizeof(ng_emu_type_##name),                       \
+                            alignof(ng_emu_type_##name), #name, NG_EMU_SITE))
 
 template <typename F>
 inline cudaError_t cudaFuncSetAttribute(F *fn, enum cudaFuncAttribute attr, int value) {

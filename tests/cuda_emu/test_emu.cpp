@@ -340,9 +340,10 @@ static void test_shared() {
     auto hf = download(fresh, 5);
     int nfresh = 0;
     for (int v : hf) nfresh += v == 1;
-    CHECK(nfresh == 5,
-          "a function template's NG_SHARED variables are in the arena and poisoned before every block (%d of 5)",
-          nfresh);
+    CHECK(
+        nfresh == 5,
+        "a function template's NG_SHARED variables are in the arena and poisoned before every block (%d of 5)",
+        nfresh);
     cudaFree(fresh);
 
     float *sx = dalloc<float>(6 * 256), *so = dalloc<float>(6 * 256);
@@ -603,7 +604,8 @@ static void test_racecheck(const char *self) {
     cudaMemcpy(x, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice);
     cudaMemset(out, 0, 12);
     NG_LAUNCH((flag_kernel), 1, 128, 0, 0, x, out);
-    CHECK(cudaGetLastError() == cudaSuccess, "a flag set and cleared by stores that change nothing");
+    CHECK(cudaGetLastError() == cudaSuccess,
+          "a flag set and cleared by stores that change nothing");
     const std::vector<int> ho = download(out, 3);
     CHECK(ho[0] == 0 && ho[1] == 1 && ho[2] == 0, "flag_kernel: %d %d %d", ho[0], ho[1], ho[2]);
     cudaFree(x), cudaFree(out);
@@ -617,11 +619,13 @@ static void test_racecheck(const char *self) {
     char rd[64], wr[64];
     snprintf(rd, sizeof rd, "test_emu.cpp:%d", kRaceReadLine);
     snprintf(wr, sizeof wr, "test_emu.cpp:%d", kRaceWriteLine);
-    CHECK(rc == 0 && strstr(buf, "race-detected") && strstr(buf, "shared-memory race (write after read)") &&
-              strstr(buf, "NG_SHARED cell") && strstr(buf, rd) && strstr(buf, wr) &&
-              strstr(buf, "thread (32, 0, 0)") && strstr(buf, "thread (0, 0, 0)"),
-          "a same-value write-after-read race is reported with both threads and sites (%s, %s); got:\n%s",
-          rd, wr, buf);
+    CHECK(
+        rc == 0 && strstr(buf, "race-detected") &&
+            strstr(buf, "shared-memory race (write after read)") && strstr(buf, "NG_SHARED cell") &&
+            strstr(buf, rd) && strstr(buf, wr) && strstr(buf, "thread (32, 0, 0)") &&
+            strstr(buf, "thread (0, 0, 0)"),
+        "a same-value write-after-read race is reported with both threads and sites (%s, %s); got:\n%s",
+        rd, wr, buf);
 }
 #endif
 
@@ -630,7 +634,8 @@ int main(int argc, char **argv) {
     if (argc > 1 && strcmp(argv[1], "--race") == 0) {
         int *out = dalloc<int>(64);
         NG_LAUNCH((same_value_race_kernel), 1, 64, 0, 0, out);
-        printf("%s\n", cudaGetLastError() == cudaErrorLaunchFailure ? "race-detected" : "race-missed");
+        printf("%s\n",
+               cudaGetLastError() == cudaErrorLaunchFailure ? "race-detected" : "race-missed");
         return 0;
     }
 #endif
