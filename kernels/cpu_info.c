@@ -4,8 +4,7 @@
  * The text follows each kernel's dispatch on ng_cpu_isa_active():
  *   attention (attention.c ng_attn_pick): fp32 on the active path; fp64 on
  *     at most AVX2 (no AVX-512 variant); fp16 / bf16 widened to fp32 tiles on
- *     load, then the fp32 path. attention.c may override a dtype's text
- *     through ng_attention_cpu_path (cpu_info.h).
+ *     load, then the fp32 path.
  *   layernorm (layernorm.c pick_path): fp32 / fp16 / bf16 rows in fp32 on
  *     AVX2 when active >= avx2; fp64 in scalar fp64 loops.
  *   grad_guard (grad_guard.c gg_pick): every dtype on AVX2 when active >= avx2.
@@ -20,17 +19,8 @@
 
 #include "kernels/cpu_isa.h"
 
-/* weak and hidden: resolved inside this library or left NULL, never by another */
-#pragma weak ng_attention_cpu_path
-__attribute__((visibility("hidden"))) const char *ng_attention_cpu_path(ng_dtype dtype);
-
 static const char *ng_min_isa(ng_cpu_isa a, ng_cpu_isa cap) {
     return ng_cpu_isa_name(a < cap ? a : cap);
-}
-
-static const char *ng_attn_text(ng_dtype t, const char *dflt) {
-    const char *s = ng_attention_cpu_path ? ng_attention_cpu_path(t) : NULL;
-    return s ? s : dflt;
 }
 
 __attribute__((visibility("default"))) const char *ng_cpu_info(void) {
@@ -48,8 +38,7 @@ __attribute__((visibility("default"))) const char *ng_cpu_info(void) {
         "layernorm.bf16=%s, fp32 rows\nlayernorm.f16=%s, fp32 rows\n"
         "grad_guard.f32=%s\ngrad_guard.f64=%s\ngrad_guard.bf16=%s\ngrad_guard.f16=%s\n"
         "tensor_stats.f32=%s\ntensor_stats.f64=%s\ntensor_stats.bf16=%s\ntensor_stats.f16=%s\n",
-        ng_cpu_isa_name(sup), a, env ? env : "", ng_attn_text(NG_F32, a),
-        ng_attn_text(NG_F64, ng_min_isa(act, NG_ISA_AVX2)), ng_attn_text(NG_BF16, widened),
-        ng_attn_text(NG_F16, widened), ln, ln, ln, ln, ln, ln, ln, a, a, a, a);
+        ng_cpu_isa_name(sup), a, env ? env : "", a, ng_min_isa(act, NG_ISA_AVX2), widened, widened,
+        ln, ln, ln, ln, ln, ln, ln, a, a, a, a);
     return buf;
 }

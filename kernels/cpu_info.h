@@ -20,12 +20,4 @@
  */
 const char *ng_cpu_info(void);
 
-/*
- * Optional hook: a kernel file that picks a path of its own for a dtype (an
- * avx512_bf16 body, say) may define this, returning that path's text for
- * the active ISA (or NULL for the rule of cpu_info.c). Declared weak in
- * cpu_info.c, so nothing needs to define it.
- */
-const char *ng_attention_cpu_path(ng_dtype dtype);
-
 #endif /* NG_KERNELS_CPU_INFO_H */
