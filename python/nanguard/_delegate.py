@@ -171,11 +171,9 @@ def choose(q, k, v, attn_mask, dropout_p, is_causal, scale, max_score, softcap, 
     ``[B, H, L, E]`` views; ``max_score`` / ``softcap`` 0.0 means off.
     ``backend="fused"`` raises ValueError naming the first argument that
     rules the fused kernels out."""
-    if backend == "nanguard":
-        return None
+    if backend == "nanguard" or (backend == "auto" and not PREFER_FUSED.get(q.device.type, False)):
+        return None  # decided by the device alone: no facts gathered on this per-call path
     f = _facts(q, k, v, attn_mask, dropout_p, is_causal, scale, max_score, softcap)
-    if backend == "auto" and not PREFER_FUSED.get(f["device"], False):
-        return None
     fails = _failures(_COMMON, f)
     kernel = None
     if not fails and f["device"] == "cpu":
