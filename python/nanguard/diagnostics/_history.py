@@ -95,14 +95,12 @@ def _bits_left(dtype: str, max_abs: float) -> float:
     return math.inf if max_abs <= 0 else math.log2(top) - math.log2(max_abs)
 
 
-#: passes whose tensors carry the loss scale
-SCALED_PASSES = ("backward", "parameter grad")
 _LOG2_FP16_MAX = math.log2(FP16_MAX)
 
 
 def _log2_unscaled(r: Row) -> float:
     """log2 max|x| at loss scale 1."""
-    return math.log2(r.max_abs) - (math.log2(r.loss_scale) if r.loss_scale != 1.0 else 0.0)
+    return math.log2(r.max_abs) - math.log2(r.loss_scale)
 
 
 def _slope(points: List[Tuple[int, float]]) -> float:
