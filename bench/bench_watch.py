@@ -12,6 +12,16 @@ stretch). Written to bench/results/watch_cpu_sizes.{json,md}.
 
     python bench/bench_watch.py [--hidden 64,256,1024] [--seq 64] [--batch 4]
 
+``--floor``: where a watched step's time goes, at each size: the bytes the
+census reads per step and the time its calls take in the step (each call
+of the op timed where it runs, so a tensor a GEMM has just written and left
+out of the caches is read at the rate it really is), against the step; and
+the same alternating loop with the census replaced by a no-op, which leaves
+what the hooks and the bookkeeping cost. Written to
+bench/results/watch_cpu_floor.{json,md}.
+
+    python bench/bench_watch.py --floor [--hidden 64,256,1024]
+
 ``--compare``: the older comparison on a TransformerEncoder LM, written to
 bench/results/watch_cpu.{json,md}:
 
@@ -224,6 +234,87 @@ def size_row(hidden: int, args) -> dict:
     return row
 
 
+def floor_row(hidden: int, args) -> dict:
+    """The census's share of a watched step (history and the recorder on, as
+    ``--history 64 --record``), measured two ways in one alternating loop:
+    the sum of the census calls' own times, and the step with the census
+    replaced by a no-op (what is left is the hooks' Python)."""
+    from nanguard.diagnostics import _watch
+
+    torch.manual_seed(0)
+    base = tiny_llama(hidden, args.layers_llama, args.vocab)
+    ids = torch.randint(0, args.vocab, (args.batch_llama, args.seq_llama))
+    kinds = ["guard", "watch", "no_census"]
+    models = {k: copy.deepcopy(base) for k in kinds}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    watchers = {k: nanguard.watch(models[k], history=64, record_dir=tempfile.mkdtemp(prefix="nanguard-bench-"))
+                for k in kinds[1:]}
+    real = _watch._op
+    census_ns: List[int] = []
+    census_bytes: List[int] = []
+
+    def timed(t, counts, values, slot):
+        t0 = time.perf_counter_ns()
+        real(t, counts, values, slot)
+        census_ns.append(time.perf_counter_ns() - t0)
+        census_bytes.append(t.numel() * t.element_size())
+
+    ops = {"watch": timed, "no_census": lambda *a: None}
+
+    def make_step(k):
+        m, opt, w = models[k], opts[k], watchers.get(k)
+
+        def step():
+            if k in ops:
+                _watch._op = ops[k]
+            opt.zero_grad(set_to_none=True)
+            m(input_ids=ids, labels=ids).loss.backward()
+            nanguard.clip_grad_norm_(m.parameters(), 1.0)
+            if w is not None:
+                w.step()
+            opt.step()
+
+        return step
+
+    repeats = args.repeats_llama or max(8, min(40, int(40 * 128 / hidden)))
+    cpu: Dict[str, List[float]] = {k: [] for k in kinds}
+    warmup = 2
+    try:
+        _common.time_samples({k: cpu_timed(cpu[k], make_step(k)) for k in kinds}, repeats, warmup)
+    finally:
+        _watch._op = real
+        for w in watchers.values():
+            w.remove()
+    c = {k: v[warmup:] for k, v in cpu.items()}
+    steps = repeats + warmup
+    guard = statistics.median(c["guard"])
+    per_step_ms = sum(census_ns) / steps / 1e6
+    per_step_mb = sum(census_bytes) / steps / 1e6
+
+    def ratio(a, b):
+        return statistics.median(y / x for x, y in zip(c[a], c[b]))
+
+    return {"hidden": hidden, "repeats": repeats, "guard_cpu_ms": guard * 1e3,
+            "census_calls": len(census_ns) // steps, "census_MB": per_step_mb, "census_ms": per_step_ms,
+            "census_GBps": per_step_mb / per_step_ms if per_step_ms else 0.0,
+            "census_share": per_step_ms / (guard * 1e3),
+            "watch_cpu_ratio": ratio("guard", "watch"), "no_census_cpu_ratio": ratio("guard", "no_census")}
+
+
+def floor(args) -> None:
+    rows = []
+    for h in (int(v) for v in args.hidden.split(",")):
+        rows.append(floor_row(h, args))
+        print(rows[-1], flush=True)
+    config = {"layers": args.layers_llama, "seq": args.seq_llama, "batch": args.batch_llama,
+              "vocab": args.vocab, "threads": torch.get_num_threads(), "watch_kwargs": {"history": 64,
+              "record_dir": True}, "load_average_after": os.getloadavg() if hasattr(os, "getloadavg") else None}
+    _common.write_results("watch_cpu_floor", rows,
+                          ["hidden", "repeats", "guard_cpu_ms", "census_calls", "census_MB", "census_ms",
+                           "census_GBps", "census_share", "watch_cpu_ratio", "no_census_cpu_ratio"],
+                          {"config": config})
+
+
 def sizes(args) -> None:
     rows = []
     for h in (int(v) for v in args.hidden.split(",")):
@@ -257,7 +348,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--compare", action="store_true",
                    help="the TransformerEncoder comparison with isnan hooks and detect_anomaly")
-    p.add_argument("--hidden", default="64,256,1024", help="Llama hidden sizes (default mode)")
+    p.add_argument("--floor", action="store_true",
+                   help="the census's bytes and time per watched step, and the step without the census")
+    p.add_argument("--hidden", default="64,256,1024", help="Llama hidden sizes (default and --floor modes)")
     p.add_argument("--history", type=int, default=0, help="watch(history=N): the magnitude history and early warning")
     p.add_argument("--record", action="store_true", help="watch(record_dir=...): the flight recorder")
     p.add_argument("--layers-llama", type=int, default=2)
@@ -276,7 +369,12 @@ def main():
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    compare(args) if args.compare else sizes(args)
+    if args.compare:
+        compare(args)
+    elif args.floor:
+        floor(args)
+    else:
+        sizes(args)
 
 
 if __name__ == "__main__":

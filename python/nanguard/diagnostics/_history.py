@@ -203,7 +203,10 @@ class History:
                 m.min_nonzero_abs = min(m.min_nonzero_abs, r.min_nonzero_abs)
                 m.nan, m.posinf, m.neginf = m.nan + r.nan, m.posinf + r.posinf, m.neginf + r.neginf
             else:
-                merged[k] = dataclasses.replace(r, step=step)
+                # a copy (the merge above updates it in place), by the constructor:
+                # dataclasses.replace costs several times more, once per row per step
+                merged[k] = Row(step, r.module, r.pass_, r.dtype, r.max_abs, r.min_nonzero_abs, r.nan,
+                                r.posinf, r.neginf, r.loss_scale)
         new = []
         for k, r in merged.items():
             self._series[k].append(r)
