@@ -592,6 +592,161 @@ static void test_ldmatrix_faults() {
     expect_fault("ldmatrix of rows another warp writes with no barrier between");
 }
 
+/* ---- cp.async ---------------------------------------------------------------- */
+
+/* A two-stage pipeline: tiles of 256 floats through two shared buffers, 64
+ * threads each copying 16 bytes of a tile (cp.async.cg, or .ca as two 8-byte
+ * copies for tile 0) while the block works on the tile before; each thread
+ * then reads words another warp copied. wait_group 1 lands all but the tile
+ * just issued (this thread's part), the barrier after it everyone's; the
+ * barrier at the end of an iteration keeps the next copy off a stage still
+ * being read. */
+static __global__ void cp_async_pipeline_kernel(const float *x, float *y, int ntiles) {
+    NG_SHARED(float, buf, [2][256]);
+    const int t = threadIdx.x;
+    ng_cp_async_ca<8>(&buf[0][4 * t], x + 4 * t);
+    ng_cp_async_ca<8>(&buf[0][4 * t + 2], x + 4 * t + 2);
+    ng_cp_async_commit();
+    for (int i = 0; i < ntiles; i++) {
+        const int s = i & 1;
+        if (i + 1 < ntiles) {
+            const float *src = x + (i + 1) * 256 + 4 * t;
+            if (i & 1)
+                ng_cp_async_ca<16>(&buf[s ^ 1][4 * t], src);
+            else
+                ng_cp_async_cg16(&buf[s ^ 1][4 * t], src);
+        }
+        ng_cp_async_commit(); /* an empty group after the last tile */
+        ng_cp_async_wait_group<1>();
+        __syncthreads();
+        for (int k = 0; k < 4; k++) {
+            const int j = (4 * t + k + 128) % 256; /* a word of the other warp's */
+            y[i * 256 + j] = buf[s][j] * 2.0f + 1.0f;
+        }
+        __syncthreads();
+    }
+    ng_cp_async_wait_all();
+}
+
+/* One thread's view, group by group: a copy's destination keeps what it held
+ * until the wait that retires the copy's group. out[8 t + k]: 7 = the old
+ * value, else the copied word. */
+static __global__ void cp_async_groups_kernel(const uint32_t *x, uint32_t *out) {
+    NG_SHARED(uint32_t, s, [32][4]);
+    const int t = threadIdx.x;
+    for (int k = 0; k < 4; k++) s[t][k] = 7;
+    ng_cp_async_ca<4>(&s[t][0], x + 4 * t); /* group 0 */
+    ng_cp_async_commit();
+    ng_cp_async_ca<4>(&s[t][1], x + 4 * t + 1); /* group 1 */
+    ng_cp_async_commit();
+    ng_cp_async_ca<8>(&s[t][2], x + 4 * t + 2); /* not committed yet */
+    uint32_t *o = out + 8 * t;
+    o[0] = s[t][0], o[1] = s[t][1];
+    ng_cp_async_wait_group<1>(); /* group 0 lands */
+    o[2] = s[t][0], o[3] = s[t][1];
+    ng_cp_async_wait_group<0>(); /* group 1 lands; the uncommitted copy does not */
+    o[4] = s[t][1], o[5] = s[t][2];
+    ng_cp_async_wait_all(); /* commits it and lands it */
+    o[6] = s[t][2], o[7] = s[t][3];
+}
+
+/* Misuse: copies never committed or never waited for, a destination in
+ * global memory, a source in shared memory, a misaligned copy. */
+static __global__ void cp_async_misuse_kernel(const float *x, float *y, int how) {
+    NG_SHARED(float, buf, [64 * 4]);
+    const int t = threadIdx.x;
+    switch (how) {
+    case 0: ng_cp_async_cg16(&buf[4 * t], x + 4 * t); break; /* never committed */
+    case 1:
+        ng_cp_async_cg16(&buf[4 * t], x + 4 * t);
+        ng_cp_async_commit(); /* never waited for */
+        break;
+    case 2: ng_cp_async_cg16(y + 4 * t, x + 4 * t); break;
+    case 3:
+        buf[4 * t] = 1.0f;
+        __syncthreads();
+        ng_cp_async_ca<4>(&buf[4 * t + 1], &buf[4 * ((t + 1) % 64)]);
+        break;
+    case 4: ng_cp_async_ca<8>(&buf[4 * t + 1], x + 4 * t + 1); break;
+    }
+    if (how >= 2) ng_cp_async_wait_all();
+    y[t] = 0.0f;
+}
+
+/* Each thread's own wait, then a read of words the other warp copied, with
+ * no barrier after that warp's wait: a race, as on a GPU. one_way: only
+ * warp 1 reads (warp 0's words), so that in the first schedule warp 0 has
+ * waited first and the race detector sees the copy's store, by warp 0's
+ * thread at its wait, before warp 1's read. */
+static __global__ void cp_async_nobarrier_kernel(const float *x, float *y, int one_way) {
+    NG_SHARED(float, buf, [256]);
+    const int t = threadIdx.x;
+    ng_cp_async_cg16(&buf[4 * t], x + 4 * t);
+    ng_cp_async_wait_all();
+    /* __syncthreads() missing */
+    y[t] = !one_way || t >= 32 ? buf[(4 * t + 128) % 256] : 0.0f;
+}
+
+static void test_cp_async() {
+    const int ntiles = 5;
+    std::vector<float> hx(ntiles * 256);
+    for (size_t i = 0; i < hx.size(); i++) hx[i] = (float)i * 0.25f - 100.0f;
+    float *x = dalloc<float>(hx.size()), *y = dalloc<float>(hx.size());
+    cudaMemcpy(x, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice);
+    NG_LAUNCH((cp_async_pipeline_kernel), 1, 64, 0, 0, (const float *)x, y, ntiles);
+    CHECK(cudaGetLastError() == cudaSuccess, "the cp.async pipeline's launch");
+    const std::vector<float> hy = download(y, hx.size());
+    int bad = 0;
+    for (size_t i = 0; i < hx.size(); i++)
+        if (hy[i] != hx[i] * 2.0f + 1.0f && bad++ < 5)
+            fprintf(stderr, "  pipeline y[%zu] = %g, want %g\n", i, hy[i], hx[i] * 2.0f + 1.0f);
+    CHECK(bad == 0, "a two-stage cp.async pipeline reproduces the array: %d of %zu wrong", bad,
+          hx.size());
+    cudaFree(x), cudaFree(y);
+
+    std::vector<uint32_t> hs(128);
+    for (int i = 0; i < 128; i++) hs[i] = 1000u + (uint32_t)i;
+    uint32_t *s = dalloc<uint32_t>(128), *o = dalloc<uint32_t>(256);
+    cudaMemcpy(s, hs.data(), 128 * 4, cudaMemcpyHostToDevice);
+    NG_LAUNCH((cp_async_groups_kernel), 1, 32, 0, 0, (const uint32_t *)s, o);
+    CHECK(cudaGetLastError() == cudaSuccess, "cp_async_groups_kernel launch");
+    const std::vector<uint32_t> ho = download(o, 256);
+    int bad_g = 0;
+    for (int t = 0; t < 32; t++) {
+        const uint32_t c = 1000u + 4u * (uint32_t)t;
+        const uint32_t want[8] = {7, 7, c, 7, c + 1, 7, c + 2, c + 3};
+        for (int k = 0; k < 8; k++)
+            if (ho[8 * t + k] != want[k] && bad_g++ < 5)
+                fprintf(stderr, "  cp.async groups: thread %d step %d: %u, want %u\n", t, k,
+                        ho[8 * t + k], want[k]);
+    }
+    CHECK(bad_g == 0, "cp.async lands a group at the wait that retires it: %d wrong", bad_g);
+    cudaFree(s), cudaFree(o);
+}
+
+static void test_cp_async_faults() {
+    static const char *const what[5] = {
+        "cp.async never committed at the thread's end", "cp.async never waited for",
+        "cp.async to global memory", "cp.async from shared memory", "cp.async misaligned"};
+    for (int how = 0; how < 5; how++) {
+        float *x = dalloc<float>(256), *y = dalloc<float>(256);
+        cudaMemset(x, 0, 1024);
+        NG_LAUNCH((cp_async_misuse_kernel), 1, 64, 0, 0, (const float *)x, y, how);
+        expect_fault(what[how]);
+    }
+    float *x = dalloc<float>(256), *y = dalloc<float>(64);
+    cudaMemset(x, 0x41, 1024);
+    NG_LAUNCH((cp_async_nobarrier_kernel), 1, 64, 0, 0, (const float *)x, y, 0);
+    expect_fault("a read of another warp's cp.async data after its wait but no barrier");
+    const char *rc = getenv("NG_EMU_RACECHECK");
+    if (ng_emu_racecheck() && !(rc && strcmp(rc, "0") == 0)) {
+        x = dalloc<float>(256), y = dalloc<float>(64);
+        cudaMemset(x, 0x41, 1024);
+        NG_LAUNCH((cp_async_nobarrier_kernel), 1, 64, 0, 0, (const float *)x, y, 1);
+        expect_fault("the race detector: a read after another warp's cp.async wait, no barrier");
+    }
+}
+
 /* ---- limits and faults ----------------------------------------------------- */
 
 static __global__ void empty_kernel(int) {}
@@ -804,6 +959,7 @@ int main(int argc, char **argv) {
 #endif
     if (argc > 1 && strcmp(argv[1], "--ptx") == 0) { /* the mutation tests' run */
         test_ldmatrix();
+        test_cp_async();
         printf("%d passed, %d failed\n", g_pass, g_fail);
         return g_fail ? 1 : 0;
     }
@@ -817,9 +973,11 @@ int main(int argc, char **argv) {
     test_shared();
     test_mma();
     test_ldmatrix();
+    test_cp_async();
     test_limits();
     test_faults();
     test_ldmatrix_faults();
+    test_cp_async_faults();
     test_oob_in_child(argv[0]);
 #ifdef NG_EMU_RACECHECK
     /* NG_EMU_RACECHECK=0 (ctest cuda_emu_self_norace): what the schedules
