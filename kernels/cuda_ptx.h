@@ -59,7 +59,9 @@ __device__ __forceinline__ void ng_ldmatrix(uint32_t *r, const void *row) {
      * written by other lanes needs anyway. */
     const unsigned a = (unsigned)__cvta_generic_to_shared(row);
     if constexpr (N == 1 && !Trans)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(a));
+        asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n"
+                     : "=r"(r[0])
+                     : "r"(a));
     else if constexpr (N == 1)
         asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n"
                      : "=r"(r[0])

@@ -1304,7 +1304,8 @@ void mma_m16n8k16(int bf16, float c[4], const uint32_t a[4], const uint32_t b[2]
  * static arena, or the launch's dynamic shared memory. */
 static bool in_shared(const void *p, size_t n) {
     const uintptr_t a = (uintptr_t)p;
-    if (a - (uintptr_t)g_static_smem < g_static_used && a + n <= (uintptr_t)g_static_smem + g_static_used)
+    if (a - (uintptr_t)g_static_smem < g_static_used &&
+        a + n <= (uintptr_t)g_static_smem + g_static_used)
         return true;
     return g_launch.dyn && a - (uintptr_t)g_launch.dyn < g_launch.dyn_size &&
            a + n <= (uintptr_t)g_launch.dyn + g_launch.dyn_size;
@@ -1352,8 +1353,8 @@ void cp_async(int bytes, int cg, void *dst, const void *src, const char *site) {
         fault(t, "%s at %s: a %d-byte copy from %p to %p, not both %d-byte aligned", form, site,
               bytes, src, dst, bytes);
     if (!in_shared(dst, (size_t)bytes))
-        fault(t, "%s at %s: the destination %p (%d bytes) is not in shared memory", form, site,
-              dst, bytes);
+        fault(t, "%s at %s: the destination %p (%d bytes) is not in shared memory", form, site, dst,
+              bytes);
     if (!find_alloc(src, (size_t)bytes))
         fault(t, "%s at %s: the source %p (%d bytes) is not inside one device buffer", form, site,
               src, bytes);

@@ -281,7 +281,8 @@ inline void cp_async_wait(int n, const char *site) {
 } // namespace ng_emu
 #define NG_EMU_LDMATRIX(num, trans, r, row)                                                        \
     ng_emu::ldmatrix((num), (trans), (r), (row), NG_EMU_SITE)
-#define NG_EMU_CP_ASYNC(bytes, cg, dst, src) ng_emu::cp_async((bytes), (cg), (dst), (src), NG_EMU_SITE)
+#define NG_EMU_CP_ASYNC(bytes, cg, dst, src)                                                       \
+    ng_emu::cp_async((bytes), (cg), (dst), (src), NG_EMU_SITE)
 #define NG_EMU_CP_ASYNC_COMMIT() ng_emu::cp_async_commit(NG_EMU_SITE)
 #define NG_EMU_CP_ASYNC_WAIT(n) ng_emu::cp_async_wait((n), NG_EMU_SITE)
 #define NG_EMU_CP_ASYNC_WAIT_ALL()                                                                 \

@@ -725,9 +725,9 @@ static void test_cp_async() {
 }
 
 static void test_cp_async_faults() {
-    static const char *const what[5] = {
-        "cp.async never committed at the thread's end", "cp.async never waited for",
-        "cp.async to global memory", "cp.async from shared memory", "cp.async misaligned"};
+    static const char *const what[5] = {"cp.async never committed at the thread's end",
+                                        "cp.async never waited for", "cp.async to global memory",
+                                        "cp.async from shared memory", "cp.async misaligned"};
     for (int how = 0; how < 5; how++) {
         float *x = dalloc<float>(256), *y = dalloc<float>(256);
         cudaMemset(x, 0, 1024);
