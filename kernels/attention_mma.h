@@ -36,6 +36,7 @@
 #include <math.h>
 
 #include "kernels/common.h"
+#include "kernels/cuda_ptx.h"
 
 /* Two 16-bit elements as one register, `lo` in the low half. */
 NG_HD uint32_t ng_mma_pack(uint16_t lo, uint16_t hi) { return (uint32_t)lo | ((uint32_t)hi << 16); }
@@ -94,9 +95,10 @@ NG_HD int ng_mma_ds_exponent(float max_abs) {
 
 #if defined(__CUDACC__) || defined(NG_CUDA_EMU)
 /* D += A B on the tensor cores: mma.sync.aligned.m16n8k16.row.col.f32 with
- * fp16 or bf16 A and B (T), fp32 C = D. The only inline PTX of the kernels;
- * the CPU emulator of the CUDA execution model (tests/cuda_emu) serves the
- * same fragments through NG_EMU_MMA_M16N8K16. */
+ * fp16 or bf16 A and B (T), fp32 C = D. Inline PTX, as ldmatrix and
+ * cp.async are (kernels/cuda_ptx.h); the CPU emulator of the CUDA execution
+ * model (tests/cuda_emu) serves the same fragments through
+ * NG_EMU_MMA_M16N8K16. */
 template <ng_dtype T>
 __device__ __forceinline__ void ng_mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
 #if defined(NG_CUDA_EMU)

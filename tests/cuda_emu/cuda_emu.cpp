@@ -1,7 +1,7 @@
 /*
  * tests/cuda_emu/cuda_emu.cpp - the CPU emulator of the CUDA execution model:
- * device memory, launches, the fiber scheduler, warp intrinsics, mma.sync and
- * the runtime API calls nanguard's kernels and tests make. See cuda_emu.h
+ * device memory, launches, the fiber scheduler, warp intrinsics, mma.sync,
+ * ldmatrix, cp.async and the runtime API calls nanguard's kernels and tests make. See cuda_emu.h
  * for the model and the limits it enforces.
  *
  * Scheduling: one host thread runs everything. A block's threads are fibers
@@ -37,6 +37,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <deque>
 #include <map>
 #include <string>
 #include <vector>
@@ -182,6 +183,16 @@ enum tstate { T_RUN, T_BAR, T_WARP, T_DONE };
  * by a few intrinsics or by all of them between two barriers. */
 enum warp_policy { P_LOCKSTEP, P_SERIAL, P_RANDOM };
 
+/* A cp.async copy a thread has issued and not yet retired: its source bytes
+ * (read at issue) and the commit group it belongs to (-1: not committed). */
+struct cp_copy {
+    char *dst;
+    uint32_t words[4];
+    int bytes;
+    long long group;
+    const char *site;
+};
+
 struct thread_state {
     lane_view v; /* first: g_cur points here */
     void *sp;
@@ -197,6 +208,14 @@ struct thread_state {
     float *mma_c;
     const uint32_t *mma_a, *mma_b;
     int mma_bf16;
+    /* a posted ldmatrix: the form, this lane's row (when the form uses it)
+     * and where its registers go */
+    int ld_num, ld_trans;
+    uint32_t ld_row[4];
+    uint32_t *ld_out;
+    /* cp.async: the copies in issue order, and the groups committed so far */
+    std::deque<cp_copy> cp_queue;
+    long long cp_groups;
 #ifdef NG_EMU_ASAN
     void *fake_stack;
 #endif
@@ -280,6 +299,7 @@ namespace {
 
 void fiber_entry();
 void rc_flush();
+__attribute__((format(printf, 2, 3))) void fault(thread_state *t, const char *fmt, ...);
 #if !defined(__x86_64__)
 void fiber_entry_uc() { fiber_entry(); }
 #endif
@@ -453,6 +473,16 @@ void fiber_entry() {
     thread_state *t = g_running;
     g_launch.body->run();
     rc_flush();
+    if (!t->cp_queue.empty()) {
+        const cp_copy &c = t->cp_queue.back();
+        int uncommitted = 0;
+        for (const cp_copy &q : t->cp_queue) uncommitted += q.group < 0;
+        fault(t,
+              "the thread ends with %zu cp.async copies it never waited for (%d of them never "
+              "committed); the last issued at %s: a cp.async.commit_group / wait_group (or "
+              "wait_all) is missing, and the copies' data never reached shared memory",
+              t->cp_queue.size(), uncommitted, c.site);
+    }
     set_state(t, T_DONE);
     g_launch.live--;
     g_launch.exited++;
@@ -472,6 +502,7 @@ const char *kind_name(warp_kind k) {
     case W_ALL: return "__all_sync";
     case W_SYNCWARP: return "__syncwarp";
     case W_MMA: return "mma.sync.m16n8k16";
+    case W_LDMATRIX: return "ldmatrix.sync.m8n8";
     }
     return "?";
 }
@@ -574,6 +605,27 @@ void mma_resolve(thread_state *w) {
     }
 }
 
+/* ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16 of one warp, from
+ * the PTX ISA's "ldmatrix" section and its fragment figure: lane 8 m + r
+ * gave row r of matrix m (its 8 elements in ld_row, element c in the half
+ * c & 1 of word c / 2); register m of lane l = 4 g + t receives elements
+ * (g, 2t), (g, 2t + 1) of matrix m, or with .trans (2t, g), (2t + 1, g), the
+ * first in the low half. */
+void ldmatrix_resolve(thread_state *w) {
+    const int num = w[0].ld_num, trans = w[0].ld_trans;
+    auto elem = [w](int m, int r, int c) -> uint32_t {
+        return (w[8 * m + r].ld_row[c >> 1] >> (16 * (c & 1))) & 0xffffu;
+    };
+    for (int l = 0; l < 32; l++) {
+        const int g = l >> 2, t = l & 3;
+        for (int m = 0; m < num; m++) {
+            const uint32_t lo = trans ? elem(m, 2 * t, g) : elem(m, g, 2 * t),
+                           hi = trans ? elem(m, 2 * t + 1, g) : elem(m, g, 2 * t + 1);
+            w[l].ld_out[m] = lo | hi << 16;
+        }
+    }
+}
+
 /* If every lane of t's mask waits at a warp intrinsic, complete it. */
 void try_resolve(thread_state *t) {
     const unsigned mask = t->mask;
@@ -591,7 +643,8 @@ void try_resolve(thread_state *t) {
         const int l = __builtin_ctz(m);
         const thread_state &u = w[l];
         if (u.kind != t->kind || u.mask != mask || u.width != t->width ||
-            (t->kind == W_MMA && u.mma_bf16 != t->mma_bf16))
+            (t->kind == W_MMA && u.mma_bf16 != t->mma_bf16) ||
+            (t->kind == W_LDMATRIX && (u.ld_num != t->ld_num || u.ld_trans != t->ld_trans)))
             fault(
                 t,
                 "lanes of one mask at different warp intrinsics: lane %d at %s (%s, mask 0x%08x), lane %d at %s "
@@ -604,6 +657,7 @@ void try_resolve(thread_state *t) {
             fault(t, "mma.sync at %s needs all 32 lanes, mask 0x%08x", t->site, mask);
         mma_resolve(w);
         break;
+    case W_LDMATRIX: ldmatrix_resolve(w); break;
     case W_BALLOT:
     case W_ANY:
     case W_ALL: {
@@ -1097,6 +1151,8 @@ bool run_block(uint64_t lin) {
         t.warp = i >> 5;
         t.state = T_RUN;
         t.site = nullptr;
+        t.cp_queue.clear();
+        t.cp_groups = 0;
         init_fiber(&t);
     }
     g_launch.live = n;
@@ -1242,6 +1298,96 @@ void mma_m16n8k16(int bf16, float c[4], const uint32_t a[4], const uint32_t b[2]
     t->mma_bf16 = bf16;
     t->width = 32;
     (void)post(t);
+}
+
+/* Whether [p, p + n) lies in the block's shared memory: the used part of the
+ * static arena, or the launch's dynamic shared memory. */
+static bool in_shared(const void *p, size_t n) {
+    const uintptr_t a = (uintptr_t)p;
+    if (a - (uintptr_t)g_static_smem < g_static_used &&
+        a + n <= (uintptr_t)g_static_smem + g_static_used)
+        return true;
+    return g_launch.dyn && a - (uintptr_t)g_launch.dyn < g_launch.dyn_size &&
+           a + n <= (uintptr_t)g_launch.dyn + g_launch.dyn_size;
+}
+
+bool ldmatrix_row(int num, const void *row, const char *site) {
+    thread_state *t = running("ldmatrix");
+    if (num != 1 && num != 2 && num != 4)
+        fault(t, "ldmatrix at %s: .x%d is not a form of ldmatrix (x1, x2, x4)", site, num);
+    if (t->lane >= 8 * num) return false; /* the form does not use this lane's address */
+    const int m = t->lane >> 3, r = t->lane & 7;
+    if ((uintptr_t)row % 16)
+        fault(t,
+              "ldmatrix.x%d at %s: lane %d's address %p (row %d of matrix %d) is not 16-byte "
+              "aligned (each row is 16 contiguous, 16-byte aligned bytes of shared memory)",
+              num, site, t->lane, row, r, m);
+    if (!in_shared(row, 16))
+        fault(t,
+              "ldmatrix.x%d at %s: lane %d's address %p (row %d of matrix %d) is not in shared "
+              "memory (the block's NG_SHARED variables or its %zu bytes of dynamic shared memory)",
+              num, site, t->lane, row, r, m, g_launch.dyn_size);
+    return true;
+}
+
+void ldmatrix_post(int num, int trans, uint32_t *r, const uint32_t row[4], const char *site) {
+    thread_state *t = running("ldmatrix");
+    rc_flush();
+    t->kind = W_LDMATRIX;
+    t->mask = 0xffffffffu;
+    t->site = site;
+    t->width = 32;
+    t->ld_num = num;
+    t->ld_trans = trans;
+    memcpy(t->ld_row, row, sizeof t->ld_row);
+    t->ld_out = r;
+    (void)post(t);
+}
+
+void cp_async(int bytes, int cg, void *dst, const void *src, const char *site) {
+    thread_state *t = running("cp.async");
+    const char *form = cg ? "cp.async.cg" : "cp.async.ca";
+    if (cg ? bytes != 16 : bytes != 4 && bytes != 8 && bytes != 16)
+        fault(t, "%s at %s: %d bytes (.ca copies 4, 8 or 16 bytes, .cg 16)", form, site, bytes);
+    if ((uintptr_t)dst % (unsigned)bytes || (uintptr_t)src % (unsigned)bytes)
+        fault(t, "%s at %s: a %d-byte copy from %p to %p, not both %d-byte aligned", form, site,
+              bytes, src, dst, bytes);
+    if (!in_shared(dst, (size_t)bytes))
+        fault(t, "%s at %s: the destination %p (%d bytes) is not in shared memory", form, site, dst,
+              bytes);
+    if (!find_alloc(src, (size_t)bytes))
+        fault(t, "%s at %s: the source %p (%d bytes) is not inside one device buffer", form, site,
+              src, bytes);
+    cp_copy c;
+    c.dst = (char *)dst;
+    memset(c.words, 0, sizeof c.words);
+    memcpy(c.words, src, (size_t)bytes); /* the source as it is now: read at issue */
+    c.bytes = bytes;
+    c.group = -1;
+    c.site = site;
+    t->cp_queue.push_back(c);
+}
+
+void cp_async_commit(const char *site) {
+    thread_state *t = running("cp.async.commit_group");
+    (void)site;
+    const long long g = t->cp_groups++; /* an empty group is a group too */
+    for (auto it = t->cp_queue.rbegin(); it != t->cp_queue.rend() && it->group < 0; ++it)
+        it->group = g;
+}
+
+int cp_async_retire(int n, void **dst, uint32_t words[4], const char *site) {
+    thread_state *t = running("cp.async.wait_group");
+    if (n < 0) fault(t, "cp.async.wait_group %d at %s: N must be >= 0", n, site);
+    /* groups 0 .. cp_groups - 1 were committed; all but the newest n retire */
+    if (t->cp_queue.empty()) return 0;
+    const cp_copy &c = t->cp_queue.front();
+    if (c.group < 0 || c.group >= t->cp_groups - n) return 0;
+    *dst = c.dst;
+    memcpy(words, c.words, sizeof c.words);
+    const int bytes = c.bytes;
+    t->cp_queue.pop_front();
+    return bytes;
 }
 
 void trap(const char *site) {

@@ -5,8 +5,9 @@
  * A .cu file compiled by g++ with -I tests/cuda_emu/include gets this header
  * through <cuda_runtime.h>. The kernel sources change only mechanically for
  * it: launches go through NG_LAUNCH and shared memory through NG_SHARED and
- * NG_DYNAMIC_SMEM (kernels/cuda_launch.h), and the one inline PTX
- * instruction, mma.sync, sits behind ng_mma_16816 (kernels/attention_mma.h).
+ * NG_DYNAMIC_SMEM (kernels/cuda_launch.h), and the inline PTX sits behind
+ * wrappers: mma.sync behind ng_mma_16816 (kernels/attention_mma.h), ldmatrix
+ * and cp.async behind ng_ldmatrix / ng_cp_async_* (kernels/cuda_ptx.h).
  *
  * Model (the runtime is tests/cuda_emu/cuda_emu.cpp):
  * - Blocks run one after another; the threads of a block are fibers with
@@ -17,7 +18,7 @@
  *   block can never reach (threads that exited, or wait elsewhere) is an
  *   error, never a hang.
  * - Warp intrinsics (__shfl*_sync, __ballot_sync, __any_sync, __all_sync,
- *   __syncwarp, mma.sync) complete when every lane their mask names has
+ *   __syncwarp, mma.sync, ldmatrix) complete when every lane their mask names has
  *   reached the same intrinsic with the same mask; a mask naming a lane that
  *   has exited or does not exist, a lane outside its own mask, or lanes of
  *   one mask at different intrinsics is an error.
@@ -41,6 +42,15 @@
  *   device's opt-in limit (227 KiB on sm_90), kernel parameters <= 32764
  *   bytes. A refused launch prints why (kernel, value, limit) and sets
  *   cudaErrorInvalidConfiguration / cudaErrorInvalidValue, as a GPU would.
+ * - ldmatrix: every lane's row address must be 16-byte aligned and in shared
+ *   memory (those the form uses); the rows are read by the lanes that name
+ *   them, the fragments dealt per the PTX ISA's layout.
+ * - cp.async: per thread, a copy's source is read when it is issued (it must
+ *   lie in one device buffer, the destination in shared memory, both aligned
+ *   to the size); the destination is written only when the thread's
+ *   wait_group / wait_all retires its group, so reading it before (a missing
+ *   wait) reads what was there, the poison or the race detector's unwritten
+ *   bytes. Copies still queued when the thread ends are an error.
  * - Device memory (cudaMalloc) is host memory between inaccessible guard
  *   regions, so a stray access faults or is caught by AddressSanitizer.
  * Errors inside a kernel print the kernel, block, thread and source line and
@@ -114,7 +124,8 @@ enum warp_kind {
     W_ANY,
     W_ALL,
     W_SYNCWARP,
-    W_MMA
+    W_MMA,
+    W_LDMATRIX
 };
 
 void syncthreads(const char *site);
@@ -122,6 +133,11 @@ uint64_t warp_op(warp_kind kind, unsigned mask, uint64_t value, int arg, int wid
                  const char *site);
 unsigned activemask();
 void mma_m16n8k16(int bf16, float c[4], const uint32_t a[4], const uint32_t b[2], const char *site);
+bool ldmatrix_row(int num, const void *row, const char *site);
+void ldmatrix_post(int num, int trans, uint32_t *r, const uint32_t row[4], const char *site);
+void cp_async(int bytes, int cg, void *dst, const void *src, const char *site);
+void cp_async_commit(const char *site);
+int cp_async_retire(int n, void **dst, uint32_t words[4], const char *site);
 [[noreturn]] void trap(const char *site);
 void *dynamic_smem();
 struct smem_slot {
@@ -233,6 +249,44 @@ constexpr int warpSize = 32;
 #define __trap() ng_emu::trap(NG_EMU_SITE)
 /* mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32, for ng_mma_16816 */
 #define NG_EMU_MMA_M16N8K16(bf16, c, a, b) ng_emu::mma_m16n8k16((bf16), (c), (a), (b), NG_EMU_SITE)
+
+/* ldmatrix and cp.async, for kernels/cuda_ptx.h. Their memory accesses are
+ * made here, in the kernel's own translation unit, so that the race detector
+ * (NG_EMU_RACECHECK) sees them as the accesses of the thread that makes them:
+ * an ldmatrix row as a 16-byte read by the lane that gives its address, a
+ * cp.async copy as a store by the issuing thread at the wait that retires it
+ * (not before: until then the destination holds what it held). */
+namespace ng_emu {
+typedef uint32_t __attribute__((may_alias)) u32_alias;
+/* ldmatrix.sync.aligned.m8n8.x{num}[.trans].shared.b16: the lane checks and
+ * reads its row (when the form uses it), then the warp exchanges them. */
+inline void ldmatrix(int num, int trans, uint32_t *r, const void *row, const char *site) {
+    uint32_t w[4] = {0, 0, 0, 0};
+    if (ldmatrix_row(num, row, site)) {
+        const u32_alias *p = static_cast<const u32_alias *>(row);
+        for (int i = 0; i < 4; i++) w[i] = p[i];
+    }
+    ldmatrix_post(num, trans, r, w, site);
+}
+/* cp.async.wait_group n: every copy of the groups it retires lands now. */
+inline void cp_async_wait(int n, const char *site) {
+    void *dst;
+    uint32_t w[4];
+    int bytes;
+    while ((bytes = cp_async_retire(n, &dst, w, site)) > 0) {
+        u32_alias *d = static_cast<u32_alias *>(dst);
+        for (int i = 0; i < bytes / 4; i++) d[i] = w[i];
+    }
+}
+} // namespace ng_emu
+#define NG_EMU_LDMATRIX(num, trans, r, row)                                                        \
+    ng_emu::ldmatrix((num), (trans), (r), (row), NG_EMU_SITE)
+#define NG_EMU_CP_ASYNC(bytes, cg, dst, src)                                                       \
+    ng_emu::cp_async((bytes), (cg), (dst), (src), NG_EMU_SITE)
+#define NG_EMU_CP_ASYNC_COMMIT() ng_emu::cp_async_commit(NG_EMU_SITE)
+#define NG_EMU_CP_ASYNC_WAIT(n) ng_emu::cp_async_wait((n), NG_EMU_SITE)
+#define NG_EMU_CP_ASYNC_WAIT_ALL()                                                                 \
+    (ng_emu::cp_async_commit(NG_EMU_SITE), ng_emu::cp_async_wait(0, NG_EMU_SITE))
 
 /* ---- atomics: one host thread runs every emulated thread, and none is
  * interrupted inside these, so a plain read-modify-write is atomic ------- */

@@ -4,7 +4,12 @@
  * definition, fp16 / bf16 conversions against independent references, and
  * every error the emulator must report (a launch over a GPU's limits, a
  * barrier only part of a block reaches, a warp mask naming an inactive lane,
- * a race) reported as an error, never a hang or a pass.
+ * a race) reported as an error, never a hang or a pass. ldmatrix and cp.async
+ * (kernels/cuda_ptx.h) are checked against the PTX ISA's fragment layout and
+ * commit-group rules.
+ *
+ * `test_emu --ptx` runs the ldmatrix / cp.async tests alone (the
+ * cuda_emu_mutant_self_* tests run it on mutated copies of this file).
  *
  * Faults are sticky, as on a GPU; cudaDeviceReset clears them between cases.
  * Exit 0 when every check passed; the last line is "N passed, M failed".
@@ -17,6 +22,8 @@
 #include <stdlib.h>
 
 #include <vector>
+
+#include "kernels/attention_mma.h"
 
 static int g_pass, g_fail;
 
@@ -416,6 +423,330 @@ static void test_mma() {
     }
 }
 
+static void expect_refused(cudaError_t want, const char *what) {
+    const cudaError_t got = cudaGetLastError();
+    CHECK(got == want, "%s: got %s, want %s", what, cudaGetErrorName(got), cudaGetErrorName(want));
+}
+
+static void expect_fault(const char *what) {
+    const cudaError_t got = cudaGetLastError();
+    CHECK(got == cudaErrorLaunchFailure, "%s: got %s, want cudaErrorLaunchFailure", what,
+          cudaGetErrorName(got));
+    CHECK(cudaMemset(nullptr, 0, 0) == cudaErrorLaunchFailure, "%s: the fault is sticky", what);
+    cudaDeviceReset();
+}
+
+/* ---- ldmatrix ---------------------------------------------------------------- */
+
+/* A 16 x 16 tile of 16-bit elements, rows kLdTile elements apart (a 16-byte
+ * pad, as the attention kernels use), copied to shared memory; matrix m of
+ * the ldmatrix is its 8 x 8 quarter at rows 8 (m & 1), cols 8 (m >> 1) (the
+ * order of the mma A fragment's registers). Lanes whose address the form
+ * does not use pass a misaligned global one, which must be ignored. */
+static const int kLdTile = 24;
+template <int N, bool Trans>
+static __global__ void ldmatrix_kernel(const uint16_t *src, uint32_t *out) {
+    NG_SHARED(uint16_t, tile, [16 * kLdTile]);
+    const int l = threadIdx.x, m = l >> 3, r = l & 7;
+    for (int i = l; i < 16 * kLdTile; i += 32) tile[i] = src[i];
+    __syncwarp(0xffffffffu);
+    const void *row = m < N ? (const void *)&tile[(8 * (m & 1) + r) * kLdTile + 8 * (m >> 1)]
+                            : (const void *)(src + 1);
+    uint32_t reg[4] = {0, 0, 0, 0};
+    ng_ldmatrix<N, Trans>(reg, row);
+    for (int i = 0; i < 4; i++) out[l * 4 + i] = reg[i];
+}
+
+template <int N, bool Trans>
+static void check_ldmatrix(const uint16_t *dsrc, const uint16_t *hsrc) {
+    const char *form = Trans ? ".trans" : "";
+    uint32_t *out = dalloc<uint32_t>(32 * 4);
+    NG_LAUNCH((ldmatrix_kernel<N, Trans>), 1, 32, 0, 0, dsrc, out);
+    CHECK(cudaGetLastError() == cudaSuccess, "ldmatrix.x%d%s launch", N, form);
+    const std::vector<uint32_t> h = download(out, 32 * 4);
+    int bad = 0;
+    for (int l = 0; l < 32; l++) {
+        const int g = l >> 2, t = l & 3;
+        for (int m = 0; m < 4; m++) {
+            /* the PTX ISA's layout, element by element */
+            const uint16_t *q = hsrc + 8 * (m & 1) * kLdTile + 8 * (m >> 1);
+            const uint32_t lo = Trans ? q[2 * t * kLdTile + g] : q[g * kLdTile + 2 * t],
+                           hi = Trans ? q[(2 * t + 1) * kLdTile + g] : q[g * kLdTile + 2 * t + 1];
+            const uint32_t want = m < N ? lo | hi << 16 : 0u;
+            if (h[l * 4 + m] != want && bad++ < 5)
+                fprintf(stderr, "  ldmatrix.x%d%s lane %d reg %d: got 0x%08x want 0x%08x\n", N,
+                        form, l, m, h[l * 4 + m], want);
+        }
+    }
+    CHECK(bad == 0, "ldmatrix.x%d%s: %d registers differ from the PTX ISA's fragment layout", N,
+          form, bad);
+    /* the fragments the mma kernels load element by element (attention_mma.h) */
+    if (N == 4 && !Trans) {
+        int bad_a = 0;
+        for (int l = 0; l < 32; l++) {
+            uint32_t a[4];
+            ng_mma_frag_a(a, hsrc, kLdTile, 0, 0, l);
+            for (int i = 0; i < 4; i++) bad_a += h[l * 4 + i] != a[i];
+        }
+        CHECK(bad_a == 0, "ldmatrix.x4 = ng_mma_frag_a: %d registers differ", bad_a);
+    }
+    if (N == 2 && Trans) {
+        int bad_b = 0;
+        for (int l = 0; l < 32; l++) {
+            uint32_t b[2];
+            ng_mma_frag_b_cols(b, hsrc, kLdTile, 0, 0, l);
+            for (int i = 0; i < 2; i++) bad_b += h[l * 4 + i] != b[i];
+        }
+        CHECK(bad_b == 0, "ldmatrix.x2.trans = ng_mma_frag_b_cols: %d registers differ", bad_b);
+    }
+    cudaFree(out);
+}
+
+/* Misuse the emulator must report: a row address off its 16-byte alignment,
+ * one in global memory, a warp with a lane missing. */
+static __global__ void ldmatrix_misaligned_kernel(uint32_t *out) {
+    NG_SHARED(uint16_t, rows, [32 * 8 + 8]);
+    const int l = threadIdx.x;
+    for (int i = 0; i < 8; i++) rows[l * 8 + i] = (uint16_t)i;
+    __syncwarp(0xffffffffu);
+    uint32_t r[1];
+    ng_ldmatrix<1>(r, &rows[l * 8 + (l == 3)]); /* lane 3: 2 bytes off */
+    out[l] = r[0];
+}
+static __global__ void ldmatrix_global_kernel(const uint16_t *src, uint32_t *out) {
+    uint32_t r[2];
+    ng_ldmatrix<2>(r, src + 8 * threadIdx.x);
+    out[threadIdx.x] = r[0];
+}
+static __global__ void ldmatrix_exited_kernel(uint32_t *out) {
+    NG_SHARED(uint16_t, rows, [32 * 8]);
+    const int l = threadIdx.x;
+    for (int i = 0; i < 8; i++) rows[l * 8 + i] = (uint16_t)i;
+    __syncwarp(0xffffffffu);
+    if (l == 30) return;
+    uint32_t r[4];
+    ng_ldmatrix<4, true>(r, &rows[l * 8]);
+    out[l] = r[0];
+}
+
+/* Lane l writes row l; the block's lanes 24..31 do not exist. */
+static __global__ void ldmatrix_rows_kernel(uint32_t *out, int skip_row) {
+    NG_SHARED(uint16_t, rows, [32 * 8]);
+    const int l = threadIdx.x;
+    if (l != skip_row)
+        for (int i = 0; i < 8; i++) rows[l * 8 + i] = (uint16_t)(l * 8 + i);
+    __syncthreads();
+    uint32_t r[1];
+    ng_ldmatrix<1>(r, &rows[l * 8]);
+    out[l] = r[0];
+}
+/* Warp 1 writes the matrix warp 0 loads, with no __syncthreads between. */
+static __global__ void ldmatrix_race_kernel(uint32_t *out) {
+    NG_SHARED(uint16_t, rows, [8 * 8]);
+    const int l = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (w == 1 && l < 8)
+        for (int i = 0; i < 8; i++) rows[l * 8 + i] = (uint16_t)(l * 8 + i + 1);
+    /* __syncthreads() missing */
+    uint32_t r[1];
+    ng_ldmatrix<1>(r, &rows[(l & 7) * 8]);
+    out[threadIdx.x] = r[0];
+}
+
+static void test_ldmatrix() {
+    uint16_t hsrc[16 * kLdTile];
+    for (int i = 0; i < 16 * kLdTile; i++) hsrc[i] = (uint16_t)(0x1000 + 7 * i); /* all distinct */
+    uint16_t *dsrc = dalloc<uint16_t>(16 * kLdTile);
+    cudaMemcpy(dsrc, hsrc, sizeof hsrc, cudaMemcpyHostToDevice);
+    check_ldmatrix<1, false>(dsrc, hsrc);
+    check_ldmatrix<2, false>(dsrc, hsrc);
+    check_ldmatrix<4, false>(dsrc, hsrc);
+    check_ldmatrix<1, true>(dsrc, hsrc);
+    check_ldmatrix<2, true>(dsrc, hsrc);
+    check_ldmatrix<4, true>(dsrc, hsrc);
+    cudaFree(dsrc);
+}
+
+static void test_ldmatrix_faults() {
+    uint32_t *out = dalloc<uint32_t>(32);
+    NG_LAUNCH((ldmatrix_misaligned_kernel), 1, 32, 0, 0, out);
+    expect_fault("ldmatrix: a row address not 16-byte aligned");
+    uint16_t *src = dalloc<uint16_t>(32 * 8);
+    out = dalloc<uint32_t>(32);
+    cudaMemset(src, 0, 32 * 8 * 2);
+    NG_LAUNCH((ldmatrix_global_kernel), 1, 32, 0, 0, src, out);
+    expect_fault("ldmatrix: a row address in global memory");
+    out = dalloc<uint32_t>(32);
+    NG_LAUNCH((ldmatrix_exited_kernel), 1, 32, 0, 0, out);
+    expect_fault("ldmatrix: a lane of the warp has exited");
+    out = dalloc<uint32_t>(32);
+    NG_LAUNCH((ldmatrix_rows_kernel), 1, 24, 0, 0, out, -1);
+    expect_fault("ldmatrix in a warp of 24 threads");
+    out = dalloc<uint32_t>(32);
+    NG_LAUNCH((ldmatrix_rows_kernel), 1, 32, 0, 0, out, -1);
+    CHECK(cudaGetLastError() == cudaSuccess, "ldmatrix of rows the lanes wrote");
+    out = dalloc<uint32_t>(32);
+    NG_LAUNCH((ldmatrix_rows_kernel), 1, 32, 0, 0, out, 5);
+    expect_fault("ldmatrix of a row no thread wrote");
+    out = dalloc<uint32_t>(64);
+    NG_LAUNCH((ldmatrix_race_kernel), 1, 64, 0, 0, out);
+    expect_fault("ldmatrix of rows another warp writes with no barrier between");
+}
+
+/* ---- cp.async ---------------------------------------------------------------- */
+
+/* A two-stage pipeline: tiles of 256 floats through two shared buffers, 64
+ * threads each copying 16 bytes of a tile (cp.async.cg, or .ca as two 8-byte
+ * copies for tile 0) while the block works on the tile before; each thread
+ * then reads words another warp copied. wait_group 1 lands all but the tile
+ * just issued (this thread's part), the barrier after it everyone's; the
+ * barrier at the end of an iteration keeps the next copy off a stage still
+ * being read. */
+static __global__ void cp_async_pipeline_kernel(const float *x, float *y, int ntiles) {
+    NG_SHARED(float, buf, [2][256]);
+    const int t = threadIdx.x;
+    ng_cp_async_ca<8>(&buf[0][4 * t], x + 4 * t);
+    ng_cp_async_ca<8>(&buf[0][4 * t + 2], x + 4 * t + 2);
+    ng_cp_async_commit();
+    for (int i = 0; i < ntiles; i++) {
+        const int s = i & 1;
+        if (i + 1 < ntiles) {
+            const float *src = x + (i + 1) * 256 + 4 * t;
+            if (i & 1)
+                ng_cp_async_ca<16>(&buf[s ^ 1][4 * t], src);
+            else
+                ng_cp_async_cg16(&buf[s ^ 1][4 * t], src);
+        }
+        ng_cp_async_commit(); /* an empty group after the last tile */
+        ng_cp_async_wait_group<1>();
+        __syncthreads();
+        for (int k = 0; k < 4; k++) {
+            const int j = (4 * t + k + 128) % 256; /* a word of the other warp's */
+            y[i * 256 + j] = buf[s][j] * 2.0f + 1.0f;
+        }
+        __syncthreads();
+    }
+    ng_cp_async_wait_all();
+}
+
+/* One thread's view, group by group: a copy's destination keeps what it held
+ * until the wait that retires the copy's group. out[8 t + k]: 7 = the old
+ * value, else the copied word. */
+static __global__ void cp_async_groups_kernel(const uint32_t *x, uint32_t *out) {
+    NG_SHARED(uint32_t, s, [32][4]);
+    const int t = threadIdx.x;
+    for (int k = 0; k < 4; k++) s[t][k] = 7;
+    ng_cp_async_ca<4>(&s[t][0], x + 4 * t); /* group 0 */
+    ng_cp_async_commit();
+    ng_cp_async_ca<4>(&s[t][1], x + 4 * t + 1); /* group 1 */
+    ng_cp_async_commit();
+    ng_cp_async_ca<8>(&s[t][2], x + 4 * t + 2); /* not committed yet */
+    uint32_t *o = out + 8 * t;
+    o[0] = s[t][0], o[1] = s[t][1];
+    ng_cp_async_wait_group<1>(); /* group 0 lands */
+    o[2] = s[t][0], o[3] = s[t][1];
+    ng_cp_async_wait_group<0>(); /* group 1 lands; the uncommitted copy does not */
+    o[4] = s[t][1], o[5] = s[t][2];
+    ng_cp_async_wait_all(); /* commits it and lands it */
+    o[6] = s[t][2], o[7] = s[t][3];
+}
+
+/* Misuse: copies never committed or never waited for, a destination in
+ * global memory, a source in shared memory, a misaligned copy. */
+static __global__ void cp_async_misuse_kernel(const float *x, float *y, int how) {
+    NG_SHARED(float, buf, [64 * 4]);
+    const int t = threadIdx.x;
+    switch (how) {
+    case 0: ng_cp_async_cg16(&buf[4 * t], x + 4 * t); break; /* never committed */
+    case 1:
+        ng_cp_async_cg16(&buf[4 * t], x + 4 * t);
+        ng_cp_async_commit(); /* never waited for */
+        break;
+    case 2: ng_cp_async_cg16(y + 4 * t, x + 4 * t); break;
+    case 3:
+        buf[4 * t] = 1.0f;
+        __syncthreads();
+        ng_cp_async_ca<4>(&buf[4 * t + 1], &buf[4 * ((t + 1) % 64)]);
+        break;
+    case 4: ng_cp_async_ca<8>(&buf[4 * t + 1], x + 4 * t + 1); break;
+    }
+    if (how >= 2) ng_cp_async_wait_all();
+    y[t] = 0.0f;
+}
+
+/* Each thread's own wait, then a read of words the other warp copied, with
+ * no barrier after that warp's wait: a race, as on a GPU. one_way: only
+ * warp 1 reads (warp 0's words), so that in the first schedule warp 0 has
+ * waited first and the race detector sees the copy's store, by warp 0's
+ * thread at its wait, before warp 1's read. */
+static __global__ void cp_async_nobarrier_kernel(const float *x, float *y, int one_way) {
+    NG_SHARED(float, buf, [256]);
+    const int t = threadIdx.x;
+    ng_cp_async_cg16(&buf[4 * t], x + 4 * t);
+    ng_cp_async_wait_all();
+    /* __syncthreads() missing */
+    y[t] = !one_way || t >= 32 ? buf[(4 * t + 128) % 256] : 0.0f;
+}
+
+static void test_cp_async() {
+    const int ntiles = 5;
+    std::vector<float> hx(ntiles * 256);
+    for (size_t i = 0; i < hx.size(); i++) hx[i] = (float)i * 0.25f - 100.0f;
+    float *x = dalloc<float>(hx.size()), *y = dalloc<float>(hx.size());
+    cudaMemcpy(x, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice);
+    NG_LAUNCH((cp_async_pipeline_kernel), 1, 64, 0, 0, (const float *)x, y, ntiles);
+    CHECK(cudaGetLastError() == cudaSuccess, "the cp.async pipeline's launch");
+    const std::vector<float> hy = download(y, hx.size());
+    int bad = 0;
+    for (size_t i = 0; i < hx.size(); i++)
+        if (hy[i] != hx[i] * 2.0f + 1.0f && bad++ < 5)
+            fprintf(stderr, "  pipeline y[%zu] = %g, want %g\n", i, hy[i], hx[i] * 2.0f + 1.0f);
+    CHECK(bad == 0, "a two-stage cp.async pipeline reproduces the array: %d of %zu wrong", bad,
+          hx.size());
+    cudaFree(x), cudaFree(y);
+
+    std::vector<uint32_t> hs(128);
+    for (int i = 0; i < 128; i++) hs[i] = 1000u + (uint32_t)i;
+    uint32_t *s = dalloc<uint32_t>(128), *o = dalloc<uint32_t>(256);
+    cudaMemcpy(s, hs.data(), 128 * 4, cudaMemcpyHostToDevice);
+    NG_LAUNCH((cp_async_groups_kernel), 1, 32, 0, 0, (const uint32_t *)s, o);
+    CHECK(cudaGetLastError() == cudaSuccess, "cp_async_groups_kernel launch");
+    const std::vector<uint32_t> ho = download(o, 256);
+    int bad_g = 0;
+    for (int t = 0; t < 32; t++) {
+        const uint32_t c = 1000u + 4u * (uint32_t)t;
+        const uint32_t want[8] = {7, 7, c, 7, c + 1, 7, c + 2, c + 3};
+        for (int k = 0; k < 8; k++)
+            if (ho[8 * t + k] != want[k] && bad_g++ < 5)
+                fprintf(stderr, "  cp.async groups: thread %d step %d: %u, want %u\n", t, k,
+                        ho[8 * t + k], want[k]);
+    }
+    CHECK(bad_g == 0, "cp.async lands a group at the wait that retires it: %d wrong", bad_g);
+    cudaFree(s), cudaFree(o);
+}
+
+static void test_cp_async_faults() {
+    static const char *const what[5] = {"cp.async never committed at the thread's end",
+                                        "cp.async never waited for", "cp.async to global memory",
+                                        "cp.async from shared memory", "cp.async misaligned"};
+    for (int how = 0; how < 5; how++) {
+        float *x = dalloc<float>(256), *y = dalloc<float>(256);
+        cudaMemset(x, 0, 1024);
+        NG_LAUNCH((cp_async_misuse_kernel), 1, 64, 0, 0, (const float *)x, y, how);
+        expect_fault(what[how]);
+    }
+    float *x = dalloc<float>(256), *y = dalloc<float>(64);
+    cudaMemset(x, 0x41, 1024);
+    NG_LAUNCH((cp_async_nobarrier_kernel), 1, 64, 0, 0, (const float *)x, y, 0);
+    expect_fault("a read of another warp's cp.async data after its wait but no barrier");
+    const char *rc = getenv("NG_EMU_RACECHECK");
+    if (ng_emu_racecheck() && !(rc && strcmp(rc, "0") == 0)) {
+        x = dalloc<float>(256), y = dalloc<float>(64);
+        cudaMemset(x, 0x41, 1024);
+        NG_LAUNCH((cp_async_nobarrier_kernel), 1, 64, 0, 0, (const float *)x, y, 1);
+        expect_fault("the race detector: a read after another warp's cp.async wait, no barrier");
+    }
+}
+
 /* ---- limits and faults ----------------------------------------------------- */
 
 static __global__ void empty_kernel(int) {}
@@ -499,19 +830,6 @@ static __global__ void flag_kernel(const int *x, int *out) {
 
 static __global__ void oob_kernel(float *x, int n) {
     x[threadIdx.x + n + 16384] = 1.0f; /* 64 KiB past the end */
-}
-
-static void expect_refused(cudaError_t want, const char *what) {
-    const cudaError_t got = cudaGetLastError();
-    CHECK(got == want, "%s: got %s, want %s", what, cudaGetErrorName(got), cudaGetErrorName(want));
-}
-
-static void expect_fault(const char *what) {
-    const cudaError_t got = cudaGetLastError();
-    CHECK(got == cudaErrorLaunchFailure, "%s: got %s, want cudaErrorLaunchFailure", what,
-          cudaGetErrorName(got));
-    CHECK(cudaMemset(nullptr, 0, 0) == cudaErrorLaunchFailure, "%s: the fault is sticky", what);
-    cudaDeviceReset();
 }
 
 static void test_limits() {
@@ -639,6 +957,12 @@ int main(int argc, char **argv) {
         return 0;
     }
 #endif
+    if (argc > 1 && strcmp(argv[1], "--ptx") == 0) { /* the mutation tests' run */
+        test_ldmatrix();
+        test_cp_async();
+        printf("%d passed, %d failed\n", g_pass, g_fail);
+        return g_fail ? 1 : 0;
+    }
     if (argc > 1 && strcmp(argv[1], "--oob") == 0) {
         float *x = dalloc<float>(100);
         NG_LAUNCH((oob_kernel), 1, 32, 0, 0, x, 100);
@@ -648,8 +972,12 @@ int main(int argc, char **argv) {
     test_warp();
     test_shared();
     test_mma();
+    test_ldmatrix();
+    test_cp_async();
     test_limits();
     test_faults();
+    test_ldmatrix_faults();
+    test_cp_async_faults();
     test_oob_in_child(argv[0]);
 #ifdef NG_EMU_RACECHECK
     /* NG_EMU_RACECHECK=0 (ctest cuda_emu_self_norace): what the schedules
