@@ -372,8 +372,23 @@ NG_PV_PLAIN(ng_pv_f64_base, double)
  * multiply-adds per key it reads, enough to make it bound by arithmetic,
  * not memory, on AVX2. */
 #define NG_F32_W 8
+#define NG_DEC_KV f32
 #include "kernels/attention_dec_f32.inc"
 #define NG_F32_W 16
+#define NG_DEC_KV f32
+#include "kernels/attention_dec_f32.inc"
+/* the same loops over a bf16 / fp16 KV cache read in place */
+#define NG_F32_W 8
+#define NG_DEC_KV bf16
+#include "kernels/attention_dec_f32.inc"
+#define NG_F32_W 16
+#define NG_DEC_KV bf16
+#include "kernels/attention_dec_f32.inc"
+#define NG_F32_W 8
+#define NG_DEC_KV f16
+#include "kernels/attention_dec_f32.inc"
+#define NG_F32_W 16
+#define NG_DEC_KV f16
 #include "kernels/attention_dec_f32.inc"
 #endif
 
@@ -527,6 +542,7 @@ static inline int64_t ng_pad16(int64_t n) { return NG_CEIL_DIV(n, 16) * 16; }
 #define NG_ISA avx2
 #define NG_ATTR NG_TARGET_AVX2
 #define NG_DOTS_ALIGN 8
+#define NG_DEC_16 1
 #include "kernels/attention_cpu.inc"
 
 /* AVX-512: the micro-kernel, the decode path's dots and P V and the row exp
@@ -535,6 +551,7 @@ static inline int64_t ng_pad16(int64_t n) { return NG_CEIL_DIV(n, 16) * 16; }
 #define NG_ISA avx512
 #define NG_ATTR NG_TARGET_AVX512
 #define NG_DOTS_ALIGN 16
+#define NG_DEC_16 1
 #include "kernels/attention_cpu.inc"
 
 /* fp64 on AVX2: the micro-kernel only; dots, P V and the row exp are the

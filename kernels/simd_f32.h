@@ -15,6 +15,11 @@
  *   NG_F32_VEC_ZERO()     all lanes 0
  *   NG_F32_VEC_SET1(x)    all lanes x
  *   NG_F32_VEC_LOAD(p)    EPR floats from p (unaligned)
+ *   NG_F32_VEC_LOAD_BF16(p), NG_F32_VEC_LOAD_F16(p)
+ *                         EPR bfloat16 / float16 values from p (a const
+ *                         uint16_t *, unaligned), widened to floats exactly
+ *                         (bf16: the high half of the fp32 bits; fp16:
+ *                         F16C's vcvtph2ps)
  *   NG_F32_VEC_STORE(p,v) v to p (unaligned)
  *   NG_F32_VEC_FMA(a,b,c) a * b + c, one rounding
  *   NG_F32_VEC_HSUM(v)    the sum of v's lanes, as a float
@@ -61,6 +66,10 @@ NG_TARGET_AVX512 static inline __m256 ng_fold16(__m512 a) {
 #define NG_F32X8_VEC_SET1(x) _mm256_set1_ps(x)
 #define NG_F32X8_VEC_LOAD(p) _mm256_loadu_ps(p)
 #define NG_F32X8_VEC_STORE(p, v) _mm256_storeu_ps(p, v)
+#define NG_F32X8_VEC_LOAD_BF16(p)                                                                  \
+    _mm256_castsi256_ps(                                                                           \
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define NG_F32X8_VEC_LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define NG_F32X8_VEC_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define NG_F32X8_VEC_HSUM(v) ng_hsum8(v)
 #define NG_F32X8_VEC_HSUM4(a, b, c, d) ng_hsum4x8(a, b, c, d)
@@ -74,6 +83,10 @@ NG_TARGET_AVX512 static inline __m256 ng_fold16(__m512 a) {
 #define NG_F32X16_VEC_SET1(x) _mm512_set1_ps(x)
 #define NG_F32X16_VEC_LOAD(p) _mm512_loadu_ps(p)
 #define NG_F32X16_VEC_STORE(p, v) _mm512_storeu_ps(p, v)
+#define NG_F32X16_VEC_LOAD_BF16(p)                                                                 \
+    _mm512_castsi512_ps(                                                                           \
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define NG_F32X16_VEC_LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define NG_F32X16_VEC_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define NG_F32X16_VEC_HSUM(v) ng_hsum8(ng_fold16(v))
 #define NG_F32X16_VEC_HSUM4(a, b, c, d)                                                            \
@@ -91,6 +104,8 @@ NG_TARGET_AVX512 static inline __m256 ng_fold16(__m512 a) {
 #define NG_F32_VEC_SET1 NG_F32_(VEC_SET1)
 #define NG_F32_VEC_LOAD NG_F32_(VEC_LOAD)
 #define NG_F32_VEC_STORE NG_F32_(VEC_STORE)
+#define NG_F32_VEC_LOAD_BF16 NG_F32_(VEC_LOAD_BF16)
+#define NG_F32_VEC_LOAD_F16 NG_F32_(VEC_LOAD_F16)
 #define NG_F32_VEC_FMA NG_F32_(VEC_FMA)
 #define NG_F32_VEC_HSUM NG_F32_(VEC_HSUM)
 #define NG_F32_VEC_HSUM4 NG_F32_(VEC_HSUM4)
