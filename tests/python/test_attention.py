@@ -222,6 +222,28 @@ def test_default_matches_pytorch_sdpa():
                                    atol=2e-5, rtol=2e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("L", [256, 130])
+def test_masked_tiles_are_skipped_without_changing_a_bit(dtype, L):
+    """A key tile that the mask masks for every query of a block is skipped
+    (its probabilities are all 0): a causal mask passed as a tensor, as
+    Hugging Face passes causal + padding, gives the bits of is_causal=True,
+    whose tiles above the diagonal were never computed, and a padded tail
+    (whole tiles masked for every query) gives the bits of the same call
+    with those keys cut off."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, L, 64, dtype=dtype) for _ in range(3))
+    tril = torch.ones(L, L, dtype=torch.bool).tril()
+    out = safe_sdpa(q, k, v, attn_mask=tril, backend="nanguard")
+    assert torch.equal(out, safe_sdpa(q, k, v, is_causal=True, backend="nanguard"))
+    keep = 64  # the first key tile only
+    pad = torch.zeros(1, 1, L, L, dtype=torch.bool)
+    pad[..., :keep] = True
+    got = safe_sdpa(q, k, v, attn_mask=pad, backend="nanguard")
+    cut = safe_sdpa(q, k[:, :, :keep], v[:, :, :keep], attn_mask=pad[..., :keep], backend="nanguard")
+    assert torch.equal(got, cut)
+
+
 @pytest.mark.parametrize("L,S", [(5, 9), (9, 5), (1, 4)])
 def test_causal_alignment_matches_pytorch_when_lengths_differ(L, S):
     q = rand((1, 2, L, 8), torch.float64, 1)
