@@ -225,17 +225,26 @@ def test_default_matches_pytorch_sdpa():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("L", [256, 130])
 def test_masked_tiles_are_skipped_without_changing_a_bit(dtype, L):
-    """A key tile that the mask masks for every query of a block is skipped
-    (its probabilities are all 0): a causal mask passed as a tensor, as
-    Hugging Face passes causal + padding, gives the bits of is_causal=True,
-    whose tiles above the diagonal were never computed, and a padded tail
+    """A key tile that the mask masks for every query of a block is skipped,
+    forward and backward (its probabilities are all 0): a causal mask passed
+    as a tensor, as Hugging Face passes causal + padding, gives the bits of
+    is_causal=True (output and gradients), whose tiles above the diagonal
+    were never computed, and a padded tail
     (whole tiles masked for every query) gives the bits of the same call
     with those keys cut off."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, L, 64, dtype=dtype) for _ in range(3))
     tril = torch.ones(L, L, dtype=torch.bool).tril()
-    out = safe_sdpa(q, k, v, attn_mask=tril, backend="nanguard")
-    assert torch.equal(out, safe_sdpa(q, k, v, is_causal=True, backend="nanguard"))
+    qm, km, vm = (t.clone().requires_grad_() for t in (q, k, v))
+    qc, kc, vc = (t.clone().requires_grad_() for t in (q, k, v))
+    out = safe_sdpa(qm, km, vm, attn_mask=tril, backend="nanguard")
+    ref = safe_sdpa(qc, kc, vc, is_causal=True, backend="nanguard")
+    assert torch.equal(out, ref)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    for got, want in ((qm, qc), (km, kc), (vm, vc)):
+        assert torch.equal(got.grad, want.grad)
     keep = 64  # the first key tile only
     pad = torch.zeros(1, 1, L, L, dtype=torch.bool)
     pad[..., :keep] = True
