@@ -171,43 +171,52 @@ def tiny_llama(hidden: int, layers: int, vocab: int):
     return LlamaForCausalLM(cfg)
 
 
+def llama_case(hidden: int, args, kinds: List[str]):
+    """The Llama case at one size: (base model, batch, a deep copy and an
+    AdamW per kind, the paired repeats)."""
+    torch.manual_seed(0)
+    base = tiny_llama(hidden, args.layers_llama, args.vocab)
+    ids = torch.randint(0, args.vocab, (args.batch_llama, args.seq_llama))
+    models = {k: copy.deepcopy(base) for k in kinds}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    repeats = args.repeats_llama or max(8, min(40, int(40 * 128 / hidden)))
+    return base, ids, models, opts, repeats
+
+
+def guarded_step(m, opt, w, ids, before: Callable[[], None] = lambda: None) -> Callable[[], None]:
+    """One step of the case: forward, loss, backward, nanguard.clip_grad_norm_,
+    w.step() (when watched), AdamW; before() first."""
+    def step():
+        before()
+        opt.zero_grad(set_to_none=True)
+        m(input_ids=ids, labels=ids).loss.backward()
+        nanguard.clip_grad_norm_(m.parameters(), 1.0)
+        if w is not None:
+            w.step()
+        opt.step()
+
+    return step
+
+
 def size_row(hidden: int, args) -> dict:
     """Paired, alternating timing of the guarded step with and without watch.
     With --history / --record, a third variant (watch with those on) runs in
     the same alternating loop, so that what they add to plain watch is a
     same-process ratio too."""
-    torch.manual_seed(0)
-    base = tiny_llama(hidden, args.layers_llama, args.vocab)
-    ids = torch.randint(0, args.vocab, (args.batch_llama, args.seq_llama))
     extra = {}
     if args.history:
         extra["history"] = args.history
     if args.record:
         extra["record_dir"] = tempfile.mkdtemp(prefix="nanguard-bench-")
     kinds = ["guard", "watch"] + (["forensics"] if extra else [])
-    models = {k: copy.deepcopy(base) for k in kinds}
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    base, ids, models, opts, repeats = llama_case(hidden, args, kinds)
     watchers = {"watch": nanguard.watch(models["watch"])}
     if extra:
         watchers["forensics"] = nanguard.watch(models["forensics"], **extra)
-
-    def make_step(k):
-        m, opt, w = models[k], opts[k], watchers.get(k)
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            m(input_ids=ids, labels=ids).loss.backward()
-            nanguard.clip_grad_norm_(m.parameters(), 1.0)
-            if w is not None:
-                w.step()
-            opt.step()
-
-        return step
-
-    repeats = args.repeats_llama or max(8, min(40, int(40 * 128 / hidden)))
     cpu: Dict[str, List[float]] = {k: [] for k in kinds}
     warmup = 2
-    wall = _common.time_samples({k: cpu_timed(cpu[k], make_step(k)) for k in kinds}, repeats, warmup)
+    steps = {k: cpu_timed(cpu[k], guarded_step(models[k], opts[k], watchers.get(k), ids)) for k in kinds}
+    wall = _common.time_samples(steps, repeats, warmup)
     w = watchers["watch"]
     models["watch"].zero_grad()  # count what one step records (w.step() resets)
     models["watch"](input_ids=ids, labels=ids).loss.backward()
@@ -241,12 +250,8 @@ def floor_row(hidden: int, args) -> dict:
     replaced by a no-op (what is left is the hooks' Python)."""
     from nanguard.diagnostics import _watch
 
-    torch.manual_seed(0)
-    base = tiny_llama(hidden, args.layers_llama, args.vocab)
-    ids = torch.randint(0, args.vocab, (args.batch_llama, args.seq_llama))
     kinds = ["guard", "watch", "no_census"]
-    models = {k: copy.deepcopy(base) for k in kinds}
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    _, ids, models, opts, repeats = llama_case(hidden, args, kinds)
     watchers = {k: nanguard.watch(models[k], history=64, record_dir=tempfile.mkdtemp(prefix="nanguard-bench-"))
                 for k in kinds[1:]}
     real = _watch._op
@@ -259,28 +264,19 @@ def floor_row(hidden: int, args) -> dict:
         census_ns.append(time.perf_counter_ns() - t0)
         census_bytes.append(t.numel() * t.element_size())
 
-    ops = {"watch": timed, "no_census": lambda *a: None}
+    ops = {"guard": real, "watch": timed, "no_census": lambda *a: None}
 
-    def make_step(k):
-        m, opt, w = models[k], opts[k], watchers.get(k)
+    def use(k):
+        def before():
+            _watch._op = ops[k]
 
-        def step():
-            if k in ops:
-                _watch._op = ops[k]
-            opt.zero_grad(set_to_none=True)
-            m(input_ids=ids, labels=ids).loss.backward()
-            nanguard.clip_grad_norm_(m.parameters(), 1.0)
-            if w is not None:
-                w.step()
-            opt.step()
+        return before
 
-        return step
-
-    repeats = args.repeats_llama or max(8, min(40, int(40 * 128 / hidden)))
     cpu: Dict[str, List[float]] = {k: [] for k in kinds}
     warmup = 2
+    steps = {k: cpu_timed(cpu[k], guarded_step(models[k], opts[k], watchers.get(k), ids, use(k))) for k in kinds}
     try:
-        _common.time_samples({k: cpu_timed(cpu[k], make_step(k)) for k in kinds}, repeats, warmup)
+        _common.time_samples(steps, repeats, warmup)
     finally:
         _watch._op = real
         for w in watchers.values():
