@@ -593,7 +593,15 @@ static __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(ng_at
  *
  *   fwd:  ceil(L/64) blocks per (b, h). Warp rows are queries; per key tile:
  *         S = Q K^T, online softmax (row max over the 4 lanes of a group),
- *         O = O * alpha + P V.
+ *         O = O * alpha + P V. Q's A fragments are read once (ldmatrix.x4)
+ *         and stay in registers; K's B fragments come through ldmatrix.x4,
+ *         V's through ldmatrix.x4.trans. K / V tiles are double-buffered:
+ *         two stages of (K, V), the next tile's rows issued as 16-byte
+ *         cp.async.cg right after the barrier that opens the current one, so
+ *         they are in flight during its math; one wait_group 0 and one
+ *         __syncthreads per tile. Rows past the end are zero-filled by
+ *         ordinary stores, and when any row of q / k / v is not 16-byte
+ *         aligned (vec == 0) every row is staged by ordinary loads.
  *   dkdv: ceil(S/64) blocks per (b, kv head). Warp rows are keys; per query tile of
  *         every head of the group: S^T = K Q^T and dP^T = V dO^T, then
  *         dV += P^T dO and dK += dS^T Q.
@@ -658,6 +666,80 @@ __device__ __forceinline__ void mma_stage_kv(uint16_t *ks, uint16_t *vs, const u
     mma_stage<D>(ks, kb, a.k_stride[2], j0, n, vec);
     mma_stage<D>(vs, vb, a.v_stride[2], j0, n, vec);
     __syncthreads();
+}
+
+/* cp.async exists from sm_80; the sm_75 device code of the tensor-core
+ * kernels (never launched there: mma_eligible) keeps ordinary loads. */
+#if defined(NG_CUDA_EMU) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
+constexpr bool kAsyncCopy = true;
+#else
+constexpr bool kAsyncCopy = false;
+#endif
+
+/* mma_stage, with the 16-byte chunks of valid rows issued as cp.async.cg
+ * (landing at the caller's wait_group) when vec; rows >= n (zeros) and
+ * unaligned rows (element loads) are stored at once, as mma_stage does.
+ * The caller commits the group, waits for it and then __syncthreads before
+ * any thread reads the tile. */
+template <int D>
+__device__ __forceinline__ void mma_stage_async(uint16_t *tile, const uint16_t *base, int64_t rs,
+                                                int64_t r0, int64_t n, int vec) {
+    constexpr int kLd = D + 8, kChunks = D / 8;
+    if constexpr (kAsyncCopy) {
+        if (vec) {
+            for (int x = threadIdx.x; x < kMmaRows * kChunks; x += kMmaThreads) {
+                const int r = x / kChunks, c = (x % kChunks) * 8;
+                uint16_t *dst = tile + r * kLd + c;
+                if (r < n)
+                    ng_cp_async_cg16(dst, base + (r0 + r) * rs + c);
+                else
+                    *(uint4 *)dst = make_uint4(0u, 0u, 0u, 0u);
+            }
+            return;
+        }
+    }
+    mma_stage<D>(tile, base, rs, r0, n, vec);
+}
+
+/* c[16 x 64] += Q K^T for the forward: Q's A fragments held in registers
+ * (qf[k-step]), K's B fragments through ldmatrix.x4 (two n-tiles each). */
+template <ng_dtype T, int D>
+__device__ __forceinline__ void mma_qkt(float c[kMmaNT][4], const uint32_t qf[D / 16][4],
+                                        const uint16_t *k, int lane) {
+    constexpr int kLd = D + 8;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++)
+#pragma unroll
+        for (int nt = 0; nt < kMmaNT; nt += 2) {
+            uint32_t b0[2], b1[2];
+            ng_mma_ldm_b_rows2(b0, b1, k, kLd, nt * 8, kk * 16, lane);
+            ng_mma_16816<T>(c[nt], qf[kk], b0);
+            ng_mma_16816<T>(c[nt + 1], qf[kk], b1);
+        }
+}
+
+/* acc[16 x D] += W[16 x 64] V for the forward, as mma_wy, with V's B
+ * fragments through ldmatrix.x4.trans (two d-tiles each). */
+template <ng_dtype T, int D>
+__device__ __forceinline__ void mma_pv(float acc[D / 8][4], const float w[kMmaNT][4],
+                                       const uint16_t *v, int lane) {
+    constexpr int kLd = D + 8;
+#pragma unroll
+    for (int kt = 0; kt < kMmaNT / 2; kt++) {
+        const uint32_t lo[2] = {pack_f32x2<T>(w[2 * kt][0], w[2 * kt][1]),
+                                pack_f32x2<T>(w[2 * kt][2], w[2 * kt][3])};
+        const uint32_t hi[2] = {pack_f32x2<T>(w[2 * kt + 1][0], w[2 * kt + 1][1]),
+                                pack_f32x2<T>(w[2 * kt + 1][2], w[2 * kt + 1][3])};
+        uint32_t a[4];
+        ng_mma_c_to_a(a, lo, hi);
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt += 2) {
+            uint32_t b0[2], b1[2];
+            ng_mma_ldm_b_cols2(b0, b1, v, kLd, kt * 16, dt * 8, lane);
+            ng_mma_16816<T>(acc[dt], a, b0);
+            ng_mma_16816<T>(acc[dt + 1], a, b1);
+        }
+    }
 }
 
 /* c[16 x 64] += X Y^T: the 16 rows of tile x from row xr0 against the 64
@@ -814,7 +896,9 @@ static __global__ void __launch_bounds__(kMmaThreads)
     attention_fwd_mma_kernel(ng_attention_args a, int vec) {
     constexpr int kTile = kMmaRows * (D + 8);
     NG_DYNAMIC_SMEM(uint4, mma_smem);
-    uint16_t *qs = (uint16_t *)mma_smem, *ks = qs + kTile, *vs = ks + kTile;
+    /* two stages of (K, V) tiles, stage st at smem + 2 st kTile; Q is staged
+     * in stage 1's K tile and read into registers before tile 1 lands there */
+    uint16_t *const smem = (uint16_t *)mma_smem;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const block_coord bc = block_coords(NG_CEIL_DIV(a.L, (int64_t)kMmaRows), a.Hq);
     const int64_t b = bc.b, h = bc.h, hk = h / (a.Hq / a.Hkv);
@@ -825,14 +909,41 @@ static __global__ void __launch_bounds__(kMmaThreads)
     const uint16_t *qb = (const uint16_t *)a.q + b * a.q_stride[0] + h * a.q_stride[1];
     const uint16_t *kb = (const uint16_t *)a.k + b * a.k_stride[0] + hk * a.k_stride[1];
     const uint16_t *vb = (const uint16_t *)a.v + b * a.v_stride[0] + hk * a.v_stride[1];
-    mma_stage<D>(qs, qb, a.q_stride[2], q0, a.L - q0, vec);
+    const int64_t kend = a.is_causal ? NG_MIN(a.S, q0 + kMmaRows) : a.S;
+    /* group 0: Q; group 1: key tile 0 (empty when there are no keys) */
+    mma_stage_async<D>(smem + 2 * kTile, qb, a.q_stride[2], q0, a.L - q0, vec);
+    if constexpr (kAsyncCopy) ng_cp_async_commit();
+    if (kend > 0) {
+        mma_stage_async<D>(smem, kb, a.k_stride[2], 0, kend, vec);
+        mma_stage_async<D>(smem + kTile, vb, a.v_stride[2], 0, kend, vec);
+    }
+    if constexpr (kAsyncCopy) {
+        ng_cp_async_commit();
+        ng_cp_async_wait_group<1>(); /* Q landed; tile 0 may still be in flight */
+    }
+    __syncthreads();
+    uint32_t qf[D / 16][4]; /* the warp's 16 query rows as A fragments, for every key tile */
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++)
+        ng_mma_ldm_a(qf[kk], smem + 2 * kTile, D + 8, warp * 16, kk * 16, lane);
 
     float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    const int64_t kend = a.is_causal ? NG_MIN(a.S, q0 + kMmaRows) : a.S;
-    for (int64_t j0 = 0; j0 < kend; j0 += kMmaRows) {
-        mma_stage_kv<D>(ks, vs, kb, vb, a, j0, kend - j0, vec);
+    int st = 0;
+    for (int64_t j0 = 0; j0 < kend; j0 += kMmaRows, st ^= 1) {
+        /* tile j0 complete and visible to all; every warp done with the
+         * other stage (tile j0 - 64, or Q on the first pass) */
+        if constexpr (kAsyncCopy) ng_cp_async_wait_group<0>();
+        __syncthreads();
+        const uint16_t *ks = smem + 2 * st * kTile, *vs = ks + kTile;
+        if (j0 + kMmaRows < kend) { /* tile j0 + 64 into the other stage, behind this one's math */
+            uint16_t *kn = smem + 2 * (st ^ 1) * kTile;
+            mma_stage_async<D>(kn, kb, a.k_stride[2], j0 + kMmaRows, kend - j0 - kMmaRows, vec);
+            mma_stage_async<D>(kn + kTile, vb, a.v_stride[2], j0 + kMmaRows, kend - j0 - kMmaRows,
+                               vec);
+            if constexpr (kAsyncCopy) ng_cp_async_commit();
+        }
         float s[kMmaNT][4] = {};
-        mma_xyt<T, D>(s, qs, warp * 16, ks, lane);
+        mma_qkt<T, D>(s, qf, ks, lane);
 
         float bm[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -874,7 +985,7 @@ static __global__ void __launch_bounds__(kMmaThreads)
         for (int dt = 0; dt < D / 8; dt++)
 #pragma unroll
             for (int c = 0; c < 4; c++) o[dt][c] *= alpha[c >> 1];
-        mma_wy<T, D>(o, s, vs, lane);
+        mma_pv<T, D>(o, s, vs, lane);
     }
 
     float inv[2];
@@ -1103,8 +1214,8 @@ ng_status launch_mma(const ng_attention_args *a, cudaStream_t st, int backward, 
     dim3 grid;
     if (!backward) {
         NG_TRY(fold_grid(NG_CEIL_DIV(a->L, (int64_t)kMmaRows), a->Hq, a->B, &grid));
-        NG_TRY(allow_smem(attention_fwd_mma_kernel<T, D>, 3 * tile, allowed_fwd));
-        NG_LAUNCH((attention_fwd_mma_kernel<T, D>), grid, kMmaThreads, 3 * tile, st, *a, vec);
+        NG_TRY(allow_smem(attention_fwd_mma_kernel<T, D>, 4 * tile, allowed_fwd));
+        NG_LAUNCH((attention_fwd_mma_kernel<T, D>), grid, kMmaThreads, 4 * tile, st, *a, vec);
         return cuda_check();
     }
     const size_t sm = 4 * tile + 2 * kMmaRows * sizeof(float);

@@ -94,6 +94,43 @@ NG_HD int ng_mma_ds_exponent(float max_abs) {
 }
 
 #if defined(__CUDACC__) || defined(NG_CUDA_EMU)
+/* The same fragments through ldmatrix (kernels/cuda_ptx.h), one warp-wide
+ * instruction instead of scalar 16-bit loads: lane l gives the address of
+ * row l % 8 of 8x8 matrix l / 8, rows 16-byte aligned (tile 16-byte aligned,
+ * ld and the column a multiple of 8). Lane-for-lane equal to
+ * ng_mma_frag_a / _b_rows / _b_cols above (cuda_emu_self checks the
+ * layouts against those). */
+
+/* ng_mma_frag_a: matrices (r0, k0), (r0 + 8, k0), (r0, k0 + 8), (r0 + 8, k0 + 8). */
+__device__ __forceinline__ void ng_mma_ldm_a(uint32_t a[4], const uint16_t *tile, int ld, int r0,
+                                             int k0, int lane) {
+    const int m = lane >> 3, r = lane & 7;
+    ng_ldmatrix<4>(a, tile + (r0 + 8 * (m & 1) + r) * ld + k0 + 8 * (m >> 1));
+}
+
+/* ng_mma_frag_b_rows of n-tiles n0 (b0) and n0 + 8 (b1): matrices
+ * (n0, k0), (n0, k0 + 8), (n0 + 8, k0), (n0 + 8, k0 + 8) of the row-major
+ * tile, not transposed (a row of Y is a column of B). */
+__device__ __forceinline__ void ng_mma_ldm_b_rows2(uint32_t b0[2], uint32_t b1[2],
+                                                   const uint16_t *tile, int ld, int n0, int k0,
+                                                   int lane) {
+    const int m = lane >> 3, r = lane & 7;
+    uint32_t x[4];
+    ng_ldmatrix<4>(x, tile + (n0 + 8 * (m >> 1) + r) * ld + k0 + 8 * (m & 1));
+    b0[0] = x[0], b0[1] = x[1], b1[0] = x[2], b1[1] = x[3];
+}
+
+/* ng_mma_frag_b_cols of n-tiles n0 (b0) and n0 + 8 (b1): matrices
+ * (k0, n0), (k0 + 8, n0), (k0, n0 + 8), (k0 + 8, n0 + 8), transposed. */
+__device__ __forceinline__ void ng_mma_ldm_b_cols2(uint32_t b0[2], uint32_t b1[2],
+                                                   const uint16_t *tile, int ld, int k0, int n0,
+                                                   int lane) {
+    const int m = lane >> 3, r = lane & 7;
+    uint32_t x[4];
+    ng_ldmatrix<4, true>(x, tile + (k0 + 8 * (m & 1) + r) * ld + n0 + 8 * (m >> 1));
+    b0[0] = x[0], b0[1] = x[1], b1[0] = x[2], b1[1] = x[3];
+}
+
 /* D += A B on the tensor cores: mma.sync.aligned.m16n8k16.row.col.f32 with
  * fp16 or bf16 A and B (T), fp32 C = D. Inline PTX, as ldmatrix and
  * cp.async are (kernels/cuda_ptx.h); the CPU emulator of the CUDA execution

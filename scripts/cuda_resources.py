@@ -9,8 +9,8 @@ resident warps per SM that the register count alone allows (65536
 registers per SM, allocated per warp in units of 256; 64 warps per SM on
 sm_80 / sm_90). No GPU is needed; the numbers are what ptxas decided.
 
-It also reports which of the instructions the tensor-core paths are meant
-to use (`ldmatrix`, `cp.async`, `mma.sync`) appear in each file's PTX.
+It also counts the instructions the tensor-core paths are meant to use
+(`ldmatrix`, `cp.async`, `mma.sync`) in each kernel's and each file's PTX.
 
     python3 scripts/cuda_resources.py                  # markdown to stdout
     python3 scripts/cuda_resources.py --out bench/results/cuda_resources
@@ -88,8 +88,21 @@ def compile_one(nvcc: str, src: str, arch: str, tmp: str) -> tuple[list[dict], d
     subprocess.run([nvcc, *FLAGS, f"-arch=sm_{arch}", "-ptx", "-o", ptx, src], check=True, capture_output=True)
     with open(ptx) as f:
         text = f.read()
-    counts = {op: len(re.findall(r"\b" + re.escape(op), text)) for op in PTX_OPS}
+    counts = _count_ops(text)
+    # per kernel: the PTX between one .entry and the next (device functions
+    # are inlined into their kernels at -O3, so this is what each one runs)
+    entries = list(re.finditer(r"^\s*(?:\.visible\s+|\.weak\s+)*\.entry\s+([\w$]+)\s*\(", text, re.M))
+    per_entry = {
+        e.group(1): _count_ops(text[e.start() : entries[i + 1].start() if i + 1 < len(entries) else len(text)])
+        for i, e in enumerate(entries)
+    }
+    for row in rows:
+        row["ptx"] = per_entry.get(row["mangled"], {op: 0 for op in PTX_OPS})
     return rows, counts
+
+
+def _count_ops(text: str) -> dict[str, int]:
+    return {op: len(re.findall(r"\b" + re.escape(op), text)) for op in PTX_OPS}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,14 +142,16 @@ def main(argv: list[str] | None = None) -> int:
         "From `python3 scripts/cuda_resources.py` (ptxas -v, -O3). warps/SM: resident warps",
         "the register count alone allows (of 64); shared memory and the launch's block size",
         "may allow fewer. smem: static shared memory only (dynamic is sized at launch).",
+        "The last column counts those PTX instructions in the kernel's own .entry (cp.async",
+        "includes its commit_group / wait_group).",
         "",
     ]
     for arch in args.arch:
         lines += [
             f"## sm_{arch}",
             "",
-            "| file | kernel | regs | spill st/ld (B) | stack (B) | smem (B) | warps/SM |",
-            "|---|---|---|---|---|---|---|",
+            "| file | kernel | regs | spill st/ld (B) | stack (B) | smem (B) | warps/SM | ldmatrix / cp.async / mma.sync |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in sorted((r for r in rows if r["arch"] == f"sm_{arch}"), key=lambda r: (r["file"], -r["regs"])):
             k = r["kernel"].replace("|", "\\|")
@@ -144,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                 k = k[:107] + "..."
             lines.append(
                 f"| {r['file']} | `{k}` | {r['regs']} | {r['spill_stores']}/"
-                f"{r['spill_loads']} | {r['stack']} | {r['smem']} | {r['warps_by_regs']} |"
+                f"{r['spill_loads']} | {r['stack']} | {r['smem']} | {r['warps_by_regs']} | "
+                + " / ".join(str(r["ptx"][o]) for o in PTX_OPS)
+                + " |"
             )
         lines.append("")
     lines += [

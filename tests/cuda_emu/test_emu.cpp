@@ -552,6 +552,45 @@ static __global__ void ldmatrix_race_kernel(uint32_t *out) {
     out[threadIdx.x] = r[0];
 }
 
+/* The mma kernels' ldmatrix fragment loaders (attention_mma.h) against
+ * their scalar counterparts, on a 32 x 32 tile (kLdFrag apart) at offsets
+ * that exercise every term of the row addresses. */
+static const int kLdFrag = 40;
+static __global__ void ldmatrix_frag_kernel(const uint16_t *src, uint32_t *out) {
+    NG_SHARED(uint16_t, tile, [32 * kLdFrag]);
+    const int l = threadIdx.x;
+    for (int i = l; i < 32 * kLdFrag; i += 32) tile[i] = src[i];
+    __syncwarp(0xffffffffu);
+    uint32_t *o = out + 12 * l;
+    ng_mma_ldm_a(o, tile, kLdFrag, 16, 8, l);
+    ng_mma_ldm_b_rows2(o + 4, o + 6, tile, kLdFrag, 8, 16, l);
+    ng_mma_ldm_b_cols2(o + 8, o + 10, tile, kLdFrag, 16, 8, l);
+}
+
+static void test_ldmatrix_frags() {
+    uint16_t hsrc[32 * kLdFrag];
+    for (int i = 0; i < 32 * kLdFrag; i++) hsrc[i] = (uint16_t)(0x2000 + 5 * i);
+    uint16_t *dsrc = dalloc<uint16_t>(32 * kLdFrag);
+    uint32_t *out = dalloc<uint32_t>(32 * 12);
+    cudaMemcpy(dsrc, hsrc, sizeof hsrc, cudaMemcpyHostToDevice);
+    NG_LAUNCH((ldmatrix_frag_kernel), 1, 32, 0, 0, dsrc, out);
+    CHECK(cudaGetLastError() == cudaSuccess, "ldmatrix fragment loaders launch");
+    const std::vector<uint32_t> h = download(out, 32 * 12);
+    int bad = 0;
+    for (int l = 0; l < 32; l++) {
+        uint32_t want[12];
+        ng_mma_frag_a(want, hsrc, kLdFrag, 16, 8, l);
+        ng_mma_frag_b_rows(want + 4, hsrc, kLdFrag, 8, 16, l);
+        ng_mma_frag_b_rows(want + 6, hsrc, kLdFrag, 16, 16, l);
+        ng_mma_frag_b_cols(want + 8, hsrc, kLdFrag, 16, 8, l);
+        ng_mma_frag_b_cols(want + 10, hsrc, kLdFrag, 16, 16, l);
+        for (int i = 0; i < 12; i++) bad += h[12 * l + i] != want[i];
+    }
+    CHECK(bad == 0, "ng_mma_ldm_a / _b_rows2 / _b_cols2 = ng_mma_frag_*: %d registers differ", bad);
+    cudaFree(out);
+    cudaFree(dsrc);
+}
+
 static void test_ldmatrix() {
     uint16_t hsrc[16 * kLdTile];
     for (int i = 0; i < 16 * kLdTile; i++) hsrc[i] = (uint16_t)(0x1000 + 7 * i); /* all distinct */
@@ -564,6 +603,7 @@ static void test_ldmatrix() {
     check_ldmatrix<2, true>(dsrc, hsrc);
     check_ldmatrix<4, true>(dsrc, hsrc);
     cudaFree(dsrc);
+    test_ldmatrix_frags();
 }
 
 static void test_ldmatrix_faults() {
