@@ -718,6 +718,17 @@ __device__ __forceinline__ void mma_qkt(float c[kMmaNT][4], const uint32_t qf[D 
         }
 }
 
+/* Key step kt (16 keys) of W[16 x 64], given as C fragments (w[nt][4],
+ * fp32), rounded to T as an A fragment. */
+template <ng_dtype T>
+__device__ __forceinline__ void mma_w_to_a(uint32_t a[4], const float w[kMmaNT][4], int kt) {
+    const uint32_t lo[2] = {pack_f32x2<T>(w[2 * kt][0], w[2 * kt][1]),
+                            pack_f32x2<T>(w[2 * kt][2], w[2 * kt][3])};
+    const uint32_t hi[2] = {pack_f32x2<T>(w[2 * kt + 1][0], w[2 * kt + 1][1]),
+                            pack_f32x2<T>(w[2 * kt + 1][2], w[2 * kt + 1][3])};
+    ng_mma_c_to_a(a, lo, hi);
+}
+
 /* acc[16 x D] += W[16 x 64] V for the forward, as mma_wy, with V's B
  * fragments through ldmatrix.x4.trans (two d-tiles each). */
 template <ng_dtype T, int D>
@@ -726,12 +737,8 @@ __device__ __forceinline__ void mma_pv(float acc[D / 8][4], const float w[kMmaNT
     constexpr int kLd = D + 8;
 #pragma unroll
     for (int kt = 0; kt < kMmaNT / 2; kt++) {
-        const uint32_t lo[2] = {pack_f32x2<T>(w[2 * kt][0], w[2 * kt][1]),
-                                pack_f32x2<T>(w[2 * kt][2], w[2 * kt][3])};
-        const uint32_t hi[2] = {pack_f32x2<T>(w[2 * kt + 1][0], w[2 * kt + 1][1]),
-                                pack_f32x2<T>(w[2 * kt + 1][2], w[2 * kt + 1][3])};
         uint32_t a[4];
-        ng_mma_c_to_a(a, lo, hi);
+        mma_w_to_a<T>(a, w, kt);
 #pragma unroll
         for (int dt = 0; dt < D / 8; dt += 2) {
             uint32_t b0[2], b1[2];
@@ -769,12 +776,8 @@ __device__ __forceinline__ void mma_wy(float acc[D / 8][4], const float w[kMmaNT
     constexpr int kLd = D + 8;
 #pragma unroll
     for (int kt = 0; kt < kMmaNT / 2; kt++) {
-        const uint32_t lo[2] = {pack_f32x2<T>(w[2 * kt][0], w[2 * kt][1]),
-                                pack_f32x2<T>(w[2 * kt][2], w[2 * kt][3])};
-        const uint32_t hi[2] = {pack_f32x2<T>(w[2 * kt + 1][0], w[2 * kt + 1][1]),
-                                pack_f32x2<T>(w[2 * kt + 1][2], w[2 * kt + 1][3])};
         uint32_t a[4];
-        ng_mma_c_to_a(a, lo, hi);
+        mma_w_to_a<T>(a, w, kt);
 #pragma unroll
         for (int dt = 0; dt < D / 8; dt++) {
             uint32_t b[2];
