@@ -4,7 +4,9 @@
  * The text follows each kernel's dispatch on ng_cpu_isa_active():
  *   attention (attention.c ng_attn_pick): fp32 on the active path; fp64 on
  *     at most AVX2 (no AVX-512 variant); fp16 / bf16 widened to fp32 tiles on
- *     load, then the fp32 path.
+ *     load, then the fp32 path, but for the decode path on AVX2 / AVX-512,
+ *     which reads a 16-bit KV cache in place (ng_dots_bf16 / ng_pv_bf16, and
+ *     the fp16 pair: NG_DEC_16).
  *   layernorm (layernorm.c pick_path): fp32 / fp16 / bf16 rows in fp32 on
  *     AVX2 when active >= avx2; fp64 in scalar fp64 loops.
  *   grad_guard (grad_guard.c gg_pick): every dtype on AVX2 when active >= avx2.
@@ -28,8 +30,9 @@ __attribute__((visibility("default"))) const char *ng_cpu_info(void) {
     const ng_cpu_isa sup = ng_cpu_isa_supported(), act = ng_cpu_isa_active();
     const char *env = getenv("NANGUARD_CPU_ISA");
     const char *a = ng_cpu_isa_name(act), *ln = act >= NG_ISA_AVX2 ? "avx2" : "baseline";
-    char widened[64];
-    snprintf(widened, sizeof widened, "%s, widened to fp32 tiles", a);
+    char widened[96];
+    snprintf(widened, sizeof widened, "%s, widened to fp32 tiles%s", a,
+             act >= NG_ISA_AVX2 ? " (the decode forward reads the KV cache in place)" : "");
     snprintf(
         buf, sizeof buf,
         "supported=%s\nactive=%s\nrequested=%s\n"

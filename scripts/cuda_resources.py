@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         lines += [
             f"## sm_{arch}",
             "",
-            "| file | kernel | regs | spill st/ld (B) | stack (B) | smem (B) | warps/SM | ldmatrix / cp.async / mma.sync |",
+            "| file | kernel | regs | spill st/ld (B) | stack (B) | smem (B) | warps/SM "
+            "| ldmatrix / cp.async / mma.sync |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in sorted((r for r in rows if r["arch"] == f"sm_{arch}"), key=lambda r: (r["file"], -r["regs"])):
