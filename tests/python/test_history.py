@@ -80,6 +80,12 @@ def test_history_keeps_the_last_n_steps_and_merges_repeated_calls():
     rows = h.rows()
     assert [r.step for r in rows] == [3, 4, 5]
     assert [r.max_abs for r in rows] == [103.0, 104.0, 105.0]
+    # counts are summed, and the rows given are not changed by the merge
+    given = [_row(9, 2.0, nan=1), Row(9, "layer", "forward", "float16", 3.0, 1e-3, nan=2, posinf=1)]
+    h.add(9, given)
+    (last,) = [r for r in h.rows() if r.step == 9]
+    assert (last.max_abs, last.nan, last.posinf) == (3.0, 3, 1)
+    assert [(r.max_abs, r.nan, r.posinf) for r in given] == [(2.0, 1, 0), (3.0, 2, 1)]
 
 
 def test_prediction_waits_for_the_last_predict_bits():

@@ -56,7 +56,8 @@ class Forensics:
                         _split_hook(role, src, owner, pending, record, on)))
         return handles
 
-    def rows(self, recs: List[Rec], host: Dict[torch.device, tuple], loss_scale: float = 1.0) -> List[Row]:
+    def rows(self, recs: List[Rec], host: Dict[torch.device, tuple], loss_scale: float = 1.0,
+             step: int = 0) -> List[Row]:
         """The step's records as history rows (module outputs, output
         gradients, parameter gradients and attention-score bounds; a
         module's inputs are other modules' outputs or the batch)."""
@@ -68,7 +69,7 @@ class Forensics:
                 continue
             c, v = lists[r.dev][0][r.slot], lists[r.dev][1][r.slot]
             scale = loss_scale if r.kind in (Kind.GRAD, Kind.PGRAD) else 1.0
-            rows.append(Row(0, r.call.name, pass_, _DTYPE[r.dtype], v[0], v[1], c[0], c[1], c[2], scale))
+            rows.append(Row(step, r.call.name, pass_, _DTYPE[r.dtype], v[0], v[1], c[0], c[1], c[2], scale))
         return rows
 
     def observe(self, step: int, recs: List[Rec], host, report: Optional[Report]) -> None:
@@ -76,7 +77,7 @@ class Forensics:
         first non-finite step (its path goes into ``report.replay_path``)."""
         scale = None if self.scaler is None else float(self.scaler.get_scale())
         if self.history is not None:
-            self.history.add(step, self.rows(recs, host, scale or 1.0))
+            self.history.add(step, self.rows(recs, host, scale or 1.0, step))
         if self.recorder is not None and report is not None and not self._backoff(report, scale):
             hist = [_as_dict(r) for r in self.history.rows()] if self.history is not None else None
             path = self.recorder.step_done(step=step, nonfinite=True, report=str(report), history=hist,

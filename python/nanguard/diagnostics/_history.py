@@ -196,17 +196,14 @@ class History:
         which scale its magnitudes carry)."""
         merged: Dict[Key, Row] = {}
         for r in rows:  # a module called twice in a step: its largest magnitude, its counts summed
+            if r.step != step:
+                r = dataclasses.replace(r, step=step)
             k = (r.module, r.pass_)
-            if k in merged:
-                m = merged[k]
-                m.max_abs = max(m.max_abs, r.max_abs)
-                m.min_nonzero_abs = min(m.min_nonzero_abs, r.min_nonzero_abs)
-                m.nan, m.posinf, m.neginf = m.nan + r.nan, m.posinf + r.posinf, m.neginf + r.neginf
-            else:
-                # a copy (the merge above updates it in place), by the constructor:
-                # dataclasses.replace costs several times more, once per row per step
-                merged[k] = Row(step, r.module, r.pass_, r.dtype, r.max_abs, r.min_nonzero_abs, r.nan,
-                                r.posinf, r.neginf, r.loss_scale)
+            m = merged.get(k)
+            # the rows are kept as given (none is changed in place: a merge is a new row)
+            merged[k] = r if m is None else dataclasses.replace(
+                m, max_abs=max(m.max_abs, r.max_abs), min_nonzero_abs=min(m.min_nonzero_abs, r.min_nonzero_abs),
+                nan=m.nan + r.nan, posinf=m.posinf + r.posinf, neginf=m.neginf + r.neginf)
         new = []
         for k, r in merged.items():
             self._series[k].append(r)

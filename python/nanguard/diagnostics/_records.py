@@ -67,8 +67,16 @@ class Rec:
 
 def flatten(obj, label: str, out: List[Tuple[str, torch.Tensor]]) -> None:
     """(label, tensor) for every tensor inside obj (tuples, lists, mappings
-    such as ModelOutput), by the one walker of nested containers."""
-    out.extend((leaf.path, leaf.tensor) for leaf in tensor_leaves(obj, label))
+    such as ModelOutput), by the one walker of nested containers. A plain
+    tensor, and a tuple of plain tensors (a module's positional inputs), are
+    labelled as the walker labels them without its walk: they are most of
+    what a watcher's hooks see, once per module call."""
+    if type(obj) is torch.Tensor:
+        out.append((label, obj))
+    elif type(obj) is tuple and all(type(t) is torch.Tensor for t in obj):
+        out.extend((f"{label}[{i}]", t) for i, t in enumerate(obj))
+    else:
+        out.extend((leaf.path, leaf.tensor) for leaf in tensor_leaves(obj, label))
 
 
 def version_of(t: torch.Tensor):

@@ -70,22 +70,6 @@ _AUTO_CHECK_FORWARDS = 64
 _AUTO_CHECK_RECORDS = 1 << 16
 
 
-_INPUT_LABELS = tuple(f"input[{i}]" for i in range(8))
-
-
-def _leaves(args: tuple, kwargs: dict) -> List[Tuple[str, torch.Tensor]]:
-    """(label, tensor) of a module call's inputs: positional tensors are
-    ``input[i]`` (a call with tensors alone skips the container walk), the
-    rest by the walker."""
-    if not kwargs and len(args) <= len(_INPUT_LABELS) and all(type(a) is torch.Tensor for a in args):
-        return list(zip(_INPUT_LABELS, args))
-    found: List[Tuple[str, torch.Tensor]] = []
-    flatten(args, "input", found)
-    for k, v in kwargs.items():
-        flatten(v, k, found)
-    return found
-
-
 class Watch:
     """Watch ``model`` for the first NaN / Inf.
 
@@ -233,7 +217,12 @@ class Watch:
             call = Call(name, cls, self._step)
             stack.append(call)
             if self._inputs:
-                for label, t in _leaves(args, kwargs):
+                found: List[Tuple[str, torch.Tensor]] = []
+                flatten(args, "input", found)
+                if kwargs:
+                    for k, v in kwargs.items():
+                        flatten(v, k, found)
+                for label, t in found:
                     if recordable(t):
                         r, _ = self._record_once(t, Kind.IN, call, label)
                         call.inputs.append((label, r))
@@ -247,11 +236,8 @@ class Watch:
             if not self._on or not stack:  # empty: hooks attached while this call ran
                 return None
             call = stack.pop()
-            if type(output) is torch.Tensor:  # the common case, without the container walk
-                found: List[Tuple[str, torch.Tensor]] = [("output", output)]
-            else:
-                found = []
-                flatten(output, "output", found)
+            found: List[Tuple[str, torch.Tensor]] = []
+            flatten(output, "output", found)
             for label, t in found:
                 if not recordable(t):
                     continue
@@ -356,17 +342,15 @@ class Watch:
         if type(t) is not torch.Tensor and type(t) is not nn.Parameter:
             t = _dist.local(t)  # a DTensor's census is its local shard's
         dev = t.device
-        used = self._used
-        slot = used.get(dev, 0)
+        slot = self._used.get(dev, 0)
         buf = self._bufs.get(dev)
         if buf is None or slot >= buf[0].shape[0]:
             buf = self._grow(dev, slot + 1)
         with _below_autograd():
             _op(t, buf[0], buf[1], slot)
-        used[dev] = slot + 1
-        recs = self._recs
-        recs.append(Rec(dev, slot, kind, call, label, t.shape, dtype or t.dtype, fwd_record))
-        return len(recs) - 1
+        self._used[dev] = slot + 1
+        self._recs.append(Rec(dev, slot, kind, call, label, t.shape, dtype or t.dtype, fwd_record))
+        return len(self._recs) - 1
 
     @property
     def capacity(self) -> Dict[torch.device, int]:
