@@ -1300,17 +1300,6 @@ void mma_m16n8k16(int bf16, float c[4], const uint32_t a[4], const uint32_t b[2]
     (void)post(t);
 }
 
-/* Whether [p, p + n) lies in the block's shared memory: the used part of the
- * static arena, or the launch's dynamic shared memory. */
-static bool in_shared(const void *p, size_t n) {
-    const uintptr_t a = (uintptr_t)p;
-    if (a - (uintptr_t)g_static_smem < g_static_used &&
-        a + n <= (uintptr_t)g_static_smem + g_static_used)
-        return true;
-    return g_launch.dyn && a - (uintptr_t)g_launch.dyn < g_launch.dyn_size &&
-           a + n <= (uintptr_t)g_launch.dyn + g_launch.dyn_size;
-}
-
 bool ldmatrix_row(int num, const void *row, const char *site) {
     thread_state *t = running("ldmatrix");
     if (num != 1 && num != 2 && num != 4)
@@ -1322,7 +1311,7 @@ bool ldmatrix_row(int num, const void *row, const char *site) {
               "ldmatrix.x%d at %s: lane %d's address %p (row %d of matrix %d) is not 16-byte "
               "aligned (each row is 16 contiguous, 16-byte aligned bytes of shared memory)",
               num, site, t->lane, row, r, m);
-    if (!in_shared(row, 16))
+    if (!ng_emu_is_shared(row, 16))
         fault(t,
               "ldmatrix.x%d at %s: lane %d's address %p (row %d of matrix %d) is not in shared "
               "memory (the block's NG_SHARED variables or its %zu bytes of dynamic shared memory)",
@@ -1352,7 +1341,7 @@ void cp_async(int bytes, int cg, void *dst, const void *src, const char *site) {
     if ((uintptr_t)dst % (unsigned)bytes || (uintptr_t)src % (unsigned)bytes)
         fault(t, "%s at %s: a %d-byte copy from %p to %p, not both %d-byte aligned", form, site,
               bytes, src, dst, bytes);
-    if (!in_shared(dst, (size_t)bytes))
+    if (!ng_emu_is_shared(dst, (size_t)bytes))
         fault(t, "%s at %s: the destination %p (%d bytes) is not in shared memory", form, site, dst,
               bytes);
     if (!find_alloc(src, (size_t)bytes))
