@@ -4,10 +4,14 @@
  * FlashAttention 1 and 2), never materializing the [L, S] score matrix.
  *
  * Forward, per (batch, head, block of BQ queries), in parallel:
- *   Q tile -> NG_R once; for each block of BK keys: K^T and V tiles -> NG_R,
- *   S = Q K^T (micro-kernel), per row: scale, clamp / soft-cap, mask, causal,
- *   online-softmax update (attention_math.h), P V accumulated into [BQ, Ev].
- *   out = acc / l, lse = m + log l (-inf and 0 output for a fully masked row).
+ *   Q^T packed as NG_R once; for each block of BK keys (K and V read in
+ *   place when they are NG_R, else converted): the scores held transposed,
+ *   S^T = K Q^T (micro-kernel), per key row: clamp / soft-cap, mask, causal
+ *   where asked, then the online-softmax update down each query's column
+ *   (ng_cols_softmax: a query is a register lane, nothing is reduced across
+ *   lanes), P V accumulated into [BQ, Ev] with P^T as the micro-kernel's
+ *   strided A operand. out = acc / l, lse = m + log l (-inf and 0 output
+ *   for a fully masked row).
  * Backward, FlashAttention-2 style with the saved lse:
  *   D_i = dout_i . out_i (a first pass over rows), then tasks over
  *   (batch, kv head, chunk of key blocks): per key block, for each query head
@@ -35,8 +39,9 @@
  * (gradcheck). Each is compiled for baseline x86-64 and for AVX2+FMA, fp32
  * also for AVX-512 (attention_cpu.inc, chosen at run time through cpu_isa.h
  * from a table indexed by the CPU path); only the micro-kernel, the decode
- * path's dots and P V (attention_dec_f32.inc, over simd_f32.h), and the row
- * exp differ between them.
+ * path's dots and P V (attention_dec_f32.inc, over simd_f32.h), the
+ * forward's column softmax (attention_cols_f32.inc, over simd_f32.h) and
+ * the row exp differ between them.
  */
 #include "kernels/attention.h"
 
@@ -408,30 +413,8 @@ NG_PV_PLAIN(ng_pv_f64_base, double)
 NG_EXP_ROW_F32(ng_exp_row_f32_base, )
 
 #if NG_X86
-/* ng_expf_poly on 8 lanes (same polynomial, FMA-contracted). */
-NG_TARGET_AVX2 static inline __m256 ng_exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
-    __m256 xc = _mm256_min_ps(_mm256_max_ps(x, lo), hi); /* NaN -> -87, restored below */
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    __m256i e =
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-    y = _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), y);        /* exp(-inf) = 0 */
-    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)); /* NaN stays NaN */
-}
-
-NG_TARGET_AVX2 __attribute__((noinline)) static float ng_exp_row_f32_avx2(float *x, int64_t n,
-                                                                          float m) {
+NG_TARGET_AVX2
+__attribute__((noinline)) static float ng_exp_row_f32_avx2(float *x, int64_t n, float m) {
     const __m256 vm = _mm256_set1_ps(m);
     __m256 acc = _mm256_setzero_ps();
     int64_t j = 0;
@@ -453,29 +436,6 @@ NG_TARGET_AVX2 __attribute__((noinline)) static float ng_exp_row_f32_avx2(float 
 #endif
 
 #if NG_X86
-/* ng_exp8 on 16 lanes: the same operations lane by lane, so the same values;
- * 2^n by vscalefps, which equals the exponent-field product for the n in
- * [-126, 127] that the clamp leaves. */
-NG_TARGET_AVX512 static inline __m512 ng_exp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(88.0f);
-    __m512 xc = _mm512_min_ps(_mm512_max_ps(x, lo), hi); /* NaN -> -87, restored below */
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    y = _mm512_scalef_ps(y, n);
-    /* exp(-inf) = 0; NaN stays NaN */
-    y = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), y);
-    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
-}
-
 /* The AVX2 row exp at 16 lanes: the sum folds the 16 lanes to 8 (low +
  * high) and then adds them in the AVX2 form's order. */
 NG_TARGET_AVX512 __attribute__((noinline)) static float ng_exp_row_f32_avx512(float *x, int64_t n,
@@ -508,6 +468,54 @@ static double ng_exp_row_f64_base(double *x, int64_t n, double m) {
     }
     return sum;
 }
+
+/* ---- column softmax: the forward's online-softmax step over a transposed
+ * score tile, s[j * ld + i] the raw score of query i against key j (j < nk,
+ * i < ncols), scale > 0. Per query column: the running max m[i] (of scaled
+ * scores) moves to ng_attn_max_nan(m[i], scale * the column's max), NaN when
+ * a score is NaN; alpha[i] = ng_attn_rescale(old, new max); the scores
+ * become P = exp(s * scale - m[i]) (0 while m[i] = -inf) and l[i] = l[i] *
+ * alpha[i] + their sum. A key row is a vector of queries, so maxima and sums
+ * run down the lanes: nothing is reduced across a register. */
+#define NG_COLS_SOFTMAX_PLAIN(NAME, T, EXP, MAXNAN, RESCALE)                                       \
+    static void NAME(T *s, int64_t ld, int64_t nk, int64_t ncols, T scale, T *m, T *l, T *alpha) { \
+        T mx[BQ], sum[BQ];                                                                         \
+        unsigned char nan[BQ];                                                                     \
+        for (int64_t i = 0; i < ncols; i++) mx[i] = (T) - INFINITY, sum[i] = 0, nan[i] = 0;        \
+        for (int64_t j = 0; j < nk; j++) {                                                         \
+            const T *row = s + j * ld;                                                             \
+            for (int64_t i = 0; i < ncols; i++) {                                                  \
+                nan[i] |= row[i] != row[i];                                                        \
+                mx[i] = row[i] > mx[i] ? row[i] : mx[i];                                           \
+            }                                                                                      \
+        }                                                                                          \
+        for (int64_t i = 0; i < ncols; i++) {                                                      \
+            const T mn = MAXNAN(m[i], nan[i] ? (T)NAN : mx[i] * scale);                            \
+            alpha[i] = RESCALE(m[i], mn);                                                          \
+            m[i] = mn;                                                                             \
+        }                                                                                          \
+        for (int64_t j = 0; j < nk; j++) {                                                         \
+            T *row = s + j * ld;                                                                   \
+            for (int64_t i = 0; i < ncols; i++) {                                                  \
+                const T p = m[i] == (T) - INFINITY ? (T)0 : EXP(row[i] * scale - m[i]);            \
+                row[i] = p;                                                                        \
+                sum[i] += p;                                                                       \
+            }                                                                                      \
+        }                                                                                          \
+        for (int64_t i = 0; i < ncols; i++) l[i] = l[i] * alpha[i] + sum[i];                       \
+    }
+
+NG_COLS_SOFTMAX_PLAIN(ng_cols_softmax_f32_base, float, ng_expf_poly, ng_attn_max_nan_f32,
+                      ng_attn_rescale_f32)
+NG_COLS_SOFTMAX_PLAIN(ng_cols_softmax_f64_base, double, exp, ng_attn_max_nan_f64,
+                      ng_attn_rescale_f64)
+
+#if NG_X86
+#define NG_F32_W 8
+#include "kernels/attention_cols_f32.inc"
+#define NG_F32_W 16
+#include "kernels/attention_cols_f32.inc"
+#endif
 
 /* ---- the tile kernels, once per variant --------------------------------- */
 
@@ -559,6 +567,7 @@ static inline int64_t ng_pad16(int64_t n) { return NG_CEIL_DIV(n, 16) * 16; }
 #define ng_dots_f64_avx2 ng_dots_f64_base
 #define ng_pv_f64_avx2 ng_pv_f64_base
 #define ng_exp_row_f64_avx2 ng_exp_row_f64_base
+#define ng_cols_softmax_f64_avx2 ng_cols_softmax_f64_base
 #define NG_T f64
 #define NG_ISA avx2
 #define NG_ATTR NG_TARGET_AVX2

@@ -22,6 +22,20 @@
  *                         F16C's vcvtph2ps)
  *   NG_F32_VEC_STORE(p,v) v to p (unaligned)
  *   NG_F32_VEC_FMA(a,b,c) a * b + c, one rounding
+ *   NG_F32_VEC_ADD/SUB/MUL(a,b)  a + b, a - b, a * b
+ *   NG_F32_VEC_MAX(a,b)   a > b ? a : b (b when either is NaN: callers that
+ *                         must see a NaN track it with NG_F32_MASK_NAN)
+ *   NG_F32_VEC_EXP(x)     exp(x) to ~1 ulp (the Cephes polynomial of
+ *                         attention.c's ng_expf_poly), exp(-inf) = 0, NaN
+ *                         stays NaN; the same value at either width
+ *   NG_F32_VEC_EXP2(x)    2^x to ~1 ulp, 0 below -126 (ng_exp2_8 / _16)
+ *   NG_F32_MASK           a lane mask (a vector of all-ones lanes for AVX2,
+ *                         a k-register for AVX-512)
+ *   NG_F32_MASK_NAN(x)    the lanes of x that are NaN
+ *   NG_F32_MASK_EQ(a,b), NG_F32_MASK_GT(a,b)  a == b, a > b (ordered)
+ *   NG_F32_MASK_OR(m,n)   either
+ *   NG_F32_MASK_NONE()    no lane
+ *   NG_F32_SELECT(m,a,b)  m ? a : b per lane
  *   NG_F32_VEC_HSUM(v)    the sum of v's lanes, as a float
  *   NG_F32_VEC_HSUM4(a,b,c,d) the sums of four vectors' lanes, as an __m128
  *
@@ -57,6 +71,86 @@ NG_TARGET_AVX512 static inline __m256 ng_fold16(__m512 a) {
                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
 
+/* exp on 8 lanes: ng_expf_poly's Cephes polynomial (attention.c), FMA-
+ * contracted; exp(-inf) = 0 and NaN stays NaN. */
+NG_TARGET_AVX2 static inline __m256 ng_exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
+    /* max / min return their second operand when one is NaN: a NaN x flows
+     * through the clamp and every step below, and the result is NaN */
+    __m256 xc = _mm256_min_ps(hi, _mm256_max_ps(lo, x));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), y); /* exp(-inf) = 0 */
+}
+
+/* ng_exp8 on 16 lanes: the same operations lane by lane, so the same values;
+ * 2^n by vscalefps, which equals the exponent-field product for the n in
+ * [-126, 127] that the clamp leaves. */
+NG_TARGET_AVX512 static inline __m512 ng_exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(88.0f);
+    __m512 xc = _mm512_min_ps(hi, _mm512_max_ps(lo, x)); /* a NaN x flows through */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    y = _mm512_scalef_ps(y, n);
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), y); /* exp(-inf) = 0 */
+}
+
+/* 2^x on 8 / 16 lanes: x = n + f with n = round(x), f in [-1/2, 1/2], 2^f
+ * by Cephes' exp2f polynomial (~1 ulp) and 2^n by the exponent field (8
+ * lanes) or vscalefps (16 lanes), which agree for the n in [-126, 127] the
+ * clamp leaves, so the two widths give the same values. 0 for x < -126
+ * (where 2^x would be subnormal) and for -inf; NaN stays NaN (max / min
+ * return their second operand when one is NaN, so it flows through). */
+#define NG_EXP2_POLY(FMA, SET1, f)                                                                 \
+    FMA(FMA(FMA(FMA(FMA(FMA(SET1(1.535336188319500e-4f), f, SET1(1.339887440266574e-3f)), f,       \
+                        SET1(9.618437357674640e-3f)),                                              \
+                    f, SET1(5.550332471162809e-2f)),                                               \
+                f, SET1(2.402264791363012e-1f)),                                                   \
+            f, SET1(6.931472028550421e-1f)),                                                       \
+        f, SET1(1.0f))
+
+NG_TARGET_AVX2 static inline __m256 ng_exp2_8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-126.0f);
+    const __m256 xc = _mm256_min_ps(_mm256_set1_ps(127.0f), _mm256_max_ps(lo, x));
+    const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(xc, n);
+    const __m256 p = NG_EXP2_POLY(_mm256_fmadd_ps, _mm256_set1_ps, f);
+    const __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ),
+                            _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+NG_TARGET_AVX512 static inline __m512 ng_exp2_16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-126.0f);
+    const __m512 xc = _mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(lo, x));
+    const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(xc, n);
+    const __m512 p = NG_EXP2_POLY(_mm512_fmadd_ps, _mm512_set1_ps, f);
+    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), p, n);
+}
+
 /* 8 lanes: AVX2 + FMA */
 #define NG_F32X8_ATTR NG_TARGET_AVX2
 #define NG_F32X8_ISA avx2
@@ -71,6 +165,19 @@ NG_TARGET_AVX512 static inline __m256 ng_fold16(__m512 a) {
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define NG_F32X8_VEC_LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define NG_F32X8_VEC_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define NG_F32X8_VEC_ADD(a, b) _mm256_add_ps(a, b)
+#define NG_F32X8_VEC_SUB(a, b) _mm256_sub_ps(a, b)
+#define NG_F32X8_VEC_MUL(a, b) _mm256_mul_ps(a, b)
+#define NG_F32X8_VEC_MAX(a, b) _mm256_max_ps(a, b)
+#define NG_F32X8_VEC_EXP(x) ng_exp8(x)
+#define NG_F32X8_VEC_EXP2(x) ng_exp2_8(x)
+#define NG_F32X8_MASK __m256
+#define NG_F32X8_MASK_NAN(x) _mm256_cmp_ps(x, x, _CMP_UNORD_Q)
+#define NG_F32X8_MASK_EQ(a, b) _mm256_cmp_ps(a, b, _CMP_EQ_OQ)
+#define NG_F32X8_MASK_GT(a, b) _mm256_cmp_ps(a, b, _CMP_GT_OQ)
+#define NG_F32X8_MASK_OR(m, n) _mm256_or_ps(m, n)
+#define NG_F32X8_MASK_NONE() _mm256_setzero_ps()
+#define NG_F32X8_SELECT(m, a, b) _mm256_blendv_ps(b, a, m)
 #define NG_F32X8_VEC_HSUM(v) ng_hsum8(v)
 #define NG_F32X8_VEC_HSUM4(a, b, c, d) ng_hsum4x8(a, b, c, d)
 
@@ -88,6 +195,19 @@ NG_TARGET_AVX512 static inline __m256 ng_fold16(__m512 a) {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define NG_F32X16_VEC_LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define NG_F32X16_VEC_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define NG_F32X16_VEC_ADD(a, b) _mm512_add_ps(a, b)
+#define NG_F32X16_VEC_SUB(a, b) _mm512_sub_ps(a, b)
+#define NG_F32X16_VEC_MUL(a, b) _mm512_mul_ps(a, b)
+#define NG_F32X16_VEC_MAX(a, b) _mm512_max_ps(a, b)
+#define NG_F32X16_VEC_EXP(x) ng_exp16(x)
+#define NG_F32X16_VEC_EXP2(x) ng_exp2_16(x)
+#define NG_F32X16_MASK __mmask16
+#define NG_F32X16_MASK_NAN(x) _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q)
+#define NG_F32X16_MASK_EQ(a, b) _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ)
+#define NG_F32X16_MASK_GT(a, b) _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ)
+#define NG_F32X16_MASK_OR(m, n) _kor_mask16(m, n)
+#define NG_F32X16_MASK_NONE() ((__mmask16)0)
+#define NG_F32X16_SELECT(m, a, b) _mm512_mask_mov_ps(b, m, a)
 #define NG_F32X16_VEC_HSUM(v) ng_hsum8(ng_fold16(v))
 #define NG_F32X16_VEC_HSUM4(a, b, c, d)                                                            \
     ng_hsum4x8(ng_fold16(a), ng_fold16(b), ng_fold16(c), ng_fold16(d))
@@ -107,6 +227,19 @@ NG_TARGET_AVX512 static inline __m256 ng_fold16(__m512 a) {
 #define NG_F32_VEC_LOAD_BF16 NG_F32_(VEC_LOAD_BF16)
 #define NG_F32_VEC_LOAD_F16 NG_F32_(VEC_LOAD_F16)
 #define NG_F32_VEC_FMA NG_F32_(VEC_FMA)
+#define NG_F32_VEC_ADD NG_F32_(VEC_ADD)
+#define NG_F32_VEC_SUB NG_F32_(VEC_SUB)
+#define NG_F32_VEC_MUL NG_F32_(VEC_MUL)
+#define NG_F32_VEC_MAX NG_F32_(VEC_MAX)
+#define NG_F32_VEC_EXP NG_F32_(VEC_EXP)
+#define NG_F32_VEC_EXP2 NG_F32_(VEC_EXP2)
+#define NG_F32_MASK NG_F32_(MASK)
+#define NG_F32_MASK_NAN NG_F32_(MASK_NAN)
+#define NG_F32_MASK_EQ NG_F32_(MASK_EQ)
+#define NG_F32_MASK_GT NG_F32_(MASK_GT)
+#define NG_F32_MASK_OR NG_F32_(MASK_OR)
+#define NG_F32_MASK_NONE NG_F32_(MASK_NONE)
+#define NG_F32_SELECT NG_F32_(SELECT)
 #define NG_F32_VEC_HSUM NG_F32_(VEC_HSUM)
 #define NG_F32_VEC_HSUM4 NG_F32_(VEC_HSUM4)
 

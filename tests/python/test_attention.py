@@ -223,22 +223,23 @@ def test_default_matches_pytorch_sdpa():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-@pytest.mark.parametrize("L", [256, 130])
-def test_masked_tiles_are_skipped_without_changing_a_bit(dtype, L):
+@pytest.mark.parametrize("L,scale", [(256, None), (130, None), (130, 0.3)])
+def test_masked_tiles_are_skipped_without_changing_a_bit(dtype, L, scale):
     """A key tile that the mask masks for every query of a block is skipped,
     forward and backward (its probabilities are all 0): a causal mask passed
     as a tensor, as Hugging Face passes causal + padding, gives the bits of
     is_causal=True (output and gradients), whose tiles above the diagonal
     were never computed, and a padded tail
     (whole tiles masked for every query) gives the bits of the same call
-    with those keys cut off."""
+    with those keys cut off. A scale that is not a power of two rounds the
+    same way with a bool mask as without."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, L, 64, dtype=dtype) for _ in range(3))
     tril = torch.ones(L, L, dtype=torch.bool).tril()
     qm, km, vm = (t.clone().requires_grad_() for t in (q, k, v))
     qc, kc, vc = (t.clone().requires_grad_() for t in (q, k, v))
-    out = safe_sdpa(qm, km, vm, attn_mask=tril, backend="nanguard")
-    ref = safe_sdpa(qc, kc, vc, is_causal=True, backend="nanguard")
+    out = safe_sdpa(qm, km, vm, attn_mask=tril, scale=scale, backend="nanguard")
+    ref = safe_sdpa(qc, kc, vc, is_causal=True, scale=scale, backend="nanguard")
     assert torch.equal(out, ref)
     grad = torch.randn_like(out)
     out.backward(grad)
@@ -248,9 +249,28 @@ def test_masked_tiles_are_skipped_without_changing_a_bit(dtype, L):
     keep = 64  # the first key tile only
     pad = torch.zeros(1, 1, L, L, dtype=torch.bool)
     pad[..., :keep] = True
-    got = safe_sdpa(q, k, v, attn_mask=pad, backend="nanguard")
-    cut = safe_sdpa(q, k[:, :, :keep], v[:, :, :keep], attn_mask=pad[..., :keep], backend="nanguard")
+    got = safe_sdpa(q, k, v, attn_mask=pad, scale=scale, backend="nanguard")
+    cut = safe_sdpa(q, k[:, :, :keep], v[:, :, :keep], attn_mask=pad[..., :keep], scale=scale, backend="nanguard")
     assert torch.equal(got, cut)
+
+
+@pytest.mark.parametrize("scale", [-0.2, 0.0, 1e-3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_any_finite_scale_matches_fp64_reference(scale, dtype):
+    """A scale <= 0 reverses (or flattens) the order of the scores, so the
+    softmax's max is not the scaled max of the raw scores: such a call scales
+    first, and matches the reference forward and backward, masked or not."""
+    q = rand((1, 2, 70, 16), dtype, 1, 2.0).requires_grad_()
+    k = rand((1, 2, 90, 16), dtype, 2, 2.0).requires_grad_()
+    v = rand((1, 2, 90, 16), dtype, 3).requires_grad_()
+    for kw in ({}, {"is_causal": True}, {"attn_mask": make_mask("bool", (1, 1, 70, 90), dtype, 4)}):
+        out = safe_sdpa(q, k, v, scale=scale, backend="nanguard", **kw)
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = ref_sdpa(*leaves, mask=kw.get("attn_mask"), causal=kw.get("is_causal", False), scale=scale)
+        g = rand(out.shape, dtype, 5)
+        assert_close(out, ref, "out", dtype)
+        for got, want in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, leaves, g.double())):
+            assert_close(got, want, "grad", dtype)
 
 
 @pytest.mark.parametrize("L,S", [(5, 9), (9, 5), (1, 4)])
