@@ -40,7 +40,7 @@
  * also for AVX-512 (attention_cpu.inc, chosen at run time through cpu_isa.h
  * from a table indexed by the CPU path); only the micro-kernel, the decode
  * path's dots and P V (attention_dec_f32.inc, over simd_f32.h), the
- * forward's column softmax (attention_cols_f32.inc, over simd_f32.h) and
+ * forward's column softmax (attention_f32.inc, over simd_f32.h) and
  * the row exp differ between them.
  */
 #include "kernels/attention.h"
@@ -175,105 +175,6 @@ NG_GEMM_PLAIN(ng_gemm_f32_base, float)
 NG_GEMM_PLAIN(ng_gemm_f64_base, double)
 
 #if NG_X86
-/* R rows x 16 floats at rows i.. (R = 4 or 6): 2R ymm accumulators, 2 loads
- * + R broadcasts per 2R FMAs. */
-#define NG_GEMM_F32_ROWS(R)                                                                        \
-    for (int64_t n = 0; n < N; n += 16) {                                                          \
-        __m256 c[R][2];                                                                            \
-        for (int r = 0; r < R; r++) {                                                              \
-            c[r][0] = acc ? _mm256_loadu_ps(C + (i + r) * ldc + n) : _mm256_setzero_ps();          \
-            c[r][1] = acc ? _mm256_loadu_ps(C + (i + r) * ldc + n + 8) : _mm256_setzero_ps();      \
-        }                                                                                          \
-        const float *b = B + n, *a = A + i * sai;                                                  \
-        for (int64_t k = 0; k < K; k++, b += ldb, a += sak) {                                      \
-            const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);                     \
-            for (int r = 0; r < R; r++) {                                                          \
-                const __m256 x = _mm256_broadcast_ss(a + r * sai);                                 \
-                c[r][0] = _mm256_fmadd_ps(x, b0, c[r][0]);                                         \
-                c[r][1] = _mm256_fmadd_ps(x, b1, c[r][1]);                                         \
-            }                                                                                      \
-        }                                                                                          \
-        for (int r = 0; r < R; r++) {                                                              \
-            _mm256_storeu_ps(C + (i + r) * ldc + n, c[r][0]);                                      \
-            _mm256_storeu_ps(C + (i + r) * ldc + n + 8, c[r][1]);                                  \
-        }                                                                                          \
-    }
-
-/* 6-row blocks (12 accumulators keep both FMA ports busy through their
- * latency) and 4-row blocks for the rest: with M % 4 == 0 the remainder
- * never comes to 2 rows (6 is taken only from 6 or from >= 10 rows). */
-NG_TARGET_AVX2 static void ng_gemm_f32_avx2(int64_t M, int64_t N, int64_t K, const float *A,
-                                            int64_t sai, int64_t sak, const float *B, int64_t ldb,
-                                            float *C, int64_t ldc, int acc) {
-    int64_t i = 0;
-    while (i < M) {
-        const int64_t rem = M - i;
-        if (rem == 6 || rem >= 10) {
-            NG_GEMM_F32_ROWS(6)
-            i += 6;
-        } else {
-            NG_GEMM_F32_ROWS(4)
-            i += 4;
-        }
-    }
-}
-
-/* AVX-512: R rows x NB * 16 floats, NB zmm accumulators per row. */
-#define NG_GEMM_F32_ROWS512(R, NB)                                                                 \
-    {                                                                                              \
-        __m512 c[R][NB];                                                                           \
-        for (int r = 0; r < R; r++)                                                                \
-            for (int x = 0; x < NB; x++)                                                           \
-                c[r][x] =                                                                          \
-                    acc ? _mm512_loadu_ps(C + (i + r) * ldc + n + 16 * x) : _mm512_setzero_ps();   \
-        const float *b = B + n, *a = A + i * sai;                                                  \
-        for (int64_t k = 0; k < K; k++, b += ldb, a += sak) {                                      \
-            __m512 y[NB];                                                                          \
-            for (int x = 0; x < NB; x++) y[x] = _mm512_loadu_ps(b + 16 * x);                       \
-            for (int r = 0; r < R; r++) {                                                          \
-                const __m512 xa = _mm512_set1_ps(a[r * sai]);                                      \
-                for (int x = 0; x < NB; x++) c[r][x] = _mm512_fmadd_ps(xa, y[x], c[r][x]);         \
-            }                                                                                      \
-        }                                                                                          \
-        for (int r = 0; r < R; r++)                                                                \
-            for (int x = 0; x < NB; x++)                                                           \
-                _mm512_storeu_ps(C + (i + r) * ldc + n + 16 * x, c[r][x]);                         \
-    }
-
-/* The AVX2 kernel's blocking with 64 or 32 columns per step (16 for a tail): each
- * C element is the same sequence of FMAs over k, so the results are those of
- * ng_gemm_f32_avx2 bit for bit, at twice the width. */
-NG_TARGET_AVX512 static void ng_gemm_f32_avx512(int64_t M, int64_t N, int64_t K, const float *A,
-                                                int64_t sai, int64_t sak, const float *B,
-                                                int64_t ldb, float *C, int64_t ldc, int acc) {
-    int64_t i = 0;
-    while (i < M) {
-        const int64_t rem = M - i;
-        const int six = rem == 6 || rem >= 10;
-        int64_t n = 0;
-        /* 64 columns: 24 accumulators, 4 loads + R broadcasts per 4R FMAs */
-        for (; n + 64 <= N; n += 64) {
-            if (six)
-                NG_GEMM_F32_ROWS512(6, 4)
-            else
-                NG_GEMM_F32_ROWS512(4, 4)
-        }
-        for (; n + 32 <= N; n += 32) {
-            if (six)
-                NG_GEMM_F32_ROWS512(6, 2)
-            else
-                NG_GEMM_F32_ROWS512(4, 2)
-        }
-        if (n < N) {
-            if (six)
-                NG_GEMM_F32_ROWS512(6, 1)
-            else
-                NG_GEMM_F32_ROWS512(4, 1)
-        }
-        i += six ? 6 : 4;
-    }
-}
-
 /* 4 rows x 8 doubles. */
 NG_TARGET_AVX2 static void ng_gemm_f64_avx2(int64_t M, int64_t N, int64_t K, const double *A,
                                             int64_t sai, int64_t sak, const double *B, int64_t ldb,
@@ -412,54 +313,6 @@ NG_PV_PLAIN(ng_pv_f64_base, double)
 
 NG_EXP_ROW_F32(ng_exp_row_f32_base, )
 
-#if NG_X86
-NG_TARGET_AVX2
-__attribute__((noinline)) static float ng_exp_row_f32_avx2(float *x, int64_t n, float m) {
-    const __m256 vm = _mm256_set1_ps(m);
-    __m256 acc = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        __m256 p = ng_exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm));
-        _mm256_storeu_ps(x + j, p);
-        acc = _mm256_add_ps(acc, p);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
-    float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-                ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-    for (; j < n; j++) {
-        x[j] = ng_expf_poly(x[j] - m);
-        sum += x[j];
-    }
-    return sum;
-}
-#endif
-
-#if NG_X86
-/* The AVX2 row exp at 16 lanes: the sum folds the 16 lanes to 8 (low +
- * high) and then adds them in the AVX2 form's order. */
-NG_TARGET_AVX512 __attribute__((noinline)) static float ng_exp_row_f32_avx512(float *x, int64_t n,
-                                                                              float m) {
-    const __m512 vm = _mm512_set1_ps(m);
-    __m512 acc = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-        __m512 p = ng_exp16(_mm512_sub_ps(_mm512_loadu_ps(x + j), vm));
-        _mm512_storeu_ps(x + j, p);
-        acc = _mm512_add_ps(acc, p);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, ng_fold16(acc));
-    float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-                ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-    for (; j < n; j++) {
-        x[j] = ng_expf_poly(x[j] - m);
-        sum += x[j];
-    }
-    return sum;
-}
-#endif
-
 static double ng_exp_row_f64_base(double *x, int64_t n, double m) {
     double sum = 0.0;
     for (int64_t j = 0; j < n; j++) {
@@ -512,9 +365,9 @@ NG_COLS_SOFTMAX_PLAIN(ng_cols_softmax_f64_base, double, exp, ng_attn_max_nan_f64
 
 #if NG_X86
 #define NG_F32_W 8
-#include "kernels/attention_cols_f32.inc"
+#include "kernels/attention_f32.inc"
 #define NG_F32_W 16
-#include "kernels/attention_cols_f32.inc"
+#include "kernels/attention_f32.inc"
 #endif
 
 /* ---- the tile kernels, once per variant --------------------------------- */
