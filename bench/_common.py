@@ -154,6 +154,7 @@ def machine() -> dict:
         "cpu_model": cpu_model(),
         "cpu_flags": " ".join(cpu_flags()),
         "nanguard_cpu_isa": nanguard_cpu_isa(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
     try:
         info["commit"] = subprocess.run(
@@ -171,7 +172,8 @@ def describe() -> str:
     """One line naming the machine a benchmark runs on: CPU model, ISA flags,
     nanguard's CPU path, threads, torch."""
     return (f"CPU: {cpu_model()}; flags: {' '.join(cpu_flags()) or '-'}; nanguard CPU path: "
-            f"{nanguard_cpu_isa()}; threads: {torch.get_num_threads()}; torch {torch.__version__}")
+            f"{nanguard_cpu_isa()}; torch CPU capability: {torch.backends.cpu.get_cpu_capability()}; "
+            f"threads: {torch.get_num_threads()}; torch {torch.__version__}")
 
 
 def write_results(name: str, rows: list[dict], columns: list[str], extra: dict | None = None,

@@ -62,6 +62,10 @@ masking and the exp are not counted.
 in a child process with NANGUARD_CPU_ISA set (the kernels read it once, at
 their first call: kernels/cpu_isa.c caps the widest supported path at the
 request; a request above what the CPU has is ignored); results get _<isa>.
+PyTorch is capped the same way in that child (ATEN_CPU_CAPABILITY for its
+own kernels, MKL_ENABLE_INSTRUCTIONS and ONEDNN_MAX_CPU_ISA for its GEMMs),
+so that the child measures what a machine with only that instruction set
+gets from both; results record torch's capability beside nanguard's path.
 --quick: 2 repeats, prints the tables, writes nothing (a smoke run).
 Ratios are medians over repeats of the per-repeat time ratio (candidates
 interleaved in alternating order, bench/_common.py); the repeat count is in
@@ -461,6 +465,14 @@ def table_compare(dev, repeats, dec_repeats, name, dry, cases=None):
     }, notes=notes, dry=dry)
 
 
+#: the environment that caps PyTorch at nanguard's --isa: its ATen kernels, MKL, oneDNN
+TORCH_ISA_CAP = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "baseline": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+                 "ONEDNN_MAX_CPU_ISA": "SSE41"},
+}
+
+
 def run_isa(isas: str) -> None:
     """This script again, without --isa, once per instruction set, each in a
     child process with NANGUARD_CPU_ISA set."""
@@ -476,8 +488,10 @@ def run_isa(isas: str) -> None:
             continue
         argv.append(a)
     for isa in isas.split(","):
-        print(f"== NANGUARD_CPU_ISA={isa}", flush=True)
-        r = subprocess.run([sys.executable, __file__, *argv], env={**os.environ, "NANGUARD_CPU_ISA": isa})
+        env = {**os.environ, "NANGUARD_CPU_ISA": isa, **TORCH_ISA_CAP.get(isa, {})}
+        print(f"== NANGUARD_CPU_ISA={isa}", *(f"{k}={v}" for k, v in TORCH_ISA_CAP.get(isa, {}).items()),
+              flush=True)
+        r = subprocess.run([sys.executable, __file__, *argv], env=env)
         if r.returncode:
             raise SystemExit(r.returncode)
 
