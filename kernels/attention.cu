@@ -604,8 +604,8 @@ static __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(ng_at
  *         aligned (vec == 0) every row is staged by ordinary loads.
  *   dkdv: ceil(S/64) blocks per (b, kv head). Warp rows are keys; per query tile of
  *         every head of the group: S^T = K Q^T and dP^T = V dO^T, then
- *         dV += P^T dO and dK += dS^T Q, the tile's queries in two halves
- *         of 32 (registers: see the kernel).
+ *         dV += P^T dO and dK += dS^T Q (at D = 128 the tile's queries in
+ *         two parts of 32: registers, see the kernel).
  *   dq:   ceil(L/64) blocks per (b, h). Warp rows are queries; per key tile:
  *         S = Q K^T, dP = dO V^T, dQ += dS K.
  *         Both read every fragment through ldmatrix: the A operands (the
@@ -1102,19 +1102,19 @@ static __global__ void __launch_bounds__(kMmaThreads)
                 if constexpr (kAsyncCopy) ng_cp_async_commit();
             }
         }
-        /* the tile's queries in two halves of 32: half the registers for p
-         * and dS beside the 128 of the dk / dv accumulators, which D = 128
-         * needs to stay out of local memory */
+        /* D = 128: the tile's queries in two parts of 32, so that p and dS
+         * take 32 registers beside the 128 of the dk / dv accumulators
+         * instead of 64 (with 64 the kernel spills) */
+        constexpr int kParts = D == 128 ? 2 : 1, kPartNT = kMmaNT / kParts;
 #pragma unroll 1
-        for (int q = 0; q < kMmaRows; q += kMmaRows / 2) {
-            constexpr int kHalf = kMmaNT / 2;
-            const uint16_t *qh = qs + q * (D + 8), *gh = gs + q * (D + 8);
-            float pd[kHalf][4], ds[kHalf][4];
-            mma_bwd_scores<T, D, true, kHalf>(pd, ds, a, ks, qh, vs, gh, ls + q, dl + q, b, h,
-                                              j0 + warp * 16, i0 + q, warp * 16, a.S, lane);
-            mma_scale_ds<T, D, kHalf>(ds, dk, ex);
-            mma_wy<T, D, kHalf>(dv, pd, gh, lane);
-            mma_wy<T, D, kHalf>(dk, ds, qh, lane);
+        for (int q = 0; q < kMmaRows; q += kMmaRows / kParts) {
+            const uint16_t *qp = qs + q * (D + 8), *gp = gs + q * (D + 8);
+            float pd[kPartNT][4], ds[kPartNT][4];
+            mma_bwd_scores<T, D, true, kPartNT>(pd, ds, a, ks, qp, vs, gp, ls + q, dl + q, b, h,
+                                                j0 + warp * 16, i0 + q, warp * 16, a.S, lane);
+            mma_scale_ds<T, D, kPartNT>(ds, dk, ex);
+            mma_wy<T, D, kPartNT>(dv, pd, gp, lane);
+            mma_wy<T, D, kPartNT>(dk, ds, qp, lane);
         }
         if (i0 + kMmaRows < a.L) {
             i0 += kMmaRows;
