@@ -604,9 +604,23 @@ static __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(ng_at
  *         aligned (vec == 0) every row is staged by ordinary loads.
  *   dkdv: ceil(S/64) blocks per (b, kv head). Warp rows are keys; per query tile of
  *         every head of the group: S^T = K Q^T and dP^T = V dO^T, then
- *         dV += P^T dO and dK += dS^T Q.
+ *         dV += P^T dO and dK += dS^T Q (at D = 128 the tile's queries in
+ *         two parts of 32: registers, see the kernel).
  *   dq:   ceil(L/64) blocks per (b, h). Warp rows are queries; per key tile:
  *         S = Q K^T, dP = dO V^T, dQ += dS K.
+ *         Both read every fragment through ldmatrix: the A operands (the
+ *         warp's own K / V or Q / dO rows) with ldmatrix.x4, the streamed
+ *         tile's rows as B of X Y^T with ldmatrix.x4 and as B of W Y (P^T dO,
+ *         dS^T Q, dS K, as P V in the forward: one helper, mma_wy) with
+ *         ldmatrix.x4.trans. The streamed tiles (Q, dO and the rows'
+ *         dout . out and lse for dkdv; K, V for dq) are double-buffered as in
+ *         the forward: the next tile issued as cp.async.cg right after the
+ *         barrier that opens the current one, one wait_group 0 and one
+ *         __syncthreads per tile; the fixed tiles travel in the first group.
+ *         At D = 128 two stages take 103 KiB of shared memory, more than
+ *         sm_86 / sm_89 have (99 KiB): there the kernels run one stage, the
+ *         next tile issued after a second barrier. Unaligned rows and rows
+ *         past the end are staged by ordinary stores, as in the forward.
  *
  * fp16 has a 65504 ceiling that dS (unlike p in [0, 1/(1-p)]) can exceed
  * while dq and dk stay in range, so the fp16 kernels scale each dS row by a
@@ -656,18 +670,6 @@ __device__ __forceinline__ void mma_stage(uint16_t *tile, const uint16_t *base, 
     }
 }
 
-/* The 64-key tile at j0 of K and V (n valid rows) into ks and vs, between
- * barriers, as stage_kv does for the SIMT kernels. */
-template <int D>
-__device__ __forceinline__ void mma_stage_kv(uint16_t *ks, uint16_t *vs, const uint16_t *kb,
-                                             const uint16_t *vb, const ng_attention_args &a,
-                                             int64_t j0, int64_t n, int vec) {
-    __syncthreads();
-    mma_stage<D>(ks, kb, a.k_stride[2], j0, n, vec);
-    mma_stage<D>(vs, vb, a.v_stride[2], j0, n, vec);
-    __syncthreads();
-}
-
 /* cp.async exists from sm_80; the sm_75 device code of the tensor-core
  * kernels (never launched there: mma_eligible) keeps ordinary loads. */
 #if defined(NG_CUDA_EMU) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
@@ -687,6 +689,7 @@ __device__ __forceinline__ void mma_stage_async(uint16_t *tile, const uint16_t *
     constexpr int kLd = D + 8, kChunks = D / 8;
     if constexpr (kAsyncCopy) {
         if (vec) {
+#pragma unroll 1
             for (int x = threadIdx.x; x < kMmaRows * kChunks; x += kMmaThreads) {
                 const int r = x / kChunks, c = (x % kChunks) * 8;
                 uint16_t *dst = tile + r * kLd + c;
@@ -701,27 +704,48 @@ __device__ __forceinline__ void mma_stage_async(uint16_t *tile, const uint16_t *
     mma_stage<D>(tile, base, rs, r0, n, vec);
 }
 
+/* c[16 x 8 NT] += X Y^T over the 16 columns k0 .. k0 + 15, X's A fragment
+ * given: the 8 NT rows of tile y (n-tile nt = rows 8 nt .. 8 nt + 7) as B
+ * fragments through ldmatrix.x4, two n-tiles each. */
+template <ng_dtype T, int D, int NT>
+__device__ __forceinline__ void mma_xyt_step(float c[NT][4], const uint32_t a[4], const uint16_t *y,
+                                             int k0, int lane) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt += 2) {
+        uint32_t b0[2], b1[2];
+        ng_mma_ldm_b_rows2(b0, b1, y, D + 8, nt * 8, k0, lane);
+        ng_mma_16816<T>(c[nt], a, b0);
+        ng_mma_16816<T>(c[nt + 1], a, b1);
+    }
+}
+
 /* c[16 x 64] += Q K^T for the forward: Q's A fragments held in registers
- * (qf[k-step]), K's B fragments through ldmatrix.x4 (two n-tiles each). */
+ * (qf[k-step]). */
 template <ng_dtype T, int D>
 __device__ __forceinline__ void mma_qkt(float c[kMmaNT][4], const uint32_t qf[D / 16][4],
                                         const uint16_t *k, int lane) {
-    constexpr int kLd = D + 8;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; kk++)
+    for (int kk = 0; kk < D / 16; kk++) mma_xyt_step<T, D, kMmaNT>(c, qf[kk], k, kk * 16, lane);
+}
+
+/* c[16 x 8 NT] += X Y^T for the backward: the 16 rows of tile x from row
+ * xr0 (A fragments through ldmatrix.x4, one per k-step) against the 8 NT
+ * rows of tile y, over the D columns. */
+template <ng_dtype T, int D, int NT>
+__device__ __forceinline__ void mma_xyt(float c[NT][4], const uint16_t *x, int xr0,
+                                        const uint16_t *y, int lane) {
 #pragma unroll
-        for (int nt = 0; nt < kMmaNT; nt += 2) {
-            uint32_t b0[2], b1[2];
-            ng_mma_ldm_b_rows2(b0, b1, k, kLd, nt * 8, kk * 16, lane);
-            ng_mma_16816<T>(c[nt], qf[kk], b0);
-            ng_mma_16816<T>(c[nt + 1], qf[kk], b1);
-        }
+    for (int kk = 0; kk < D / 16; kk++) {
+        uint32_t a[4];
+        ng_mma_ldm_a(a, x, D + 8, xr0, kk * 16, lane);
+        mma_xyt_step<T, D, NT>(c, a, y, kk * 16, lane);
+    }
 }
 
 /* Key step kt (16 keys) of W[16 x 64], given as C fragments (w[nt][4],
  * fp32), rounded to T as an A fragment. */
-template <ng_dtype T>
-__device__ __forceinline__ void mma_w_to_a(uint32_t a[4], const float w[kMmaNT][4], int kt) {
+template <ng_dtype T, int NT>
+__device__ __forceinline__ void mma_w_to_a(uint32_t a[4], const float w[NT][4], int kt) {
     const uint32_t lo[2] = {pack_f32x2<T>(w[2 * kt][0], w[2 * kt][1]),
                             pack_f32x2<T>(w[2 * kt][2], w[2 * kt][3])};
     const uint32_t hi[2] = {pack_f32x2<T>(w[2 * kt + 1][0], w[2 * kt + 1][1]),
@@ -729,72 +753,36 @@ __device__ __forceinline__ void mma_w_to_a(uint32_t a[4], const float w[kMmaNT][
     ng_mma_c_to_a(a, lo, hi);
 }
 
-/* acc[16 x D] += W[16 x 64] V for the forward, as mma_wy, with V's B
- * fragments through ldmatrix.x4.trans (two d-tiles each). */
-template <ng_dtype T, int D>
-__device__ __forceinline__ void mma_pv(float acc[D / 8][4], const float w[kMmaNT][4],
-                                       const uint16_t *v, int lane) {
+/* acc[16 x D] += W[16 x 64] Y, W given as C fragments (w[nt][4], fp32) that
+ * are rounded to T here, Y a 64-row tile read as B[k][n] = Y[k][n] through
+ * ldmatrix.x4.trans (two d-tiles each): P V in the forward; P^T dO, dS^T Q
+ * and dS K in the backward. */
+template <ng_dtype T, int D, int NT>
+__device__ __forceinline__ void mma_wy(float acc[D / 8][4], const float w[NT][4], const uint16_t *y,
+                                       int lane) {
     constexpr int kLd = D + 8;
 #pragma unroll
-    for (int kt = 0; kt < kMmaNT / 2; kt++) {
+    for (int kt = 0; kt < NT / 2; kt++) {
         uint32_t a[4];
-        mma_w_to_a<T>(a, w, kt);
+        mma_w_to_a<T, NT>(a, w, kt);
 #pragma unroll
         for (int dt = 0; dt < D / 8; dt += 2) {
             uint32_t b0[2], b1[2];
-            ng_mma_ldm_b_cols2(b0, b1, v, kLd, kt * 16, dt * 8, lane);
+            ng_mma_ldm_b_cols2(b0, b1, y, kLd, kt * 16, dt * 8, lane);
             ng_mma_16816<T>(acc[dt], a, b0);
             ng_mma_16816<T>(acc[dt + 1], a, b1);
         }
     }
 }
 
-/* c[16 x 64] += X Y^T: the 16 rows of tile x from row xr0 against the 64
- * rows of tile y (n-tile nt = rows 8 nt .. 8 nt + 7), over the D columns. */
-template <ng_dtype T, int D>
-__device__ __forceinline__ void mma_xyt(float c[kMmaNT][4], const uint16_t *x, int xr0,
-                                        const uint16_t *y, int lane) {
-    constexpr int kLd = D + 8;
-#pragma unroll
-    for (int k0 = 0; k0 < D; k0 += 16) {
-        uint32_t a[4];
-        ng_mma_frag_a(a, x, kLd, xr0, k0, lane);
-#pragma unroll
-        for (int nt = 0; nt < kMmaNT; nt++) {
-            uint32_t b[2];
-            ng_mma_frag_b_rows(b, y, kLd, nt * 8, k0, lane);
-            ng_mma_16816<T>(c[nt], a, b);
-        }
-    }
-}
-
-/* acc[16 x D] += W[16 x 64] Y, W given as C fragments (w[nt][4], fp32) that
- * are rounded to T here, Y a 64-row tile. */
-template <ng_dtype T, int D>
-__device__ __forceinline__ void mma_wy(float acc[D / 8][4], const float w[kMmaNT][4],
-                                       const uint16_t *y, int lane) {
-    constexpr int kLd = D + 8;
-#pragma unroll
-    for (int kt = 0; kt < kMmaNT / 2; kt++) {
-        uint32_t a[4];
-        mma_w_to_a<T>(a, w, kt);
-#pragma unroll
-        for (int dt = 0; dt < D / 8; dt++) {
-            uint32_t b[2];
-            ng_mma_frag_b_cols(b, y, kLd, kt * 16, dt * 8, lane);
-            ng_mma_16816<T>(acc[dt], a, b);
-        }
-    }
-}
-
 /* fp16 dS rows: pick each row's exponent (max over the 4 lanes holding it),
  * move the accumulator to a larger one when needed, scale the row down. */
-template <ng_dtype T, int D>
-__device__ __forceinline__ void mma_scale_ds(float ds[kMmaNT][4], float acc[D / 8][4], int ex[2]) {
+template <ng_dtype T, int D, int NT>
+__device__ __forceinline__ void mma_scale_ds(float ds[NT][4], float acc[D / 8][4], int ex[2]) {
     if constexpr (T != NG_F16) return;
     float mx[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int nt = 0; nt < kMmaNT; nt++)
+    for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int c = 0; c < 4; c++)
             mx[c >> 1] = fmaxf(mx[c >> 1], fabsf(ds[nt][c])); /* fmaxf skips NaN */
@@ -816,7 +804,7 @@ __device__ __forceinline__ void mma_scale_ds(float ds[kMmaNT][4], float acc[D / 
     if (ex[0] == 0 && ex[1] == 0) return;
     const float f0 = ldexpf(1.0f, -ex[0]), f1 = ldexpf(1.0f, -ex[1]);
 #pragma unroll
-    for (int nt = 0; nt < kMmaNT; nt++) {
+    for (int nt = 0; nt < NT; nt++) {
         ds[nt][0] *= f0;
         ds[nt][1] *= f0;
         ds[nt][2] *= f1;
@@ -830,16 +818,16 @@ __device__ __forceinline__ int frag_col(int lane, int nt, int c) {
     return nt * 8 + 2 * (lane & 3) + (c & 1);
 }
 
-/* Dropout keep bits of a lane's 32 C-fragment elements of a tile (bit
- * 4 * nt + c), rows from row0 and columns from col0; rows are keys and
+/* Dropout keep bits of a lane's 4 nts C-fragment elements of nts n-tiles
+ * (bit 4 * nt + c), rows from row0 and columns from col0; rows are keys and
  * columns queries when keys_are_rows. A loop that is not unrolled, so each
  * kernel carries one Philox body rather than one per fragment element. */
 __device__ __forceinline__ uint32_t mma_keep_bits(const ng_attention_args &a, int64_t b, int64_t h,
                                                   int64_t row0, int64_t col0, int keys_are_rows,
-                                                  int lane) {
+                                                  int nts, int lane) {
     uint32_t bits = 0;
 #pragma unroll 1
-    for (int x = 0; x < 4 * kMmaNT; x++) {
+    for (int x = 0; x < 4 * nts; x++) {
         const int64_t r = row0 + frag_row(lane, x & 3), c = col0 + frag_col(lane, x >> 2, x & 3);
         const int64_t i = keys_are_rows ? c : r, j = keys_are_rows ? r : c;
         if (i < a.L && j < a.S) {
@@ -880,6 +868,7 @@ __device__ __forceinline__ void mma_row_terms(float *dl, float *ls, const ng_att
                                               const void *gb, const void *ob, const float *lse,
                                               int64_t i0) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll 1
     for (int r = warp; r < kMmaRows; r += kMmaWarps) {
         const int64_t i = i0 + r;
         float part = 0.0f;
@@ -961,7 +950,8 @@ static __global__ void __launch_bounds__(kMmaThreads)
                 s[nt][c] = x;
                 bm[c >> 1] = ng_attn_max_nan_f32(bm[c >> 1], x);
             }
-        const uint32_t keep = drop ? mma_keep_bits(a, b, h, q0 + warp * 16, j0, 0, lane) : 0u;
+        const uint32_t keep =
+            drop ? mma_keep_bits(a, b, h, q0 + warp * 16, j0, 0, kMmaNT, lane) : 0u;
         float alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
@@ -988,7 +978,7 @@ static __global__ void __launch_bounds__(kMmaThreads)
         for (int dt = 0; dt < D / 8; dt++)
 #pragma unroll
             for (int c = 0; c < 4; c++) o[dt][c] *= alpha[c >> 1];
-        mma_pv<T, D>(o, s, vs, lane);
+        mma_wy<T, D, kMmaNT>(o, s, vs, lane);
     }
 
     float inv[2];
@@ -1005,30 +995,30 @@ static __global__ void __launch_bounds__(kMmaThreads)
                          q0 + warp * 16, a.L, o, inv, lane);
 }
 
-/* One warp's backward scores against a staged 64-row tile, in C fragments:
+/* One warp's backward scores against 8 NT rows of a staged tile, in C fragments:
  * pd = p times the dropout keep bit (0 or 1: the factor 1/(1-p_drop) is
  * applied to the fp32 dv accumulator by the caller, so no rounding to fp16
- * can overflow) and ds = dS (bwd_score_keep) of the 16 x 64 block whose raw
+ * can overflow) and ds = dS (bwd_score_keep) of the 16 x 8 NT block whose raw
  * dot products are x . y^T (q . k) and x2 . y2^T (dout . v). KeyRows: the
  * warp's rows are keys and the tile's rows queries (dk/dv kernel), else the
  * reverse (dq kernel). row0 / col0: first global row / column index; rl0:
  * the warp's first row inside its block (the lse / D arrays ls, dl are
  * indexed by the query's position in its 64-row block); keys >= kend are
  * out of range. */
-template <ng_dtype T, int D, bool KeyRows>
+template <ng_dtype T, int D, bool KeyRows, int NT>
 __device__ __forceinline__ void
-mma_bwd_scores(float pd[kMmaNT][4], float ds[kMmaNT][4], const ng_attention_args &a,
-               const uint16_t *x, const uint16_t *y, const uint16_t *x2, const uint16_t *y2,
-               const float *ls, const float *dl, int64_t b, int64_t h, int64_t row0, int64_t col0,
-               int rl0, int64_t kend, int lane) {
+mma_bwd_scores(float pd[NT][4], float ds[NT][4], const ng_attention_args &a, const uint16_t *x,
+               const uint16_t *y, const uint16_t *x2, const uint16_t *y2, const float *ls,
+               const float *dl, int64_t b, int64_t h, int64_t row0, int64_t col0, int rl0,
+               int64_t kend, int lane) {
     const bool drop = a.dropout_p > 0.0;
     const float inv_keep = drop ? (float)(1.0 / (1.0 - a.dropout_p)) : 1.0f;
-    float st[kMmaNT][4] = {}, dpt[kMmaNT][4] = {};
-    mma_xyt<T, D>(st, x, rl0, y, lane);
-    mma_xyt<T, D>(dpt, x2, rl0, y2, lane);
-    const uint32_t keep = drop ? mma_keep_bits(a, b, h, row0, col0, KeyRows, lane) : 0u;
+    float st[NT][4] = {}, dpt[NT][4] = {};
+    mma_xyt<T, D, NT>(st, x, rl0, y, lane);
+    mma_xyt<T, D, NT>(dpt, x2, rl0, y2, lane);
+    const uint32_t keep = drop ? mma_keep_bits(a, b, h, row0, col0, KeyRows, NT, lane) : 0u;
 #pragma unroll
-    for (int nt = 0; nt < kMmaNT; nt++)
+    for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int c = 0; c < 4; c++) {
             const int rl = frag_row(lane, c), cl = frag_col(lane, nt, c);
@@ -1044,43 +1034,99 @@ mma_bwd_scores(float pd[kMmaNT][4], float ds[kMmaNT][4], const ng_attention_args
         }
 }
 
+/* Query tile (h, i0) of the dk / dv kernel into a stage: its Q and dO rows
+ * issued as cp.async (mma_stage_async; the caller commits), its rows'
+ * dout . out and lse (mma_row_terms) stored at once. */
 template <ng_dtype T, int D>
+__device__ __forceinline__ void mma_dkdv_issue(uint16_t *qs, uint16_t *gs, float *dl, float *ls,
+                                               const ng_attention_args &a, int64_t b, int64_t h,
+                                               int64_t i0, int vec) {
+    const uint16_t *qb = (const uint16_t *)a.q + b * a.q_stride[0] + h * a.q_stride[1];
+    const uint16_t *gb = (const uint16_t *)a.dout + b * a.dout_stride[0] + h * a.dout_stride[1];
+    const void *ob = slice<T>(a.out, b * a.out_stride[0] + h * a.out_stride[1]);
+    mma_stage_async<D>(qs, qb, a.q_stride[2], i0, a.L - i0, vec);
+    mma_stage_async<D>(gs, gb, a.dout_stride[2], i0, a.L - i0, vec);
+    mma_row_terms<T, D>(dl, ls, a, gb, ob, (const float *)a.lse + (b * a.Hq + h) * a.L, i0);
+}
+
+/* NStage (1 or 2) stages of the streamed tiles (launch_mma picks 2 where the
+ * device's shared memory allows). With 2 the next tile is issued right after
+ * the barrier that opens the current one; with 1 it is issued after a second
+ * barrier, once every warp is done with the current one. */
+template <ng_dtype T, int D, int NStage>
 static __global__ void __launch_bounds__(kMmaThreads)
     attention_bwd_dkdv_mma_kernel(ng_attention_args a, int vec) {
     constexpr int kTile = kMmaRows * (D + 8);
     NG_DYNAMIC_SMEM(uint4, mma_smem);
-    uint16_t *ks = (uint16_t *)mma_smem, *vs = ks + kTile, *qs = vs + kTile, *gs = qs + kTile;
-    float *dl = (float *)(gs + kTile), *ls = dl + kMmaRows;
+    /* K, V, then stage st's (Q, dO) tiles at (2 + 2 st) kTile; after the
+     * tiles, stage st's dl, ls (dout . out and lse of its 64 rows) */
+    uint16_t *const ks = (uint16_t *)mma_smem, *const vs = ks + kTile;
+    float *const rows = (float *)(ks + (2 + 2 * NStage) * kTile);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const block_coord bc = block_coords(NG_CEIL_DIV(a.S, (int64_t)kMmaRows), a.Hkv);
     const int64_t b = bc.b, hk = bc.h, grp = a.Hq / a.Hkv;
     const int64_t j0 = bc.blk * kMmaRows;
     const uint16_t *kb = (const uint16_t *)a.k + b * a.k_stride[0] + hk * a.k_stride[1];
     const uint16_t *vb = (const uint16_t *)a.v + b * a.v_stride[0] + hk * a.v_stride[1];
-    mma_stage<D>(ks, kb, a.k_stride[2], j0, a.S - j0, vec);
-    mma_stage<D>(vs, vb, a.v_stride[2], j0, a.S - j0, vec);
 
     float dk[D / 8][4] = {}, dv[D / 8][4] = {};
     int ex[2] = {0, 0};
-    /* causal: query tiles that end before this block's first key see none of it */
-    const int64_t istart = a.is_causal ? j0 : 0;
-    for (int64_t h = hk * grp; h < (hk + 1) * grp; h++) {
-        const uint16_t *qb = (const uint16_t *)a.q + b * a.q_stride[0] + h * a.q_stride[1];
-        const uint16_t *gb = (const uint16_t *)a.dout + b * a.dout_stride[0] + h * a.dout_stride[1];
-        const void *ob = slice<T>(a.out, b * a.out_stride[0] + h * a.out_stride[1]);
-        const float *lse = (const float *)a.lse + (b * a.Hq + h) * a.L;
-        for (int64_t i0 = istart; i0 < a.L; i0 += kMmaRows) {
+    /* The query tiles, head by head of the group. causal: query tiles that
+     * end before this block's first key see none of it. */
+    const int64_t istart = a.is_causal ? j0 : 0, hend = (hk + 1) * grp;
+    int64_t h = hk * grp, i0 = istart;
+    if (istart >= a.L) {
+        h = hend; /* no query sees these keys: dk = dv = 0 */
+    } else {      /* group: K, V and query tile 0 */
+        mma_stage_async<D>(ks, kb, a.k_stride[2], j0, a.S - j0, vec);
+        mma_stage_async<D>(vs, vb, a.v_stride[2], j0, a.S - j0, vec);
+        mma_dkdv_issue<T, D>(ks + 2 * kTile, ks + 3 * kTile, rows, rows + kMmaRows, a, b, h, i0,
+                             vec);
+        if constexpr (kAsyncCopy) ng_cp_async_commit();
+    }
+    for (int st = 0; h < hend; st ^= NStage - 1) {
+        /* query tile (h, i0) complete and visible to all; with two stages,
+         * every warp done with the other one (the previous tile) */
+        if constexpr (kAsyncCopy) ng_cp_async_wait_group<0>(); /* this thread's Q / dO rows */
+        __syncthreads();
+        const uint16_t *qs = ks + (2 + 2 * st) * kTile, *gs = qs + kTile;
+        const float *dl = rows + 2 * st * kMmaRows, *ls = dl + kMmaRows;
+        if (NStage == 2) { /* the next tile into the other stage, behind this math */
+            const bool more = i0 + kMmaRows < a.L;
+            const int64_t hn = more ? h : h + 1, in = more ? i0 + kMmaRows : istart;
+            const int sn = 2 + 2 * (st ^ 1);
+            if (hn < hend) {
+                mma_dkdv_issue<T, D>(ks + sn * kTile, ks + (sn + 1) * kTile,
+                                     rows + 2 * (st ^ 1) * kMmaRows,
+                                     rows + (2 * (st ^ 1) + 1) * kMmaRows, a, b, hn, in, vec);
+                if constexpr (kAsyncCopy) ng_cp_async_commit();
+            }
+        }
+        /* D = 128: the tile's queries in two parts of 32, so that p and dS
+         * take 32 registers beside the 128 of the dk / dv accumulators
+         * instead of 64 (with 64 the kernel spills) */
+        constexpr int kParts = D == 128 ? 2 : 1, kPartNT = kMmaNT / kParts;
+#pragma unroll 1
+        for (int q = 0; q < kMmaRows; q += kMmaRows / kParts) {
+            const uint16_t *qp = qs + q * (D + 8), *gp = gs + q * (D + 8);
+            float pd[kPartNT][4], ds[kPartNT][4];
+            mma_bwd_scores<T, D, true, kPartNT>(pd, ds, a, ks, qp, vs, gp, ls + q, dl + q, b, h,
+                                                j0 + warp * 16, i0 + q, warp * 16, a.S, lane);
+            mma_scale_ds<T, D, kPartNT>(ds, dk, ex);
+            mma_wy<T, D, kPartNT>(dv, pd, gp, lane);
+            mma_wy<T, D, kPartNT>(dk, ds, qp, lane);
+        }
+        if (i0 + kMmaRows < a.L) {
+            i0 += kMmaRows;
+        } else {
+            h++;
+            i0 = istart;
+        }
+        if (NStage == 1 && h < hend) { /* every warp done with the one stage */
             __syncthreads();
-            mma_stage<D>(qs, qb, a.q_stride[2], i0, a.L - i0, vec);
-            mma_stage<D>(gs, gb, a.dout_stride[2], i0, a.L - i0, vec);
-            mma_row_terms<T, D>(dl, ls, a, gb, ob, lse, i0);
-            __syncthreads();
-            float pd[kMmaNT][4], ds[kMmaNT][4];
-            mma_bwd_scores<T, D, true>(pd, ds, a, ks, qs, vs, gs, ls, dl, b, h, j0 + warp * 16, i0,
-                                       warp * 16, a.S, lane);
-            mma_scale_ds<T, D>(ds, dk, ex);
-            mma_wy<T, D>(dv, pd, gs, lane);
-            mma_wy<T, D>(dk, ds, qs, lane);
+            mma_dkdv_issue<T, D>(ks + 2 * kTile, ks + 3 * kTile, rows, rows + kMmaRows, a, b, h, i0,
+                                 vec);
+            if constexpr (kAsyncCopy) ng_cp_async_commit();
         }
     }
 
@@ -1093,13 +1139,15 @@ static __global__ void __launch_bounds__(kMmaThreads)
                          j0 + warp * 16, a.S, dv, vmul, lane);
 }
 
-template <ng_dtype T, int D>
+template <ng_dtype T, int D, int NStage>
 static __global__ void __launch_bounds__(kMmaThreads)
     attention_bwd_dq_mma_kernel(ng_attention_args a, int vec) {
     constexpr int kTile = kMmaRows * (D + 8);
     NG_DYNAMIC_SMEM(uint4, mma_smem);
-    uint16_t *qs = (uint16_t *)mma_smem, *gs = qs + kTile, *ks = gs + kTile, *vs = ks + kTile;
-    float *dl = (float *)(vs + kTile), *ls = dl + kMmaRows;
+    /* Q, dO, then stage st's (K, V) tiles at (2 + 2 st) kTile; after the
+     * tiles, dl, ls (dout . out and lse of the block's 64 rows) */
+    uint16_t *const qs = (uint16_t *)mma_smem, *const gs = qs + kTile;
+    float *const dl = (float *)(qs + (2 + 2 * NStage) * kTile), *const ls = dl + kMmaRows;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const block_coord bc = block_coords(NG_CEIL_DIV(a.L, (int64_t)kMmaRows), a.Hq);
     const int64_t b = bc.b, h = bc.h, hk = h / (a.Hq / a.Hkv);
@@ -1109,20 +1157,43 @@ static __global__ void __launch_bounds__(kMmaThreads)
     const uint16_t *kb = (const uint16_t *)a.k + b * a.k_stride[0] + hk * a.k_stride[1];
     const uint16_t *vb = (const uint16_t *)a.v + b * a.v_stride[0] + hk * a.v_stride[1];
     const void *ob = slice<T>(a.out, b * a.out_stride[0] + h * a.out_stride[1]);
-    mma_stage<D>(qs, qb, a.q_stride[2], q0, a.L - q0, vec);
-    mma_stage<D>(gs, gb, a.dout_stride[2], q0, a.L - q0, vec);
-    mma_row_terms<T, D>(dl, ls, a, gb, ob, (const float *)a.lse + (b * a.Hq + h) * a.L, q0);
 
     float dq[D / 8][4] = {};
     int ex[2] = {0, 0};
     const int64_t kend = a.is_causal ? NG_MIN(a.S, q0 + kMmaRows) : a.S;
-    for (int64_t j0 = 0; j0 < kend; j0 += kMmaRows) {
-        mma_stage_kv<D>(ks, vs, kb, vb, a, j0, kend - j0, vec);
+    if (kend > 0) { /* group: Q, dO and key tile 0 (without keys dq = 0) */
+        mma_stage_async<D>(qs, qb, a.q_stride[2], q0, a.L - q0, vec);
+        mma_stage_async<D>(gs, gb, a.dout_stride[2], q0, a.L - q0, vec);
+        mma_stage_async<D>(qs + 2 * kTile, kb, a.k_stride[2], 0, kend, vec);
+        mma_stage_async<D>(qs + 3 * kTile, vb, a.v_stride[2], 0, kend, vec);
+        if constexpr (kAsyncCopy) ng_cp_async_commit();
+        mma_row_terms<T, D>(dl, ls, a, gb, ob, (const float *)a.lse + (b * a.Hq + h) * a.L, q0);
+    }
+    int st = 0;
+    for (int64_t j0 = 0; j0 < kend; j0 += kMmaRows, st ^= NStage - 1) {
+        /* key tile j0 complete and visible to all; with two stages, every
+         * warp done with the other one (the previous tile) */
+        if constexpr (kAsyncCopy) ng_cp_async_wait_group<0>(); /* this thread's K / V rows */
+        __syncthreads();
+        const uint16_t *ks = qs + (2 + 2 * st) * kTile, *vs = ks + kTile;
+        const int64_t jn = j0 + kMmaRows;
+        if (NStage == 2 && jn < kend) { /* the next tile into the other stage, behind this math */
+            uint16_t *kn = qs + (2 + 2 * (st ^ 1)) * kTile;
+            mma_stage_async<D>(kn, kb, a.k_stride[2], jn, kend - jn, vec);
+            mma_stage_async<D>(kn + kTile, vb, a.v_stride[2], jn, kend - jn, vec);
+            if constexpr (kAsyncCopy) ng_cp_async_commit();
+        }
         float pd[kMmaNT][4], ds[kMmaNT][4];
-        mma_bwd_scores<T, D, false>(pd, ds, a, qs, ks, gs, vs, ls, dl, b, h, q0 + warp * 16, j0,
-                                    warp * 16, kend, lane);
-        mma_scale_ds<T, D>(ds, dq, ex);
-        mma_wy<T, D>(dq, ds, ks, lane);
+        mma_bwd_scores<T, D, false, kMmaNT>(pd, ds, a, qs, ks, gs, vs, ls, dl, b, h, q0 + warp * 16,
+                                            j0, warp * 16, kend, lane);
+        mma_scale_ds<T, D, kMmaNT>(ds, dq, ex);
+        mma_wy<T, D, kMmaNT>(dq, ds, ks, lane);
+        if (NStage == 1 && jn < kend) { /* every warp done with the one stage */
+            __syncthreads();
+            mma_stage_async<D>(qs + 2 * kTile, kb, a.k_stride[2], jn, kend - jn, vec);
+            mma_stage_async<D>(qs + 3 * kTile, vb, a.v_stride[2], jn, kend - jn, vec);
+            if constexpr (kAsyncCopy) ng_cp_async_commit();
+        }
     }
 
     const float qmul[2] = {ldexpf(1.0f, ex[0]), ldexpf(1.0f, ex[1])};
@@ -1147,6 +1218,37 @@ int current_device() {
         return -1;
     }
     return dev;
+}
+
+/* An attribute of the current device, cached per device in `cache` (0: not
+ * read yet); 0 when it cannot be read (the error is cleared). */
+int device_attr(cudaDeviceAttr attr, std::atomic<int> (&cache)[kMaxDevices]) {
+    const int dev = current_device();
+    if (dev < 0) return 0;
+    if (dev < kMaxDevices) {
+        const int c = cache[dev].load(std::memory_order_relaxed);
+        if (c) return c;
+    }
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, attr, dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    if (dev < kMaxDevices) cache[dev].store(v, std::memory_order_relaxed);
+    return v;
+}
+
+/* Compute capability major of the current device; 0 when it cannot be read
+ * (and the SIMT kernels run). */
+int device_major() {
+    static std::atomic<int> cache[kMaxDevices];
+    return device_attr(cudaDevAttrComputeCapabilityMajor, cache);
+}
+
+/* The most dynamic shared memory a block of the current device may opt into. */
+int device_optin_smem() {
+    static std::atomic<int> cache[kMaxDevices];
+    return device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin, cache);
 }
 
 /* Dynamic shared memory above 48 KiB (K and V tiles of head dims > 192, the
@@ -1209,29 +1311,51 @@ ng_status launch_bwd(const ng_attention_args *a, cudaStream_t st) {
     return cuda_check();
 }
 
-template <ng_dtype T, int D>
-ng_status launch_mma(const ng_attention_args *a, cudaStream_t st, int backward, int vec) {
-    static std::atomic<int> allowed_fwd[kMaxDevices], allowed_dkdv[kMaxDevices],
-        allowed_dq[kMaxDevices];
-    const size_t tile = sizeof(uint16_t) * (size_t)(kMmaRows * (D + 8));
+/* The backward's dynamic shared memory: two fixed tiles (dkdv: K, V; dq: Q,
+ * dO), NStage stages of the two streamed ones, and `rows` pairs of 64 floats
+ * (the rows' dout . out and lse; dkdv: one per stage, dq: one). */
+constexpr size_t mma_bwd_smem(int D, int nstage, int rows) {
+    return sizeof(uint16_t) * (size_t)((2 + 2 * nstage) * kMmaRows * (D + 8)) +
+           (size_t)rows * 2 * kMmaRows * sizeof(float);
+}
+
+template <ng_dtype T, int D, int NStage>
+ng_status launch_mma_bwd(const ng_attention_args *a, cudaStream_t st, int vec) {
+    static std::atomic<int> allowed_dkdv[kMaxDevices], allowed_dq[kMaxDevices];
     dim3 grid;
-    if (!backward) {
-        NG_TRY(fold_grid(NG_CEIL_DIV(a->L, (int64_t)kMmaRows), a->Hq, a->B, &grid));
-        NG_TRY(allow_smem(attention_fwd_mma_kernel<T, D>, 4 * tile, allowed_fwd));
-        NG_LAUNCH((attention_fwd_mma_kernel<T, D>), grid, kMmaThreads, 4 * tile, st, *a, vec);
-        return cuda_check();
-    }
-    const size_t sm = 4 * tile + 2 * kMmaRows * sizeof(float);
     if (a->S > 0) {
+        constexpr size_t sm = mma_bwd_smem(D, NStage, NStage);
         NG_TRY(fold_grid(NG_CEIL_DIV(a->S, (int64_t)kMmaRows), a->Hkv, a->B, &grid));
-        NG_TRY(allow_smem(attention_bwd_dkdv_mma_kernel<T, D>, sm, allowed_dkdv));
-        NG_LAUNCH((attention_bwd_dkdv_mma_kernel<T, D>), grid, kMmaThreads, sm, st, *a, vec);
+        NG_TRY(allow_smem(attention_bwd_dkdv_mma_kernel<T, D, NStage>, sm, allowed_dkdv));
+        NG_LAUNCH((attention_bwd_dkdv_mma_kernel<T, D, NStage>), grid, kMmaThreads, sm, st, *a,
+                  vec);
         NG_TRY(cuda_check());
     }
     if (a->L == 0) return NG_OK;
+    constexpr size_t sm = mma_bwd_smem(D, NStage, 1);
     NG_TRY(fold_grid(NG_CEIL_DIV(a->L, (int64_t)kMmaRows), a->Hq, a->B, &grid));
-    NG_TRY(allow_smem(attention_bwd_dq_mma_kernel<T, D>, sm, allowed_dq));
-    NG_LAUNCH((attention_bwd_dq_mma_kernel<T, D>), grid, kMmaThreads, sm, st, *a, vec);
+    NG_TRY(allow_smem(attention_bwd_dq_mma_kernel<T, D, NStage>, sm, allowed_dq));
+    NG_LAUNCH((attention_bwd_dq_mma_kernel<T, D, NStage>), grid, kMmaThreads, sm, st, *a, vec);
+    return cuda_check();
+}
+
+template <ng_dtype T, int D>
+ng_status launch_mma(const ng_attention_args *a, cudaStream_t st, int backward, int vec) {
+    if (backward) {
+        /* Two stages of the streamed tiles where the device's shared memory
+         * per block allows them (always at D = 64; at D = 128 they need
+         * 103 KiB: sm_80 and sm_90 have it, sm_86 / sm_89 have 99 KiB and
+         * take one). */
+        if (D == 64 || (size_t)device_optin_smem() >= mma_bwd_smem(D, 2, 2))
+            return launch_mma_bwd<T, D, 2>(a, st, vec);
+        return launch_mma_bwd<T, 128, 1>(a, st, vec);
+    }
+    static std::atomic<int> allowed_fwd[kMaxDevices];
+    const size_t tile = sizeof(uint16_t) * (size_t)(kMmaRows * (D + 8));
+    dim3 grid;
+    NG_TRY(fold_grid(NG_CEIL_DIV(a->L, (int64_t)kMmaRows), a->Hq, a->B, &grid));
+    NG_TRY(allow_smem(attention_fwd_mma_kernel<T, D>, 4 * tile, allowed_fwd));
+    NG_LAUNCH((attention_fwd_mma_kernel<T, D>), grid, kMmaThreads, 4 * tile, st, *a, vec);
     return cuda_check();
 }
 
@@ -1263,25 +1387,6 @@ int decode_shape(const ng_attention_args *a) {
 /* A [B, heads, seq, D] operand whose every row starts on 16 bytes. */
 int rows_aligned16(const void *p, const int64_t stride[3]) {
     return (uintptr_t)p % 16 == 0 && stride[0] % 8 == 0 && stride[1] % 8 == 0 && stride[2] % 8 == 0;
-}
-
-/* Compute capability major of the current device, cached per device; 0 when
- * it cannot be read (the error is cleared, and the SIMT kernels run). */
-int device_major() {
-    static std::atomic<int> cache[kMaxDevices]; /* 0: not read yet */
-    const int dev = current_device();
-    if (dev < 0) return 0;
-    if (dev < kMaxDevices) {
-        const int c = cache[dev].load(std::memory_order_relaxed);
-        if (c) return c;
-    }
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    if (dev < kMaxDevices) cache[dev].store(major, std::memory_order_relaxed);
-    return major;
 }
 
 /* The tensor-core kernels take fp16 / bf16 with E == Ev in {64, 128} on a

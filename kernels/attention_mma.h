@@ -4,10 +4,13 @@
  * with fp32 accumulators, the building block of the fp16/bf16 safe_sdpa CUDA
  * kernels (kernels/attention.cu).
  *
- * Every function here only computes addresses and moves bits, so it is
- * host+device: the ctest suite runs the kernels' own fragment loads on the
- * CPU and checks them against the fragment tables of the PTX ISA
- * ("Matrix Fragments for mma.m16n8k16 with floating point type").
+ * Everything here but the ldmatrix loaders and ng_mma_16816 (device code,
+ * at the end) only computes addresses and moves bits, so it is host+device:
+ * the ctest suite runs the scalar fragment loaders on the CPU and checks
+ * them against the fragment tables of the PTX ISA ("Matrix Fragments for
+ * mma.m16n8k16 with floating point type"). The kernels load their fragments
+ * with the ldmatrix forms, which cuda_emu_self checks lane for lane against
+ * the scalar ones.
  *
  * Lane l of the warp has group g = l / 4 and thread-in-group t = l % 4. A
  * 32-bit register holds two 16-bit elements, the lower-indexed one in the low

@@ -64,11 +64,28 @@ static const char *const SET_SM75[] = {"E64_L64_S129",
                                        "decode_L2_E256_gqa",
                                        NULL};
 
+/* sm86 (--set=sm86): a GPU of compute capability 8.6 / 8.9, whose 99 KiB of
+ * shared memory per block take one stage of the tensor-core backward's
+ * streamed tiles at head dim 128 (two at 64): ragged tails, GQA, causal,
+ * masks, dropout, unaligned rows, NaN and large scores. */
+static const char *const SET_SM86[] = {"E128_L129_S129",
+                                       "E128_L300_S300",
+                                       "E128_L7_S300",
+                                       "E128_L300_S1",
+                                       "E64_L129_S129",
+                                       "gqa_E128_causal",
+                                       "dropout_E128_causal_gqa",
+                                       "large_scores_E128",
+                                       "nan_in_dout_pad_mask_E128",
+                                       "pad_rows_E128_causal",
+                                       "shifted_base_E128_gqa_mask",
+                                       NULL};
+
 /* Named filter lists, for --set=NAME. */
 static const struct {
     const char *name;
     const char *const *filters;
-} SETS[] = {{"sm75", SET_SM75}};
+} SETS[] = {{"sm75", SET_SM75}, {"sm86", SET_SM86}};
 
 /* argv[1..] as the filter list, each --set=NAME replaced by its filters;
  * returns 0 for an unknown set. */

@@ -1,8 +1,12 @@
 #!/bin/sh
-# check_ptx.sh NVCC SOURCE INCLUDE_DIR: compiles SOURCE (tests/cuda_emu/ptx_check.cu)
-# to PTX for sm_80 and sm_90 with warnings as errors, and fails unless every
-# ldmatrix / cp.async form kernels/cuda_ptx.h wraps is in the output.
-nvcc=$1 src=$2 inc=$3
+# check_ptx.sh NVCC SOURCE INCLUDE_DIR [ATTENTION_CU]: compiles SOURCE
+# (tests/cuda_emu/ptx_check.cu) to PTX for sm_80 and sm_90 with warnings as
+# errors, and fails unless every ldmatrix / cp.async form kernels/cuda_ptx.h
+# wraps is in the output. With ATTENTION_CU (kernels/attention.cu), also
+# compiles it to PTX for sm_80, splits the PTX into its .entry blocks and
+# fails unless every tensor-core kernel's own block (forward, dk / dv, dq, in
+# every instantiation) holds the ldmatrix and cp.async forms its pipeline uses.
+nvcc=$1 src=$2 inc=$3 attn=$4
 tmp=${TMPDIR:-/tmp}/ng_ptx_check.$$
 trap 'rm -f "$tmp"' EXIT
 status=0
@@ -21,6 +25,47 @@ for sm in 80 90; do
         n=$(grep -cF "$insn" "$tmp")
         echo "sm_$sm: $n x $insn"
         [ "$n" -gt 0 ] || { echo "check_ptx: sm_$sm PTX lacks $insn"; status=1; }
+    done
+done
+[ -n "$attn" ] || exit $status
+
+if ! "$nvcc" -std=c++17 -arch=sm_80 -ptx -O3 --expt-relaxed-constexpr -I"$inc" "$attn" -o "$tmp"; then
+    echo "check_ptx: nvcc -arch=sm_80 -ptx $attn failed"
+    exit 1
+fi
+# per .entry block of a tensor-core kernel: its (mangled) name and how often
+# the instruction occurs in it
+per_entry() {
+    awk -v want="$1" '
+        /^[.a-z ]*\.(entry|func)[ \t]/ {
+            cur = ""
+            if ($0 ~ /\.entry[ \t]/ && $0 ~ /attention_(fwd|bwd_dkdv|bwd_dq)_mma_kernel/) {
+                cur = $0
+                sub(/^.*\.entry[ \t]+/, "", cur)
+                sub(/\(.*$/, "", cur)
+                n[cur] = 0
+            }
+            next
+        }
+        cur != "" && index($0, want) { n[cur]++ }
+        END { for (k in n) print n[k], k }' "$tmp"
+}
+for kernel in attention_fwd_mma_kernel attention_bwd_dkdv_mma_kernel attention_bwd_dq_mma_kernel; do
+    for insn in 'ldmatrix.sync.aligned.m8n8.x4.shared.b16' 'ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16' \
+        'cp.async.cg.shared.global' 'cp.async.commit_group' 'cp.async.wait_group 0'; do
+        entries=$(per_entry "$insn" | grep -F "$kernel")
+        if [ -z "$entries" ]; then
+            echo "check_ptx: no .entry of $kernel in the sm_80 PTX of $attn"
+            status=1
+            continue
+        fi
+        echo "$entries" | while read -r n name; do
+            echo "sm_80 $name: $n x $insn"
+        done
+        if echo "$entries" | grep -q '^0 '; then
+            echo "check_ptx: an sm_80 .entry of $kernel lacks $insn"
+            status=1
+        fi
     done
 done
 exit $status
