@@ -71,49 +71,47 @@ NG_TARGET_AVX512 static inline __m256 ng_fold16(__m512 a) {
                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
 
-/* exp on 8 lanes: ng_expf_poly's Cephes polynomial (attention.c), FMA-
- * contracted; exp(-inf) = 0 and NaN stays NaN. */
+/* The Cephes expf core (attention.c's ng_expf_poly, FMA-contracted) at
+ * either width: from the clamped argument xc and n = round(xc log2 e), the
+ * remainder r = xc - n ln 2 in two steps and y = 1 + r + r^2 p(r), the
+ * value before the factor 2^n, declared as the V y. */
+#define NG_EXP_CORE(V, FMA, FNMA, MUL, ADD, SET1, xc, n, y)                                        \
+    const V y##_r1 = FNMA(n, SET1(0.693359375f), xc);                                              \
+    const V y##_r = FNMA(n, SET1(-2.12194440e-4f), y##_r1);                                        \
+    const V y##_p = FMA(FMA(FMA(FMA(FMA(SET1(1.9875691500e-4f), y##_r, SET1(1.3981999507e-3f)),    \
+                                    y##_r, SET1(8.3334519073e-3f)),                                \
+                                y##_r, SET1(4.1665795894e-2f)),                                    \
+                            y##_r, SET1(1.6666665459e-1f)),                                        \
+                        y##_r, SET1(5.0000001201e-1f));                                            \
+    const V y = ADD(FMA(y##_p, MUL(y##_r, y##_r), y##_r), SET1(1.0f))
+
+/* exp on 8 lanes; exp(-inf) = 0 and NaN stays NaN (max / min return their
+ * second operand when one is NaN: a NaN x flows through the clamp and every
+ * step, and the result is NaN). */
 NG_TARGET_AVX2 static inline __m256 ng_exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
-    /* max / min return their second operand when one is NaN: a NaN x flows
-     * through the clamp and every step below, and the result is NaN */
-    __m256 xc = _mm256_min_ps(hi, _mm256_max_ps(lo, x));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    __m256i e =
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 xc = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(lo, x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    NG_EXP_CORE(__m256, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_mul_ps, _mm256_add_ps,
+                _mm256_set1_ps, xc, n, y);
+    const __m256i e =
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-    return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), y); /* exp(-inf) = 0 */
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), /* exp(-inf) = 0 */
+                            _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
 /* ng_exp8 on 16 lanes: the same operations lane by lane, so the same values;
  * 2^n by vscalefps, which equals the exponent-field product for the n in
  * [-126, 127] that the clamp leaves. */
 NG_TARGET_AVX512 static inline __m512 ng_exp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f), hi = _mm512_set1_ps(88.0f);
-    __m512 xc = _mm512_min_ps(hi, _mm512_max_ps(lo, x)); /* a NaN x flows through */
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    y = _mm512_scalef_ps(y, n);
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), y); /* exp(-inf) = 0 */
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    const __m512 xc = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(lo, x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    NG_EXP_CORE(__m512, _mm512_fmadd_ps, _mm512_fnmadd_ps, _mm512_mul_ps, _mm512_add_ps,
+                _mm512_set1_ps, xc, n, y);
+    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), y, n); /* exp(-inf) = 0 */
 }
 
 /* 2^x on 8 / 16 lanes: x = n + f with n = round(x), f in [-1/2, 1/2], 2^f
