@@ -257,9 +257,10 @@ static __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(ng_atten
  * wait_group 0 and one barrier make tile t visible to every thread and
  * retire the other stage's readers; tile t + 1 is then issued into the
  * other stage and lands while tile t is scored and accumulated. Where two
- * stages do not fit the device's shared memory (fp32 at head dims above
- * 128 on sm_75 / sm_86 / sm_89, 16 bits at 256 on sm_75), one buffer takes
- * the K tile, then the V tile, with a barrier on each side of each.
+ * stages do not fit the device's shared memory (E = Ev above 112 in fp32
+ * and 200 in 16 bits on sm_75, above 172 in fp32 on sm_86 / sm_89), one
+ * buffer takes the K tile, then the V tile, with a barrier on each side of
+ * each.
  *
  * With a mask, a tile the mask hides from every row of the block (padding)
  * is not read: its probabilities would all be 0, nothing would change. The
