@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include <atomic>
+#include <type_traits>
 
 #include "kernels/attention.h"
 #include "kernels/cuda_launch.h"
@@ -49,6 +50,15 @@ constexpr int kBwdPer = 2;                  /* keys (dkdv) or rows (dq) per warp
 constexpr int kBwdBlock = kWarps * kBwdPer; /* 16 keys or rows per block */
 constexpr int kBwdBQ = 16;                  /* query rows per shared tile in dkdv */
 constexpr unsigned kFull = 0xffffffffu;
+
+/* cp.async exists from sm_80; the sm_75 device code of the tensor-core and
+ * decode kernels (never asked for it there: mma_eligible, launch_decode)
+ * keeps ordinary loads. */
+#if defined(NG_CUDA_EMU) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
+constexpr bool kAsyncCopy = true;
+#else
+constexpr bool kAsyncCopy = false;
+#endif
 
 /* This block's place in a one-dimensional grid of nblk blocks per (batch,
  * head): block x = blk + nblk * (h + heads * b). */
@@ -225,27 +235,56 @@ static __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(ng_atten
  * head of the group.
  *
  * Warp w owns rows r0 + w + kDecWarps * t. Per tile of kBK keys, lane j
- * scores key j for each of its warp's rows (the query row is broadcast from
- * shared memory, the K tile is padded to E + 1 floats a row so the 32 lanes
- * read 32 banks) and the online softmax folds the tile as in the forward
- * (a tile the mask hides from all the block's rows is skipped unread);
- * then the V tile replaces the K tile (one buffer: head dim 256 fits the
- * 64 KiB of sm_75) and P V broadcasts p_j lane by lane. A pair of
- * probability zero (masked, dropped, underflowed) is skipped: it adds
- * nothing, not even 0 * NaN.
+ * scores key j for each of its warp's rows (the query row, fp32, is
+ * broadcast from shared memory) and the online softmax folds the tile as in
+ * the forward; then P V broadcasts p_j lane by lane (lane d accumulates
+ * columns d, d + 32, ...). A pair of probability zero (masked, dropped,
+ * underflowed) is skipped: it adds nothing, not even 0 * NaN.
+ *
+ * Staging (FlashDecoding-style): K and V tiles stay in shared memory in
+ * their own dtype (fp16 / bf16 as 16 bits, fp32 as fp32) and are widened to
+ * fp32 in registers as they are read, which is exact. A K row is
+ * ceil(E / W) W + W elements long (W = 16 bytes of the dtype: 8 or 4), so
+ * that every row starts on 16 bytes and the lanes' 16-byte reads of 32
+ * different rows hit distinct banks; a V row is ceil(Ev / W) W (the lanes
+ * read consecutive columns of one row). Where every row of K and V starts on
+ * 16 bytes and W divides E and Ev, and the device has cp.async (sm_80+), the
+ * tiles are copied as 16-byte cp.async.cg chunks; otherwise element by
+ * element with ordinary loads (the same layout). Each thread's walk over a
+ * tile's chunks is precomputed (dec_walk): no divide in the loop.
+ *
+ * Pipeline: two stages of (K, V) tiles. At the top of each tile one
+ * wait_group 0 and one barrier make tile t visible to every thread and
+ * retire the other stage's readers; tile t + 1 is then issued into the
+ * other stage and lands while tile t is scored and accumulated. Where two
+ * stages do not fit the device's shared memory (E = Ev above 112 in fp32
+ * and 200 in 16 bits on sm_75, above 172 in fp32 on sm_86 / sm_89), one
+ * buffer takes the K tile, then the V tile, with a barrier on each side of
+ * each.
+ *
+ * With a mask, a tile the mask hides from every row of the block (padding)
+ * is not read: its probabilities would all be 0, nothing would change. The
+ * scan for the next tile runs before the top barrier and that barrier
+ * publishes its answer (ep, two slots by scan parity), so a live tile costs
+ * no barrier of its own; each skipped one costs one.
  *
  * Split-KV ("flash-decoding"): when the caller gives a workspace and there
- * are fewer than kDecBlocks (batch, kv head, row group) blocks, the keys are
- * split over blocks of at least kDecMinSplit keys. Each split leaves its
- * (m, l) and unnormalized output in the workspace and decode_combine merges
- * them in split order, one warp per row, as the CPU's split-KV combine
- * does. The split sizes depend on the shape alone. */
+ * are fewer than kDecWaves blocks per SM of the device, the keys are split
+ * over blocks of at least kDecMinSplit keys (a power-of-two count of splits,
+ * each a multiple of kBK keys). Each split leaves its (m, l) and
+ * unnormalized output in the workspace and decode_combine merges them in
+ * split order, one warp per row, as the CPU's split-KV combine does. The
+ * split sizes depend on the shape and the device's SM count alone (the
+ * workspace query and the launch run on the same device): results are
+ * deterministic for a given shape and device, and may differ in the last
+ * bits between devices of different SM counts. */
 constexpr int kDecWarps = 4;
 constexpr int kDecThreads = kDecWarps * 32;
 constexpr int kDecRowsPerWarp = 4;
 constexpr int kDecRows = kDecWarps * kDecRowsPerWarp; /* 16 query rows per block */
-constexpr int64_t kDecBlocks = 256;                   /* split until there are this many blocks */
-constexpr int64_t kDecMinSplit = 128;                 /* but no split shorter than this (keys) */
+constexpr int64_t kDecWaves = 4;      /* split until there are this many blocks per SM */
+constexpr int64_t kDecBlocks = 256;   /* the target when the SM count cannot be read */
+constexpr int64_t kDecMinSplit = 128; /* but no split shorter than this (keys) */
 
 struct dec_plan {
     int64_t groups;    /* row groups of kDecRows per (batch, kv head) */
@@ -256,76 +295,198 @@ struct dec_plan {
 
 __host__ __device__ inline int64_t dec_rows(const ng_attention_args &a) { return a.B * a.Hq * a.L; }
 
-dec_plan plan_decode(const ng_attention_args *a, int can_split) {
+/* sms: the device's SM count (0: unknown, kDecBlocks blocks targeted). */
+dec_plan plan_decode(const ng_attention_args *a, int can_split, int sms) {
     dec_plan p;
     p.groups = NG_CEIL_DIV((a->Hq / a->Hkv) * a->L, (int64_t)kDecRows);
     p.klen = a->is_causal ? NG_MIN(a->S, a->L) : a->S; /* causal: keys past the last query unseen */
     const int64_t blocks = a->B * a->Hkv * p.groups;
+    const int64_t target = sms > 0 ? kDecWaves * sms : kDecBlocks;
     int64_t n = 1;
-    while (can_split && blocks * n < kDecBlocks && p.klen / (n * 2) >= kDecMinSplit) n *= 2;
+    while (can_split && blocks * n < target && p.klen / (n * 2) >= kDecMinSplit) n *= 2;
     p.split_len = NG_MAX((int64_t)kBK, NG_CEIL_DIV(NG_CEIL_DIV(p.klen, n), (int64_t)kBK) * kBK);
     p.nsplit = NG_MAX((int64_t)1, NG_CEIL_DIV(p.klen, p.split_len));
     return p;
 }
 
-/* ws: nsplit > 1 only; [nsplit][B*Hq*L][2] (m, l), then [nsplit][B*Hq*L][Ev]. */
-template <ng_dtype T, int NT>
+/* A K / V element in shared memory: the tensor's own bits. */
+template <ng_dtype T>
+using dec_elem = typename std::conditional<T == NG_F32, float, uint16_t>::type;
+
+/* Elements of 16 bytes, the K and V tile row lengths (elements), and the
+ * dynamic shared memory of the two layouts: Q (fp32), then two (K, V)
+ * stages, or one buffer that takes K, then V. */
+__host__ __device__ constexpr int dec_w(ng_dtype t) { return t == NG_F32 ? 4 : 8; }
+__host__ __device__ constexpr int dec_kld(ng_dtype t, int e) {
+    return (e + dec_w(t) - 1) / dec_w(t) * dec_w(t) + dec_w(t);
+}
+__host__ __device__ constexpr int dec_vld(ng_dtype t, int e) {
+    return (e + dec_w(t) - 1) / dec_w(t) * dec_w(t);
+}
+constexpr size_t dec_smem(ng_dtype t, int e, int ev, bool pipe) {
+    const size_t q = sizeof(float) * (size_t)(kDecRows * e), el = t == NG_F32 ? 4 : 2;
+    const int kl = dec_kld(t, e), vl = dec_vld(t, ev);
+    return q + el * (size_t)kBK * (pipe ? 2 * (kl + vl) : (kl > vl ? kl : vl));
+}
+
+template <ng_dtype T>
+__device__ __forceinline__ float dec_widen(dec_elem<T> v) {
+    if constexpr (T == NG_F32) {
+        return v;
+    } else if constexpr (T == NG_BF16) {
+        return ng_bf16_to_f32(v);
+    } else {
+        __half h;
+        memcpy(&h, &v, sizeof h);
+        return __half2float(h);
+    }
+}
+
+/* One thread's walk over a tile's kBK x n chunks (a chunk: 16 bytes, or
+ * one element): its first (row, chunk) and the step of kDecThreads chunks,
+ * so that the loop adds instead of dividing. */
+struct dec_walk {
+    int r, c, dr, dc, n;
+};
+__device__ __forceinline__ dec_walk dec_walk_of(int n) {
+    const int t = threadIdx.x;
+    return {t / n, t % n, kDecThreads / n, kDecThreads % n, n};
+}
+
+/* Keys [j0, j0 + nk) of a [seq, *] slice (row stride rs) into kBK tile rows
+ * ld elements apart, zeros past nk, in the slice's own dtype. vec: 16-byte
+ * chunks by cp.async.cg, landing at the caller's wait_group (the zero rows
+ * are stored at once); otherwise element copies, stored at once. */
+template <typename S>
+__device__ __forceinline__ void dec_load(S *tile, int ld, const S *base, int64_t rs, int64_t j0,
+                                         int64_t nk, dec_walk w, int vec) {
+    constexpr int kW = 16 / sizeof(S);
+#pragma unroll 1
+    for (int r = w.r, c = w.c; r < kBK;) {
+        if (vec) {
+            S *dst = tile + r * ld + c * kW;
+            const S *src = base + (j0 + r) * rs + c * kW;
+            if (r >= nk)
+                *(uint4 *)dst = make_uint4(0u, 0u, 0u, 0u);
+            else if constexpr (kAsyncCopy)
+                ng_cp_async_cg16(dst, src);
+            else
+                *(uint4 *)dst = *(const uint4 *)src;
+        } else {
+            tile[r * ld + c] = r < nk ? base[(j0 + r) * rs + c] : (S)0;
+        }
+        c += w.dc, r += w.dr;
+        if (c >= w.n) c -= w.n, r++;
+    }
+}
+
+/* q . k over E columns in order (as a plain loop would add them), k read
+ * from shared memory 16 bytes at a time and widened in registers. */
+template <ng_dtype T>
+__device__ __forceinline__ float dec_dot(const float *qr, const dec_elem<T> *kr, int E) {
+    using S = dec_elem<T>;
+    constexpr int kW = 16 / sizeof(S);
+    float dot = 0.0f;
+    int e = 0;
+    for (; e + kW <= E; e += kW) {
+        const uint4 v = *(const uint4 *)(kr + e);
+        S k[kW];
+        memcpy(k, &v, sizeof k);
+#pragma unroll
+        for (int w = 0; w < kW; w++) dot += qr[e + w] * dec_widen<T>(k[w]);
+    }
+    for (; e < E; e++) dot += qr[e] * dec_widen<T>(kr[e]);
+    return dot;
+}
+
+/* ws: nsplit > 1 only; [nsplit][B*Hq*L][2] (m, l), then [nsplit][B*Hq*L][Ev].
+ * Pipe: two (K, V) stages; otherwise one buffer (see above). vec: K and V by
+ * cp.async (launch_decode). */
+template <ng_dtype T, int NT, bool Pipe>
 static __global__ void __launch_bounds__(kDecThreads)
-    attention_decode_kernel(ng_attention_args a, dec_plan p, float *ws) {
-    NG_DYNAMIC_SMEM(float, smem);
-    const int E = (int)a.E, Ev = (int)a.Ev, kst = E + 1;
-    float *qs = smem, *kv = qs + kDecRows * E; /* the K tile, then the V tile */
+    attention_decode_kernel(ng_attention_args a, dec_plan p, float *ws, int vec) {
+    using S = dec_elem<T>;
+    constexpr int kW = 16 / sizeof(S);
+    NG_DYNAMIC_SMEM(uint4, dec_smem_base);
+    const int E = (int)a.E, Ev = (int)a.Ev, kld = dec_kld(T, E), vld = dec_vld(T, Ev);
+    float *const qs = (float *)dec_smem_base;
+    S *const tiles = (S *)(qs + kDecRows * E);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const block_coord bc = block_coords(p.nsplit * p.groups, a.Hkv);
     const int64_t b = bc.b, hk = bc.h, split = bc.blk % p.nsplit, r0 = bc.blk / p.nsplit * kDecRows;
     const int64_t G = a.Hq / a.Hkv, M = G * a.L;
     const float scale = (float)a.scale;
-    const void *kb = slice<T>(a.k, b * a.k_stride[0] + hk * a.k_stride[1]);
-    const void *vb = slice<T>(a.v, b * a.v_stride[0] + hk * a.v_stride[1]);
+    const S *kb = (const S *)a.k + b * a.k_stride[0] + hk * a.k_stride[1];
+    const S *vb = (const S *)a.v + b * a.v_stride[0] + hk * a.v_stride[1];
 
-    for (int x = threadIdx.x; x < kDecRows * E; x += kDecThreads) {
-        const int64_t r = r0 + x / E, e = x % E;
-        qs[x] = r < M ? ld<T>(a.q, b * a.q_stride[0] + (hk * G + r / a.L) * a.q_stride[1] +
-                                       (r % a.L) * a.q_stride[2] + e)
-                      : 0.0f;
+    /* Q rows, one row's head and position worked out once */
+    for (int rr = 0; rr < kDecRows; rr++) {
+        const int64_t r = r0 + rr;
+        const int64_t qo = r < M ? b * a.q_stride[0] + (hk * G + r / a.L) * a.q_stride[1] +
+                                       (r % a.L) * a.q_stride[2]
+                                 : 0;
+        for (int e = threadIdx.x; e < E; e += kDecThreads)
+            qs[rr * E + e] = r < M ? ld<T>(a.q, qo + e) : 0.0f;
+    }
+    /* the warp's rows: valid, head, position */
+    bool row_ok[kDecRowsPerWarp];
+    int64_t row_h[kDecRowsPerWarp], row_i[kDecRowsPerWarp];
+#pragma unroll
+    for (int t = 0; t < kDecRowsPerWarp; t++) {
+        const int64_t r = r0 + warp + kDecWarps * t;
+        row_ok[t] = r < M;
+        row_h[t] = hk * G + (row_ok[t] ? r / a.L : 0);
+        row_i[t] = row_ok[t] ? r % a.L : 0;
     }
     float acc[kDecRowsPerWarp][NT], m[kDecRowsPerWarp], l[kDecRowsPerWarp];
+#pragma unroll
     for (int t = 0; t < kDecRowsPerWarp; t++) {
+#pragma unroll
         for (int u = 0; u < NT; u++) acc[t][u] = 0.0f;
         m[t] = -INFINITY;
         l[t] = 0.0f;
     }
+    const dec_walk wk = dec_walk_of(vec ? E / kW : E), wv = dec_walk_of(vec ? Ev / kW : Ev);
 
-    NG_SHARED(int, live); /* the tile has a key the mask leaves to some row of the block */
+    /* ep[k & 1] == k: mask scan k found a key of its tile that the mask
+     * leaves to some row of the block */
+    NG_SHARED(int, ep, [2]);
+    if (threadIdx.x == 0) ep[0] = ep[1] = -1;
+    __syncthreads(); /* ep set before any scan writes it */
+    const bool masked = a.mask_kind != NG_MASK_NONE;
+    int k = 0; /* mask scans so far */
     const int64_t jb = split * p.split_len, je = NG_MIN(p.klen, jb + p.split_len);
-    for (int64_t j0 = jb; j0 < je; j0 += kBK) {
-        const int64_t nk = NG_MIN((int64_t)kBK, je - j0);
-        float pr[kDecRowsPerWarp]; /* lane j: p of key j for each of the warp's rows */
-        if (a.mask_kind != NG_MASK_NONE) {
-            /* a tile the mask hides from every row (padding) is not read:
-             * its probabilities would all be 0, nothing would change */
-            if (threadIdx.x == 0) live = 0;
-            __syncthreads(); /* also: every thread has read the previous tile's flag */
-            for (int x = threadIdx.x; x < kDecRows * kBK; x += kDecThreads) {
-                const int64_t r = r0 + x / kBK, j = x % kBK;
-                if (r < M && j < nk &&
-                    mask_value(a, b, hk * G + r / a.L, r % a.L, j0 + j) != -INFINITY)
-                    live = 1;
+    /* this thread's part of scan k of the tile at j0 */
+    auto scan = [&](int64_t j0) {
+        bool any = false;
+#pragma unroll
+        for (int t = 0; t < kDecRowsPerWarp; t++)
+            if (row_ok[t] && j0 + lane < je &&
+                mask_value(a, b, row_h[t], row_i[t], j0 + lane) != -INFINITY)
+                any = true;
+        if (any) ep[k & 1] = k;
+    };
+    /* the first live tile at or after j (je if none); scanned: scan k of j
+     * was made and a barrier has passed since */
+    auto next_live = [&](int64_t j, bool scanned) {
+        for (; j < je; j += kBK, scanned = false) {
+            if (!scanned) {
+                scan(j);
+                __syncthreads();
             }
-            __syncthreads();
-            if (!live) continue; /* block-uniform */
+            const bool live = ep[k & 1] == k; /* block-uniform */
+            k++;
+            if (live) break;
         }
-        __syncthreads(); /* the previous tile's V readers are done */
-        stage<T, kDecThreads>(kv, kst, kBK, kb, a.k_stride[2], j0, nk, E);
-        __syncthreads();
+        return j;
+    };
+    auto score = [&](const S *ks, int64_t j0, int64_t nk, float (&pr)[kDecRowsPerWarp]) {
+#pragma unroll
         for (int t = 0; t < kDecRowsPerWarp; t++) {
-            const int64_t r = r0 + warp + kDecWarps * t;
             pr[t] = 0.0f;
-            if (r >= M) continue; /* warp-uniform */
-            const int64_t h = hk * G + r / a.L, i = r % a.L, j = j0 + lane;
-            const float *qr = qs + (r - r0) * E, *kr = kv + lane * kst;
-            float dot = 0.0f;
-            for (int e = 0; e < E; e++) dot += qr[e] * kr[e];
+            if (!row_ok[t]) continue; /* warp-uniform */
+            const int64_t h = row_h[t], i = row_i[t], j = j0 + lane;
+            const float dot = dec_dot<T>(qs + (warp + kDecWarps * t) * E, ks + lane * kld, E);
             const float s = lane < nk ? guarded_score(a, dot * scale, b, h, i, j) : -INFINITY;
             const float m_new = ng_attn_max_nan_f32(m[t], warp_max_nan(s));
             const float alpha = ng_attn_rescale_f32(m[t], m_new);
@@ -333,29 +494,78 @@ static __global__ void __launch_bounds__(kDecThreads)
             l[t] = l[t] * alpha + warp_sum(pr[t]);
             m[t] = m_new;
             if (lane < nk) pr[t] *= dropout_scale(a, b, h, i, j);
+#pragma unroll
             for (int u = 0; u < NT; u++) acc[t][u] *= alpha;
         }
-        __syncthreads(); /* the K tile's readers are done: V takes its place */
-        stage<T, kDecThreads>(kv, Ev, kBK, vb, a.v_stride[2], j0, nk, Ev);
-        __syncthreads();
+    };
+    auto accumulate = [&](const S *vs, int64_t nk, const float (&pr)[kDecRowsPerWarp]) {
+#pragma unroll
         for (int t = 0; t < kDecRowsPerWarp; t++) {
-            if (r0 + warp + kDecWarps * t >= M) break;
+            if (!row_ok[t]) break;
             for (int jj = 0; jj < nk; jj++) {
                 const float pj = __shfl_sync(kFull, pr[t], jj);
                 if (pj == 0.0f) continue; /* warp-uniform */
+#pragma unroll
                 for (int u = 0; u < NT; u++) {
                     const int d = lane + 32 * u;
-                    if (d < Ev) acc[t][u] += pj * kv[jj * Ev + d];
+                    if (d < Ev) acc[t][u] += pj * dec_widen<T>(vs[jj * vld + d]);
                 }
             }
+        }
+    };
+
+    int64_t jc = masked ? next_live(jb, false) : jb;
+    if constexpr (Pipe) {
+        const int stage = kBK * (kld + vld); /* a (K, V) stage, elements */
+        if (jc < je) {                       /* tile jc into stage 0 */
+            dec_load<S>(tiles, kld, kb, a.k_stride[2], jc, je - jc, wk, vec);
+            dec_load<S>(tiles + kBK * kld, vld, vb, a.v_stride[2], jc, je - jc, wv, vec);
+            if constexpr (kAsyncCopy) ng_cp_async_commit();
+        }
+        for (int st = 0; jc < je; st ^= 1) {
+            int64_t jn = jc + kBK;
+            if (masked && jn < je) scan(jn); /* answered by the barrier below */
+            /* tile jc complete and visible to all, every warp done with the
+             * other stage (the previous tile) */
+            if constexpr (kAsyncCopy) ng_cp_async_wait_group<0>(); /* this thread's K / V chunks */
+            __syncthreads();
+            if (masked) jn = next_live(jn, true);
+            if (jn < je) { /* tile jn into the other stage, behind this one's math */
+                S *const kn = tiles + (st ^ 1) * stage;
+                dec_load<S>(kn, kld, kb, a.k_stride[2], jn, je - jn, wk, vec);
+                dec_load<S>(kn + kBK * kld, vld, vb, a.v_stride[2], jn, je - jn, wv, vec);
+                if constexpr (kAsyncCopy) ng_cp_async_commit();
+            }
+            const S *const ks = tiles + st * stage;
+            const int64_t nk = NG_MIN((int64_t)kBK, je - jc);
+            float pr[kDecRowsPerWarp]; /* lane j: p of key j for each of the warp's rows */
+            score(ks, jc, nk, pr);
+            accumulate(ks + kBK * kld, nk, pr);
+            jc = jn;
+        }
+    } else {
+        while (jc < je) {
+            const int64_t nk = NG_MIN((int64_t)kBK, je - jc);
+            float pr[kDecRowsPerWarp];
+            __syncthreads(); /* the previous tile's V readers are done */
+            dec_load<S>(tiles, kld, kb, a.k_stride[2], jc, nk, wk, vec);
+            if constexpr (kAsyncCopy) ng_cp_async_wait_all();
+            __syncthreads();
+            score(tiles, jc, nk, pr);
+            __syncthreads(); /* the K tile's readers are done: V takes its place */
+            dec_load<S>(tiles, vld, vb, a.v_stride[2], jc, nk, wv, vec);
+            if constexpr (kAsyncCopy) ng_cp_async_wait_all();
+            __syncthreads();
+            accumulate(tiles, nk, pr);
+            jc = masked ? next_live(jc + kBK, false) : jc + kBK;
         }
     }
 
     const int64_t rows = dec_rows(a);
+#pragma unroll
     for (int t = 0; t < kDecRowsPerWarp; t++) {
-        const int64_t r = r0 + warp + kDecWarps * t;
-        if (r >= M) break;
-        const int64_t h = hk * G + r / a.L, i = r % a.L, row = (b * a.Hq + h) * a.L + i;
+        if (!row_ok[t]) break;
+        const int64_t h = row_h[t], i = row_i[t], row = (b * a.Hq + h) * a.L + i;
         if (p.nsplit == 1) {
             store_row<T, NT>(a, b, h, i, acc[t], m[t], l[t]);
         } else {
@@ -669,14 +879,6 @@ __device__ __forceinline__ void mma_stage(uint16_t *tile, const uint16_t *base, 
         *(uint4 *)(tile + r * kLd + c) = w;
     }
 }
-
-/* cp.async exists from sm_80; the sm_75 device code of the tensor-core
- * kernels (never launched there: mma_eligible) keeps ordinary loads. */
-#if defined(NG_CUDA_EMU) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
-constexpr bool kAsyncCopy = true;
-#else
-constexpr bool kAsyncCopy = false;
-#endif
 
 /* mma_stage, with the 16-byte chunks of valid rows issued as cp.async.cg
  * (landing at the caller's wait_group) when vec; rows >= n (zeros) and
@@ -1359,18 +1561,46 @@ ng_status launch_mma(const ng_attention_args *a, cudaStream_t st, int backward, 
     return cuda_check();
 }
 
-/* The decode kernel, then (with splits) the combine; ws may be NULL (no
- * splits). */
-template <ng_dtype T, int NT>
-ng_status launch_decode(const ng_attention_args *a, cudaStream_t st, float *ws) {
+/* The current device's SM count (0 when it cannot be read). */
+int device_sms() {
+    static std::atomic<int> cache[kMaxDevices];
+    return device_attr(cudaDevAttrMultiProcessorCount, cache);
+}
+
+/* A [B, heads, seq, D] operand of elements `el` bytes wide whose every row
+ * starts on 16 bytes. */
+int rows_aligned(const void *p, const int64_t stride[3], int64_t el) {
+    const int64_t w = 16 / el;
+    return (uintptr_t)p % 16 == 0 && stride[0] % w == 0 && stride[1] % w == 0 && stride[2] % w == 0;
+}
+
+template <ng_dtype T, int NT, bool Pipe>
+ng_status launch_decode_kernel(const ng_attention_args *a, cudaStream_t st, const dec_plan &p,
+                               float *ws, int vec) {
     static std::atomic<int> allowed[kMaxDevices];
-    const dec_plan p = plan_decode(a, ws != nullptr);
     dim3 grid;
     NG_TRY(fold_grid(p.nsplit * p.groups, a->Hkv, a->B, &grid));
-    const size_t sm = sizeof(float) * (size_t)(kDecRows * a->E + kBK * NG_MAX(a->E + 1, a->Ev));
-    NG_TRY(allow_smem(attention_decode_kernel<T, NT>, sm, allowed));
-    NG_LAUNCH((attention_decode_kernel<T, NT>), grid, kDecThreads, sm, st, *a, p, ws);
-    NG_TRY(cuda_check());
+    const size_t sm = dec_smem(T, (int)a->E, (int)a->Ev, Pipe);
+    NG_TRY(allow_smem(attention_decode_kernel<T, NT, Pipe>, sm, allowed));
+    NG_LAUNCH((attention_decode_kernel<T, NT, Pipe>), grid, kDecThreads, sm, st, *a, p, ws, vec);
+    return cuda_check();
+}
+
+/* The decode kernel, then (with splits) the combine; ws may be NULL (no
+ * splits). Two (K, V) stages where the device's shared memory per block
+ * takes them, one buffer otherwise; cp.async (vec) on sm_80+ where every K
+ * and V row starts on 16 bytes and 16 bytes divide both head dims. */
+template <ng_dtype T, int NT>
+ng_status launch_decode(const ng_attention_args *a, cudaStream_t st, float *ws) {
+    const dec_plan p = plan_decode(a, ws != nullptr, device_sms());
+    const int64_t el = (int64_t)ng_dtype_size(T), w = dec_w(T);
+    const int vec = device_major() >= 8 && a->E % w == 0 && a->Ev % w == 0 &&
+                    rows_aligned(a->k, a->k_stride, el) && rows_aligned(a->v, a->v_stride, el);
+    const size_t optin = (size_t)device_optin_smem();
+    if (dec_smem(T, (int)a->E, (int)a->Ev, true) <= NG_MAX(optin, (size_t)48 * 1024))
+        NG_TRY((launch_decode_kernel<T, NT, true>(a, st, p, ws, vec)));
+    else
+        NG_TRY((launch_decode_kernel<T, NT, false>(a, st, p, ws, vec)));
     if (p.nsplit == 1) return NG_OK;
     const int64_t nb = NG_CEIL_DIV(dec_rows(*a), (int64_t)kDecWarps);
     if (nb > 2147483647LL) return NG_ERR_UNSUPPORTED; /* gridDim.x */
@@ -1424,11 +1654,12 @@ ng_status dispatch_nt(const ng_attention_args *a, cudaStream_t st, int backward,
 }
 
 /* The decode plan's workspace: (m, l) and Ev partial outputs per split and
- * row; 0 without splits. Shape-only: the args need not be checked yet. */
+ * row; 0 without splits. Shape and current device only: the args need not
+ * be checked yet. */
 int64_t fwd_workspace_bytes(const ng_attention_args *a) {
     if (a->dtype == NG_F64 || a->B <= 0 || a->Hkv <= 0 || a->Hq % a->Hkv || !decode_shape(a))
         return 0;
-    const dec_plan p = plan_decode(a, 1);
+    const dec_plan p = plan_decode(a, 1, device_sms());
     return p.nsplit > 1 ? (int64_t)sizeof(float) * p.nsplit * dec_rows(*a) * (a->Ev + 2) : 0;
 }
 

@@ -5,7 +5,9 @@
 # wraps is in the output. With ATTENTION_CU (kernels/attention.cu), also
 # compiles it to PTX for sm_80, splits the PTX into its .entry blocks and
 # fails unless every tensor-core kernel's own block (forward, dk / dv, dq, in
-# every instantiation) holds the ldmatrix and cp.async forms its pipeline uses.
+# every instantiation) holds the ldmatrix and cp.async forms its pipeline uses,
+# and every decode kernel's block holds cp.async.cg (its pipelined
+# instantiations also commit_group and wait_group 0).
 nvcc=$1 src=$2 inc=$3 attn=$4
 tmp=${TMPDIR:-/tmp}/ng_ptx_check.$$
 trap 'rm -f "$tmp"' EXIT
@@ -33,13 +35,13 @@ if ! "$nvcc" -std=c++17 -arch=sm_80 -ptx -O3 --expt-relaxed-constexpr -I"$inc" "
     echo "check_ptx: nvcc -arch=sm_80 -ptx $attn failed"
     exit 1
 fi
-# per .entry block of a tensor-core kernel: its (mangled) name and how often
-# the instruction occurs in it
+# per .entry block of a tensor-core or decode kernel: its (mangled) name and
+# how often the instruction occurs in it
 per_entry() {
     awk -v want="$1" '
         /^[.a-z ]*\.(entry|func)[ \t]/ {
             cur = ""
-            if ($0 ~ /\.entry[ \t]/ && $0 ~ /attention_(fwd|bwd_dkdv|bwd_dq)_mma_kernel/) {
+            if ($0 ~ /\.entry[ \t]/ && $0 ~ /attention_((fwd|bwd_dkdv|bwd_dq)_mma|decode)_kernel/) {
                 cur = $0
                 sub(/^.*\.entry[ \t]+/, "", cur)
                 sub(/\(.*$/, "", cur)
@@ -68,4 +70,25 @@ for kernel in attention_fwd_mma_kernel attention_bwd_dkdv_mma_kernel attention_b
         fi
     done
 done
+# the decode kernel: 16-byte cp.async in every instantiation; the pipelined
+# ones (template argument Pipe = true, mangled Lb1E) commit groups and wait
+# for them
+check_decode() { # instruction, pattern of the mangled names that need it
+    entries=$(per_entry "$1" | grep -F attention_decode_kernel | grep -E "$2")
+    if [ -z "$entries" ]; then
+        echo "check_ptx: no .entry of attention_decode_kernel matching $2 in the sm_80 PTX of $attn"
+        status=1
+        return
+    fi
+    echo "$entries" | while read -r n name; do
+        echo "sm_80 $name: $n x $1"
+    done
+    if echo "$entries" | grep -q '^0 '; then
+        echo "check_ptx: an sm_80 .entry of attention_decode_kernel lacks $1"
+        status=1
+    fi
+}
+check_decode 'cp.async.cg.shared.global' '.'
+check_decode 'cp.async.commit_group' 'Lb1E'
+check_decode 'cp.async.wait_group 0' 'Lb1E'
 exit $status
