@@ -52,6 +52,58 @@ per_entry() {
         cur != "" && index($0, want) { n[cur]++ }
         END { for (k in n) print n[k], k }' "$tmp"
 }
+# check_entries INSN KERNEL PATTERN: every sm_80 .entry of KERNEL whose
+# mangled name matches PATTERN holds INSN, and there is at least one
+check_entries() {
+    entries=$(per_entry "$1" | grep -F "$2" | grep -E "$3")
+    if [ -z "$entries" ]; then
+        echo "check_ptx: no .entry of $2 matching $3 in the sm_80 PTX of $attn"
+        status=1
+        return
+    fi
+    echo "$entries" | while read -r n name; do
+        echo "sm_80 $name: $n x $1"
+    done
+    if echo "$entries" | grep -q '^0 '; then
+        echo "check_ptx: an sm_80 .entry of $2 lacks $1"
+        status=1
+    fi
+}
+for kernel in attention_fwd_mma_kernel attention_bwd_dkdv_mma_kernel attention_bwd_dq_mma_kernel; do
+    for insn in 'ldmatrix.sync.aligned.m8n8.x4.shared.b16' 'ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16' \
+        'cp.async.cg.shared.global' 'cp.async.commit_group' 'cp.async.wait_group 0'; do
+        check_entries "$insn" "$kernel" '.'
+    done
+done
+# the decode kernel: 16-byte cp.async in every instantiation; the pipelined
+# ones (template argument Pipe = true, mangled Lb1E) commit groups and wait
+# for them
+check_entries 'cp.async.cg.shared.global' attention_decode_kernel '.'
+check_entries 'cp.async.commit_group' attention_decode_kernel 'Lb1E'
+check_entries 'cp.async.wait_group 0' attention_decode_kernel 'Lb1E'
+exit $status
+
+if ! "$nvcc" -std=c++17 -arch=sm_80 -ptx -O3 --expt-relaxed-constexpr -I"$inc" "$attn" -o "$tmp"; then
+    echo "check_ptx: nvcc -arch=sm_80 -ptx $attn failed"
+    exit 1
+fi
+# per .entry block of a tensor-core or decode kernel: its (mangled) name and
+# how often the instruction occurs in it
+per_entry() {
+    awk -v want="$1" '
+        /^[.a-z ]*\.(entry|func)[ \t]/ {
+            cur = ""
+            if ($0 ~ /\.entry[ \t]/ && $0 ~ /attention_((fwd|bwd_dkdv|bwd_dq)_mma|decode)_kernel/) {
+                cur = $0
+                sub(/^.*\.entry[ \t]+/, "", cur)
+                sub(/\(.*$/, "", cur)
+                n[cur] = 0
+            }
+            next
+        }
+        cur != "" && index($0, want) { n[cur]++ }
+        END { for (k in n) print n[k], k }' "$tmp"
+}
 for kernel in attention_fwd_mma_kernel attention_bwd_dkdv_mma_kernel attention_bwd_dq_mma_kernel; do
     for insn in 'ldmatrix.sync.aligned.m8n8.x4.shared.b16' 'ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16' \
         'cp.async.cg.shared.global' 'cp.async.commit_group' 'cp.async.wait_group 0'; do
