@@ -304,6 +304,13 @@ TABLE = [
     ("fwd+bwd", "float32", 4, 8, 1024, 64, False),
     ("fwd+bwd", "float32", 4, 8, 1024, 128, False),
     ("fwd+bwd", "float32", 4, 8, 2048, 64, True),
+    # the ends of the GEMM-rate targets: L 1024 and 4096, head dim 64 and 128
+    ("fwd", "float32", 4, 8, 1024, 64, False),
+    ("fwd", "float32", 4, 8, 1024, 128, False),
+    ("fwd", "float32", 1, 8, 4096, 128, False),
+    ("fwd+bwd", "float32", 1, 8, 4096, 64, False),
+    ("fwd+bwd", "float32", 1, 8, 4096, 128, False),
+    ("fwd+bwd", "bfloat16", 4, 8, 1024, 64, False),
 ]
 #: (dtype, kv heads) against DECODE's 32 query heads
 DECODE_TABLE = [("float32", 8), ("float32", 32), ("bfloat16", 8), ("bfloat16", 32)]
