@@ -368,6 +368,59 @@ NG_COLS_SOFTMAX_PLAIN(ng_cols_softmax_f64_base, double, exp, ng_attn_max_nan_f64
 #include "kernels/attention_f32.inc"
 #define NG_F32_W 16
 #include "kernels/attention_f32.inc"
+
+/* The forward's bf16 score tile by vdpbf16ps (cpu_isa.h ng_cpu_bf16_dot):
+ * C[M][N] = sum_p A[i][2p] B[p][2n] + A[i][2p + 1] B[p][2n + 1] over p < P,
+ * with A = the K rows (bf16, lda apart, in place: a pair of a row is one
+ * 32-bit broadcast) and B = Q^T packed as pairs (row p holds, for each
+ * query column n, its elements 2p and 2p + 1; ldb 16-bit elements between
+ * rows). M % 4 == 0, N % 16 == 0. Each product of two bf16 values is exact
+ * in fp32, and each lane adds its two in a fixed order with one rounding
+ * each, as two FMAs would; the instruction treats subnormal inputs as zero
+ * and flushes subnormal sums, which moves a score by less than 2^-126 per
+ * term. Tiles as ng_gemm_f32_avx512's: 6 or 4 rows x 4, 2 or 1 vectors. */
+#define NG_BDOT_TILE(R, NB)                                                                        \
+    {                                                                                              \
+        __m512 c[R][NB];                                                                           \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int x = 0; x < NB; x++) c[r][x] = _mm512_setzero_ps();                            \
+        const uint16_t *a = A + i * lda, *b = B + 2 * n;                                           \
+        for (int64_t p = 0; p < P; p++, b += ldb) {                                                \
+            __m512bh y[NB];                                                                        \
+            for (int x = 0; x < NB; x++) y[x] = (__m512bh)_mm512_loadu_si512(b + 32 * x);          \
+            for (int r = 0; r < R; r++) {                                                          \
+                uint32_t pair;                                                                     \
+                memcpy(&pair, a + r * lda + 2 * p, sizeof pair);                                   \
+                const __m512bh xa = (__m512bh)_mm512_set1_epi32((int)pair);                        \
+                for (int x = 0; x < NB; x++) c[r][x] = _mm512_dpbf16_ps(c[r][x], xa, y[x]);        \
+            }                                                                                      \
+        }                                                                                          \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int x = 0; x < NB; x++)                                                           \
+                _mm512_storeu_ps(C + (i + r) * ldc + n + 16 * x, c[r][x]);                         \
+    }
+#define NG_BDOT_STEP(NB)                                                                           \
+    if (six)                                                                                       \
+        NG_BDOT_TILE(6, NB)                                                                        \
+    else                                                                                           \
+        NG_BDOT_TILE(4, NB)
+
+NG_TARGET_AVX512_BF16 __attribute__((noinline)) static void
+ng_gemm_bf16_dot(int64_t M, int64_t N, int64_t P, const uint16_t *A, int64_t lda, const uint16_t *B,
+                 int64_t ldb, float *C, int64_t ldc) {
+    int64_t i = 0;
+    while (i < M) {
+        const int64_t rem = M - i;
+        const int six = rem == 6 || rem >= 10;
+        int64_t n = 0;
+        for (; n + 64 <= N; n += 64) NG_BDOT_STEP(4)
+        for (; n + 32 <= N; n += 32) NG_BDOT_STEP(2)
+        for (; n < N; n += 16) NG_BDOT_STEP(1)
+        i += six ? 6 : 4;
+    }
+}
+#undef NG_BDOT_TILE
+#undef NG_BDOT_STEP
 #endif
 
 /* ---- the tile kernels, once per variant --------------------------------- */
@@ -413,6 +466,7 @@ static inline int64_t ng_pad16(int64_t n) { return NG_CEIL_DIV(n, 16) * 16; }
 #define NG_ATTR NG_TARGET_AVX512
 #define NG_DOTS_ALIGN 16
 #define NG_DEC_16 1
+#define NG_BF16_DOT 1
 #include "kernels/attention_cpu.inc"
 
 /* fp64 on AVX2: the micro-kernel only; dots, P V and the row exp are the

@@ -6,7 +6,8 @@
  *     at most AVX2 (no AVX-512 variant); fp16 / bf16 widened to fp32 tiles on
  *     load, then the fp32 path, but for the decode path on AVX2 / AVX-512,
  *     which reads a 16-bit KV cache in place (ng_dots_bf16 / ng_pv_bf16, and
- *     the fp16 pair: NG_DEC_16).
+ *     the fp16 pair: NG_DEC_16); bf16 forward scores by vdpbf16ps where
+ *     ng_cpu_bf16_dot() (NG_BF16_DOT).
  *   layernorm (layernorm.c pick_path): fp32 / fp16 / bf16 rows in fp32 on
  *     AVX2 when active >= avx2; fp64 in scalar fp64 loops.
  *   grad_guard (grad_guard.c gg_pick): every dtype on AVX2 when active >= avx2.
@@ -30,9 +31,16 @@ __attribute__((visibility("default"))) const char *ng_cpu_info(void) {
     const ng_cpu_isa sup = ng_cpu_isa_supported(), act = ng_cpu_isa_active();
     const char *env = getenv("NANGUARD_CPU_ISA");
     const char *a = ng_cpu_isa_name(act), *ln = act >= NG_ISA_AVX2 ? "avx2" : "baseline";
-    char widened[96];
+    char widened[96], bf16[160];
     snprintf(widened, sizeof widened, "%s, widened to fp32 tiles%s", a,
              act >= NG_ISA_AVX2 ? " (the decode forward reads the KV cache in place)" : "");
+    if (ng_cpu_bf16_dot())
+        snprintf(bf16, sizeof bf16,
+                 "%s, forward scores by vdpbf16ps (avx512_bf16), the rest widened to fp32 tiles "
+                 "(the decode forward reads the KV cache in place)",
+                 a);
+    else
+        snprintf(bf16, sizeof bf16, "%s", widened);
     snprintf(
         buf, sizeof buf,
         "supported=%s\nactive=%s\nrequested=%s\n"
@@ -41,7 +49,7 @@ __attribute__((visibility("default"))) const char *ng_cpu_info(void) {
         "layernorm.bf16=%s, fp32 rows\nlayernorm.f16=%s, fp32 rows\n"
         "grad_guard.f32=%s\ngrad_guard.f64=%s\ngrad_guard.bf16=%s\ngrad_guard.f16=%s\n"
         "tensor_stats.f32=%s\ntensor_stats.f64=%s\ntensor_stats.bf16=%s\ntensor_stats.f16=%s\n",
-        ng_cpu_isa_name(sup), a, env ? env : "", a, ng_min_isa(act, NG_ISA_AVX2), widened, widened,
-        ln, ln, ln, ln, ln, ln, ln, a, a, a, a);
+        ng_cpu_isa_name(sup), a, env ? env : "", a, ng_min_isa(act, NG_ISA_AVX2), bf16, widened, ln,
+        ln, ln, ln, ln, ln, ln, a, a, a, a);
     return buf;
 }

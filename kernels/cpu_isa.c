@@ -4,7 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int g_isa = -1; /* -1: not decided yet */
+static int g_isa = -1;      /* -1: not decided yet */
+static int g_bf16_dot = -1; /* the same */
 
 ng_cpu_isa ng_cpu_isa_supported(void) {
 #if NG_X86
@@ -51,5 +52,33 @@ ng_cpu_isa ng_cpu_isa_active(void) {
 ng_status ng_cpu_isa_set(ng_cpu_isa isa) {
     if (isa > ng_cpu_isa_supported()) return NG_ERR_UNSUPPORTED;
     g_isa = (int)isa;
+    return NG_OK;
+}
+
+int ng_cpu_bf16_dot_supported(void) {
+#if NG_X86
+    __builtin_cpu_init();
+    return ng_cpu_isa_supported() >= NG_ISA_AVX512 && __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
+int ng_cpu_bf16_dot(void) {
+    if (g_bf16_dot < 0) {
+        int on = 0;
+#if NG_X86
+        on = __builtin_cpu_is("amd"); /* see cpu_isa.h */
+#endif
+        const char *env = getenv("NANGUARD_CPU_BF16_DOT");
+        if (env && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0)) on = env[0] == '1';
+        g_bf16_dot = on && ng_cpu_bf16_dot_supported();
+    }
+    return g_bf16_dot && ng_cpu_isa_active() >= NG_ISA_AVX512;
+}
+
+ng_status ng_cpu_bf16_dot_set(int on) {
+    if (on && !ng_cpu_bf16_dot_supported()) return NG_ERR_UNSUPPORTED;
+    g_bf16_dot = on != 0;
     return NG_OK;
 }

@@ -23,10 +23,13 @@ typedef enum ng_cpu_isa {
 #define NG_X86 1
 #define NG_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define NG_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define NG_TARGET_AVX512_BF16                                                                      \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
 #else
 #define NG_X86 0
 #define NG_TARGET_AVX2
 #define NG_TARGET_AVX512
+#define NG_TARGET_AVX512_BF16
 #endif
 
 /* Widest path this CPU supports. */
@@ -36,5 +39,21 @@ ng_cpu_isa ng_cpu_isa_active(void);
 /* Cap the path (tests). Returns NG_ERR_UNSUPPORTED when the CPU lacks it. */
 ng_status ng_cpu_isa_set(ng_cpu_isa isa);
 const char *ng_cpu_isa_name(ng_cpu_isa isa);
+
+/* bf16 x bf16 dot products by vdpbf16ps (AVX512_BF16) on the AVX-512 path:
+ * the exact products summed in fp32, two per lane and instruction. Whether
+ * that is faster than widening to fp32 and FMA depends on the core, not on
+ * the flag: on AMD Zen 4 one vdpbf16ps issues at the rate of one FMA, so
+ * twice the multiply-adds; on Intel Sapphire Rapids it issues at half that
+ * rate, so no more than the FMAs. Used by default where the CPU has it and
+ * is AMD's; NANGUARD_CPU_BF16_DOT=1 / 0 asks for it or turns it off
+ * (1 where the CPU lacks it, or on a path below AVX-512, has no effect). */
+int ng_cpu_bf16_dot_supported(void);
+/* 1 when the kernels use it now: supported, the AVX-512 path active, and
+ * asked for (or by default). */
+int ng_cpu_bf16_dot(void);
+/* Turn it on or off (tests). NG_ERR_UNSUPPORTED when on is asked of a CPU
+ * without it. */
+ng_status ng_cpu_bf16_dot_set(int on);
 
 #endif /* NG_KERNELS_CPU_ISA_H */

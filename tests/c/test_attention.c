@@ -951,6 +951,23 @@ int main(void) {
         printf("path %s: %s\n", ng_cpu_isa_name((ng_cpu_isa)isa),
                ng_test_failures == before ? "ok" : "FAILED");
     }
+    /* bf16 on AVX-512 the other way too: scores by vdpbf16ps or by widening
+     * to fp32, where the CPU has the instruction (the loop above ran its
+     * default) */
+    if (ng_cpu_bf16_dot_supported() && ng_cpu_isa_set(NG_ISA_AVX512) == NG_OK) {
+        const int dflt = ng_cpu_bf16_dot();
+        int before = ng_test_failures;
+        NG_EXPECT(ng_cpu_bf16_dot_set(!dflt) == NG_OK && ng_cpu_bf16_dot() == !dflt);
+        for (size_t ci = 0; ci < sizeof g_cases / sizeof g_cases[0]; ci++)
+            run_case(&g_cases[ci], NG_BF16, (ci % 2) ? chunky_par : NULL, ng_attention_fwd);
+        test_nan_propagates();
+        paths++;
+        printf("path avx512, bf16 scores %s vdpbf16ps: %s\n", dflt ? "without" : "by",
+               ng_test_failures == before ? "ok" : "FAILED");
+        ng_cpu_bf16_dot_set(dflt);
+    } else {
+        NG_EXPECT(ng_cpu_bf16_dot_set(1) == NG_ERR_UNSUPPORTED && !ng_cpu_bf16_dot());
+    }
     printf("test_attention: %d CPU paths, worst err/tol %.3f\n", paths, g_worst);
     return ng_test_finish("test_attention");
 }
