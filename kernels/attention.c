@@ -97,7 +97,7 @@ static void ng_attn_fail(ng_attn_ctx *c) { atomic_store(&c->failed, 1); }
  * KiB at head dim 128 in fp32, the whole L1 of an AMD Zen 4 core, which the
  * K rows being scored stream through at the same time; fetched into L1 the
  * two evicted each other and one thread of an AMD EPYC read the KV cache at
- * 7-14 GB/s, fetched into L2 at 17-22 (fp32, 32 query heads on 8 or 32 kv
+ * 8-12 GB/s, fetched into L2 at 14-19 (fp32, 32 query heads on 8 or 32 kv
  * heads; the hardware's own L2-to-L1 streams then keep up). */
 typedef struct ng_pf {
     const char *p;    /* row 0 (NULL: nothing to fetch) */
