@@ -112,3 +112,21 @@ def test_cli_info_names_the_isa_and_the_cap_changes_it(cpu_info_lib, cap):
     sdpa = re.search(r"^  nanguard::safe_sdpa +cpu +\[cpu: f32(?:, f64)? (\w+);", out, re.M)
     assert sdpa and sdpa.group(1) == want, out
     assert re.search(r"^CPU: .+; flags: ", out, re.M)
+
+
+@pytest.mark.parametrize("want", ["0", "1"])
+def test_cli_info_names_the_bf16_dot_scores_when_asked(cpu_info_lib, want):
+    """NANGUARD_CPU_BF16_DOT=1 / 0 turns the vdpbf16ps bf16 scores on or off
+    where the CPU has AVX-512 BF16 (and is on the AVX-512 path); elsewhere
+    it never appears. safe_sdpa's bf16 line says which."""
+    env = dict(os.environ)
+    env.pop("NANGUARD_CPU_ISA", None)
+    env["NANGUARD_CPU_BF16_DOT"] = want
+    out = subprocess.run([sys.executable, "-m", "nanguard", "info"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    sdpa = re.search(r"^  nanguard::safe_sdpa +cpu +\[(.*)\]$", out.stdout, re.M)
+    assert sdpa, out.stdout
+    has = _supported() == "avx512" and "avx512_bf16" in _info.cpu_model()["flags"]
+    named = "forward scores by vdpbf16ps (avx512_bf16)" in sdpa.group(1)
+    assert named == (has and want == "1"), sdpa.group(1)
