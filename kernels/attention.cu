@@ -50,6 +50,17 @@ constexpr int kBwdPer = 2;                  /* keys (dkdv) or rows (dq) per warp
 constexpr int kBwdBlock = kWarps * kBwdPer; /* 16 keys or rows per block */
 constexpr int kBwdBQ = 16;                  /* query rows per shared tile in dkdv */
 constexpr unsigned kFull = 0xffffffffu;
+/* Resident blocks per SM the SIMT backward kernels are compiled for: a
+ * ceiling of 65536 / (2 x 256) = 128 registers a thread. Left to itself
+ * ptxas settled at 64 or 80 registers (4 or 3 blocks) and spilled there. The
+ * dk / dv kernel at NT = 8 (head dims 129-256) holds 64 fp32 accumulators and
+ * K / V values a thread and spills even at 128: it asks for one block (255
+ * registers). The forward keeps its rows in local memory (its row loop is
+ * not unrolled) and needs few registers: unbounded (a minimum of 0 blocks
+ * emits no .minnctapersm) it takes 32 and does not spill, except at NT = 8,
+ * which asks for 4 blocks (64 registers; sm_75 holds at most 4 blocks of
+ * 256 threads) where it spilled at 40. */
+constexpr int kSimtMinBlocks = 2;
 
 /* cp.async exists from sm_80; the sm_75 device code of the tensor-core and
  * decode kernels (never asked for it there: mma_eligible, launch_decode)
@@ -161,7 +172,8 @@ __device__ __forceinline__ const void *slice(const void *p, int64_t off) {
 /* ---- forward ------------------------------------------------------------ */
 
 template <ng_dtype T, int NT>
-static __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(ng_attention_args a) {
+static __global__ void __launch_bounds__(kThreads, NT > 4 ? 4 : 0)
+    attention_fwd_kernel(ng_attention_args a) {
     NG_DYNAMIC_SMEM(float, smem);
     float *ks = smem, *vs = smem + kBK * a.E;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -657,7 +669,8 @@ __device__ __forceinline__ bwd_terms bwd_score(const ng_attention_args &a, float
 }
 
 template <ng_dtype T, int NT>
-static __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(ng_attention_args a) {
+static __global__ void __launch_bounds__(kThreads, NT > 4 ? 1 : kSimtMinBlocks)
+    attention_bwd_dkdv_kernel(ng_attention_args a) {
     NG_DYNAMIC_SMEM(float, smem);
     float *qs = smem, *gs = qs + kBwdBQ * a.E, *lses = gs + kBwdBQ * a.Ev, *Ds = lses + kBwdBQ;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -739,7 +752,8 @@ static __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(ng_
 }
 
 template <ng_dtype T, int NT>
-static __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(ng_attention_args a) {
+static __global__ void __launch_bounds__(kThreads, kSimtMinBlocks)
+    attention_bwd_dq_kernel(ng_attention_args a) {
     NG_DYNAMIC_SMEM(float, smem);
     float *ks = smem, *vs = smem + kBK * a.E;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
