@@ -50,6 +50,17 @@ constexpr int kBwdPer = 2;                  /* keys (dkdv) or rows (dq) per warp
 constexpr int kBwdBlock = kWarps * kBwdPer; /* 16 keys or rows per block */
 constexpr int kBwdBQ = 16;                  /* query rows per shared tile in dkdv */
 constexpr unsigned kFull = 0xffffffffu;
+/* Resident blocks per SM the SIMT backward kernels are compiled for: a
+ * ceiling of 65536 / (2 x 256) = 128 registers a thread. Left to itself
+ * ptxas settled at 64 or 80 registers (4 or 3 blocks) and spilled there. The
+ * dk / dv kernel at NT = 8 (head dims 129-256) holds 64 fp32 accumulators and
+ * K / V values a thread and spills even at 128: it asks for one block (255
+ * registers). The forward keeps its rows in local memory (its row loop is
+ * not unrolled) and needs few registers: unbounded (a minimum of 0 blocks
+ * emits no .minnctapersm) it takes 32 and does not spill, except at NT = 8,
+ * which asks for 4 blocks (64 registers; sm_75 holds at most 4 blocks of
+ * 256 threads) where it spilled at 40. */
+constexpr int kSimtMinBlocks = 2;
 
 /* cp.async exists from sm_80; the sm_75 device code of the tensor-core and
  * decode kernels (never asked for it there: mma_eligible, launch_decode)
@@ -161,7 +172,8 @@ __device__ __forceinline__ const void *slice(const void *p, int64_t off) {
 /* ---- forward ------------------------------------------------------------ */
 
 template <ng_dtype T, int NT>
-static __global__ void __launch_bounds__(kThreads) attention_fwd_kernel(ng_attention_args a) {
+static __global__ void __launch_bounds__(kThreads, NT > 4 ? 4 : 0)
+    attention_fwd_kernel(ng_attention_args a) {
     NG_DYNAMIC_SMEM(float, smem);
     float *ks = smem, *vs = smem + kBK * a.E;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -282,6 +294,11 @@ constexpr int kDecWarps = 4;
 constexpr int kDecThreads = kDecWarps * 32;
 constexpr int kDecRowsPerWarp = 4;
 constexpr int kDecRows = kDecWarps * kDecRowsPerWarp; /* 16 query rows per block */
+/* Resident blocks per SM the decode kernel is compiled for: a ceiling of
+ * 65536 / (4 x 128) = 128 registers a thread, 16 warps per SM at least. Left
+ * to itself ptxas settled at 72, 96 or 128 registers and spilled a few words
+ * there; with the bound stated, every instantiation fits without spilling. */
+constexpr int kDecMinBlocks = 4;
 constexpr int64_t kDecWaves = 4;      /* split until there are this many blocks per SM */
 constexpr int64_t kDecBlocks = 256;   /* the target when the SM count cannot be read */
 constexpr int64_t kDecMinSplit = 128; /* but no split shorter than this (keys) */
@@ -403,7 +420,7 @@ __device__ __forceinline__ float dec_dot(const float *qr, const dec_elem<T> *kr,
  * Pipe: two (K, V) stages; otherwise one buffer (see above). vec: K and V by
  * cp.async (launch_decode). */
 template <ng_dtype T, int NT, bool Pipe>
-static __global__ void __launch_bounds__(kDecThreads)
+static __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks)
     attention_decode_kernel(ng_attention_args a, dec_plan p, float *ws, int vec) {
     using S = dec_elem<T>;
     constexpr int kW = 16 / sizeof(S);
@@ -428,16 +445,20 @@ static __global__ void __launch_bounds__(kDecThreads)
         for (int e = threadIdx.x; e < E; e += kDecThreads)
             qs[rr * E + e] = r < M ? ld<T>(a.q, qo + e) : 0.0f;
     }
-    /* the warp's rows: valid, head, position */
-    bool row_ok[kDecRowsPerWarp];
-    int64_t row_h[kDecRowsPerWarp], row_i[kDecRowsPerWarp];
-#pragma unroll
-    for (int t = 0; t < kDecRowsPerWarp; t++) {
-        const int64_t r = r0 + warp + kDecWarps * t;
-        row_ok[t] = r < M;
-        row_h[t] = hk * G + (row_ok[t] ? r / a.L : 0);
-        row_i[t] = row_ok[t] ? r % a.L : 0;
+    /* The block's rows: head and position of row rr in shared memory (read
+     * by the mask, causal and dropout terms, rarely: registers are kept for
+     * the accumulators), rows rr < nrow valid. The barrier after ep's
+     * initialisation below publishes them. */
+    NG_SHARED(int64_t, row_h, [kDecRows]);
+    NG_SHARED(int, row_i, [kDecRows]); /* < L <= NG_ATTN_DEC_MAX_L */
+    if (threadIdx.x < kDecRows) {
+        const int64_t r = r0 + threadIdx.x;
+        row_h[threadIdx.x] = hk * G + (r < M ? r / a.L : 0);
+        row_i[threadIdx.x] = r < M ? (int)(r % a.L) : 0;
     }
+    const int nrow = (int)NG_MIN((int64_t)kDecRows, M - r0);
+    /* the warp's row t: block row warp + kDecWarps t */
+    auto row_ok = [&](int t) { return warp + kDecWarps * t < nrow; };
     float acc[kDecRowsPerWarp][NT], m[kDecRowsPerWarp], l[kDecRowsPerWarp];
 #pragma unroll
     for (int t = 0; t < kDecRowsPerWarp; t++) {
@@ -461,8 +482,9 @@ static __global__ void __launch_bounds__(kDecThreads)
         bool any = false;
 #pragma unroll
         for (int t = 0; t < kDecRowsPerWarp; t++)
-            if (row_ok[t] && j0 + lane < je &&
-                mask_value(a, b, row_h[t], row_i[t], j0 + lane) != -INFINITY)
+            if (row_ok(t) && j0 + lane < je &&
+                mask_value(a, b, row_h[warp + kDecWarps * t], row_i[warp + kDecWarps * t],
+                           j0 + lane) != -INFINITY)
                 any = true;
         if (any) ep[k & 1] = k;
     };
@@ -484,8 +506,9 @@ static __global__ void __launch_bounds__(kDecThreads)
 #pragma unroll
         for (int t = 0; t < kDecRowsPerWarp; t++) {
             pr[t] = 0.0f;
-            if (!row_ok[t]) continue; /* warp-uniform */
-            const int64_t h = row_h[t], i = row_i[t], j = j0 + lane;
+            if (!row_ok(t)) continue; /* warp-uniform */
+            const int rr = warp + kDecWarps * t;
+            const int64_t h = row_h[rr], i = row_i[rr], j = j0 + lane;
             const float dot = dec_dot<T>(qs + (warp + kDecWarps * t) * E, ks + lane * kld, E);
             const float s = lane < nk ? guarded_score(a, dot * scale, b, h, i, j) : -INFINITY;
             const float m_new = ng_attn_max_nan_f32(m[t], warp_max_nan(s));
@@ -501,7 +524,7 @@ static __global__ void __launch_bounds__(kDecThreads)
     auto accumulate = [&](const S *vs, int64_t nk, const float (&pr)[kDecRowsPerWarp]) {
 #pragma unroll
         for (int t = 0; t < kDecRowsPerWarp; t++) {
-            if (!row_ok[t]) break;
+            if (!row_ok(t)) break;
             for (int jj = 0; jj < nk; jj++) {
                 const float pj = __shfl_sync(kFull, pr[t], jj);
                 if (pj == 0.0f) continue; /* warp-uniform */
@@ -564,8 +587,9 @@ static __global__ void __launch_bounds__(kDecThreads)
     const int64_t rows = dec_rows(a);
 #pragma unroll
     for (int t = 0; t < kDecRowsPerWarp; t++) {
-        if (!row_ok[t]) break;
-        const int64_t h = row_h[t], i = row_i[t], row = (b * a.Hq + h) * a.L + i;
+        if (!row_ok(t)) break;
+        const int64_t h = row_h[warp + kDecWarps * t], i = row_i[warp + kDecWarps * t];
+        const int64_t row = (b * a.Hq + h) * a.L + i;
         if (p.nsplit == 1) {
             store_row<T, NT>(a, b, h, i, acc[t], m[t], l[t]);
         } else {
@@ -645,7 +669,8 @@ __device__ __forceinline__ bwd_terms bwd_score(const ng_attention_args &a, float
 }
 
 template <ng_dtype T, int NT>
-static __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(ng_attention_args a) {
+static __global__ void __launch_bounds__(kThreads, NT > 4 ? 1 : kSimtMinBlocks)
+    attention_bwd_dkdv_kernel(ng_attention_args a) {
     NG_DYNAMIC_SMEM(float, smem);
     float *qs = smem, *gs = qs + kBwdBQ * a.E, *lses = gs + kBwdBQ * a.Ev, *Ds = lses + kBwdBQ;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -727,7 +752,8 @@ static __global__ void __launch_bounds__(kThreads) attention_bwd_dkdv_kernel(ng_
 }
 
 template <ng_dtype T, int NT>
-static __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(ng_attention_args a) {
+static __global__ void __launch_bounds__(kThreads, kSimtMinBlocks)
+    attention_bwd_dq_kernel(ng_attention_args a) {
     NG_DYNAMIC_SMEM(float, smem);
     float *ks = smem, *vs = smem + kBK * a.E;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
