@@ -31,14 +31,13 @@ __attribute__((visibility("default"))) const char *ng_cpu_info(void) {
     const ng_cpu_isa sup = ng_cpu_isa_supported(), act = ng_cpu_isa_active();
     const char *env = getenv("NANGUARD_CPU_ISA");
     const char *a = ng_cpu_isa_name(act), *ln = act >= NG_ISA_AVX2 ? "avx2" : "baseline";
-    char widened[96], bf16[160];
-    snprintf(widened, sizeof widened, "%s, widened to fp32 tiles%s", a,
+    char tiles[96], widened[112], bf16[176];
+    snprintf(tiles, sizeof tiles, "widened to fp32 tiles%s",
              act >= NG_ISA_AVX2 ? " (the decode forward reads the KV cache in place)" : "");
+    snprintf(widened, sizeof widened, "%s, %s", a, tiles);
     if (ng_cpu_bf16_dot())
-        snprintf(bf16, sizeof bf16,
-                 "%s, forward scores by vdpbf16ps (avx512_bf16), the rest widened to fp32 tiles "
-                 "(the decode forward reads the KV cache in place)",
-                 a);
+        snprintf(bf16, sizeof bf16, "%s, forward scores by vdpbf16ps (avx512_bf16), the rest %s", a,
+                 tiles);
     else
         snprintf(bf16, sizeof bf16, "%s", widened);
     snprintf(
