@@ -518,7 +518,8 @@ def main():
                    help="torch.set_num_threads(N) first; results get a _tN suffix")
     p.add_argument("--table", action="store_true",
                    help="CPU: the cases of the table against PyTorch, torch.mm GFLOP/s and the copy rate")
-    p.add_argument("--name", default=None, help="--table: results name (default attention_<device>_table)")
+    p.add_argument("--name", default=None, help="--table: results name (default attention_<device>_table); "
+                   "_<isa> (NANGUARD_CPU_ISA) and _t<threads> (--threads) are appended")
     p.add_argument("--cases", default="", help="--table: only the cases whose description has one of these "
                    "comma-separated strings (e.g. 'decode,fwd+bwd')")
     p.add_argument("--decode-repeats", type=int, default=None, help="--table: repeats of the decode cases")
