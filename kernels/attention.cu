@@ -27,10 +27,9 @@
  *               Without a workspace (ng_attention_bwd_cuda, which allocates
  *               nothing) it is not launched and the two kernels below compute
  *               D themselves with the same row_dot, per staged query tile
- *               (dkdv) or per block (dq). The SIMT kernels take the source as
- *               a pointer (NULL: in-kernel), the tensor-core ones as a
- *               template flag (WsD), so that neither instantiation carries
- *               the other's registers.
+ *               (dkdv) or per block (dq). Every backward kernel takes the
+ *               source of D as a template flag (WsD), so that neither
+ *               instantiation carries the other's registers.
  *         dkdv: nblk = ceil(S/16) per (b, kv head), 8 warps x 2 keys; loops over the
  *               query heads of the group and all query tiles (16 rows staged
  *               with their lse and D).
@@ -680,16 +679,19 @@ __device__ __forceinline__ bwd_terms bwd_score(const ng_attention_args &a, float
 }
 
 /* D = dout . out of query row i of the (b, h) slice whose dout / out rows
- * start at gb / ob, over n columns, in fp32: lane l adds columns l, l + 32,
- * ... in order, then the warp's butterfly sum; every lane gets the total.
+ * start at gb / ob, over n columns (N when N > 0, a compile-time head dim),
+ * in fp32: lane l adds columns l, l + 32, ... in order, then the warp's
+ * butterfly sum; every lane gets the total (0 where !valid: a row past L).
  * The one computation of D, by the pre-kernel and by the kernels' in-kernel
  * path alike. Called by a whole warp. */
-template <ng_dtype T>
+template <ng_dtype T, int N = 0>
 __device__ __forceinline__ float row_dot(const ng_attention_args &a, const void *gb, const void *ob,
-                                         int64_t i, int64_t n) {
+                                         int64_t i, bool valid) {
+    const int n = N > 0 ? N : (int)a.Ev;
     float part = 0.0f;
-    for (int64_t d = threadIdx.x & 31; d < n; d += 32)
-        part += ld<T>(gb, i * a.dout_stride[2] + d) * ld<T>(ob, i * a.out_stride[2] + d);
+    if (valid)
+        for (int d = threadIdx.x & 31; d < n; d += 32)
+            part += ld<T>(gb, i * a.dout_stride[2] + d) * ld<T>(ob, i * a.out_stride[2] + d);
     return warp_sum(part);
 }
 
@@ -699,13 +701,16 @@ __device__ __forceinline__ float ws_d(const float *dsum, const ng_attention_args
     return dsum[(b * a.Hq + h) * a.L + i];
 }
 
-/* The SIMT kernels' D of row i < L: the workspace's, or row_dot (dsum NULL;
- * warp-uniform). */
-template <ng_dtype T>
+/* The SIMT kernels' D of row i (0 where !valid): the workspace's (WsD), or
+ * row_dot. */
+template <ng_dtype T, bool WsD>
 __device__ __forceinline__ float simt_row_d(const float *dsum, const ng_attention_args &a,
                                             int64_t b, int64_t h, const void *gb, const void *ob,
-                                            int64_t i) {
-    return dsum ? ws_d(dsum, a, b, h, i) : row_dot<T>(a, gb, ob, i, a.Ev);
+                                            int64_t i, bool valid) {
+    if constexpr (WsD)
+        return valid ? ws_d(dsum, a, b, h, i) : 0.0f;
+    else
+        return row_dot<T>(a, gb, ob, i, valid);
 }
 
 /* The pre-kernel: one warp per query row of B Hq L (row = (b Hq + h) L + i),
@@ -719,12 +724,12 @@ static __global__ void __launch_bounds__(kThreads)
     const int64_t i = row % a.L, bh = row / a.L, h = bh % a.Hq, b = bh / a.Hq;
     const void *gb = slice<T>(a.dout, b * a.dout_stride[0] + h * a.dout_stride[1]);
     const void *ob = slice<T>(a.out, b * a.out_stride[0] + h * a.out_stride[1]);
-    const float d = row_dot<T>(a, gb, ob, i, a.Ev);
+    const float d = row_dot<T>(a, gb, ob, i, true);
     if ((threadIdx.x & 31) == 0) dsum[row] = d;
 }
 
-/* dsum: the pre-kernel's D, or NULL (computed here). */
-template <ng_dtype T, int NT>
+/* WsD: D from the pre-kernel's dsum; otherwise computed here (dsum unused). */
+template <ng_dtype T, int NT, bool WsD>
 static __global__ void __launch_bounds__(kThreads, NT > 4 ? 1 : kSimtMinBlocks)
     attention_bwd_dkdv_kernel(ng_attention_args a, const float *dsum) {
     NG_DYNAMIC_SMEM(float, smem);
@@ -759,7 +764,7 @@ static __global__ void __launch_bounds__(kThreads, NT > 4 ? 1 : kSimtMinBlocks)
             stage<T>(qs, a.E, kBwdBQ, qb, a.q_stride[2], i0, nq, a.E);
             stage<T>(gs, a.Ev, kBwdBQ, gb, a.dout_stride[2], i0, nq, a.Ev);
             for (int r = warp; r < kBwdBQ; r += kWarps) { /* D, one warp per row */
-                const float d = r < nq ? simt_row_d<T>(dsum, a, b, h, gb, ob, i0 + r) : 0.0f;
+                const float d = simt_row_d<T, WsD>(dsum, a, b, h, gb, ob, i0 + r, r < nq);
                 if (lane == 0) {
                     Ds[r] = d;
                     lses[r] = r < nq ? lse[i0 + r] : -INFINITY;
@@ -802,8 +807,8 @@ static __global__ void __launch_bounds__(kThreads, NT > 4 ? 1 : kSimtMinBlocks)
     }
 }
 
-/* dsum: the pre-kernel's D, or NULL (computed here). */
-template <ng_dtype T, int NT>
+/* WsD: D from the pre-kernel's dsum; otherwise computed here (dsum unused). */
+template <ng_dtype T, int NT, bool WsD>
 static __global__ void __launch_bounds__(kThreads, kSimtMinBlocks)
     attention_bwd_dq_kernel(ng_attention_args a, const float *dsum) {
     NG_DYNAMIC_SMEM(float, smem);
@@ -828,7 +833,7 @@ static __global__ void __launch_bounds__(kThreads, kSimtMinBlocks)
             g[r][t] = (i < a.L && e < a.Ev) ? ld<T>(gb, i * a.dout_stride[2] + e) : 0.0f;
             dq[r][t] = 0.0f;
         }
-        D[r] = i < a.L ? simt_row_d<T>(dsum, a, b, h, gb, ob, i) : 0.0f;
+        D[r] = simt_row_d<T, WsD>(dsum, a, b, h, gb, ob, i, i < a.L);
         L[r] = i < a.L ? lse[i] : -INFINITY;
     }
 
@@ -1159,7 +1164,7 @@ __device__ __forceinline__ void mma_row_terms(float *dl, float *ls, const ng_att
 #pragma unroll 1
         for (int r = warp; r < kMmaRows; r += kMmaWarps) {
             const int64_t i = i0 + r;
-            const float d = i < a.L ? row_dot<T>(a, gb, ob, i, D) : 0.0f;
+            const float d = row_dot<T, D>(a, gb, ob, i, i < a.L);
             if (lane == 0) {
                 dl[r] = d;
                 ls[r] = i < a.L ? lse[i] : -INFINITY;
@@ -1587,25 +1592,31 @@ ng_status launch_bwd_dot(const ng_attention_args *a, cudaStream_t st, float *dsu
     return cuda_check();
 }
 
-/* dsum: the pre-kernel's D, or NULL (the kernels compute it). */
-template <ng_dtype T, int NT>
-ng_status launch_bwd(const ng_attention_args *a, cudaStream_t st, const float *dsum) {
+template <ng_dtype T, int NT, bool WsD>
+ng_status launch_bwd_d(const ng_attention_args *a, cudaStream_t st, const float *dsum) {
     static std::atomic<int> allowed_dkdv[kMaxDevices], allowed_dq[kMaxDevices];
     if (a->S > 0) {
         dim3 grid;
         NG_TRY(fold_grid(NG_CEIL_DIV(a->S, (int64_t)kBwdBlock), a->Hkv, a->B, &grid));
         size_t sm = sizeof(float) * (size_t)(kBwdBQ * (a->E + a->Ev) + 2 * kBwdBQ);
-        NG_TRY(allow_smem(attention_bwd_dkdv_kernel<T, NT>, sm, allowed_dkdv));
-        NG_LAUNCH((attention_bwd_dkdv_kernel<T, NT>), grid, kThreads, sm, st, *a, dsum);
+        NG_TRY(allow_smem(attention_bwd_dkdv_kernel<T, NT, WsD>, sm, allowed_dkdv));
+        NG_LAUNCH((attention_bwd_dkdv_kernel<T, NT, WsD>), grid, kThreads, sm, st, *a, dsum);
         NG_TRY(cuda_check());
     }
     if (a->L == 0) return NG_OK;
     dim3 grid;
     NG_TRY(fold_grid(NG_CEIL_DIV(a->L, (int64_t)kBwdBlock), a->Hq, a->B, &grid));
     size_t sm = sizeof(float) * (size_t)(kBK * (a->E + a->Ev));
-    NG_TRY(allow_smem(attention_bwd_dq_kernel<T, NT>, sm, allowed_dq));
-    NG_LAUNCH((attention_bwd_dq_kernel<T, NT>), grid, kThreads, sm, st, *a, dsum);
+    NG_TRY(allow_smem(attention_bwd_dq_kernel<T, NT, WsD>, sm, allowed_dq));
+    NG_LAUNCH((attention_bwd_dq_kernel<T, NT, WsD>), grid, kThreads, sm, st, *a, dsum);
     return cuda_check();
+}
+
+/* dsum: the pre-kernel's D (the WsD instantiations) or NULL (D in-kernel). */
+template <ng_dtype T, int NT>
+ng_status launch_bwd(const ng_attention_args *a, cudaStream_t st, const float *dsum) {
+    if (dsum) return launch_bwd_d<T, NT, true>(a, st, dsum);
+    return launch_bwd_d<T, NT, false>(a, st, nullptr);
 }
 
 /* The backward's dynamic shared memory: two fixed tiles (dkdv: K, V; dq: Q,
