@@ -502,20 +502,24 @@ static void attn_workspace_contract(void) {
     case_end();
 }
 
-/* The backward's workspace: 4 B Hq L bytes of D; a smaller or misaligned
- * one refused before anything is launched. */
+/* The backward's workspace: 4 B Hq L bytes of D, taken when given in full;
+ * a smaller or misaligned one refused before anything is launched. */
 static void attn_bwd_workspace_contract(void) {
     if (!case_begin("attention  %-34s %s", "bwd_workspace", "float16")) return;
-    const int64_t B = 2, H = 3, L = 5, S = 7, E = 64;
-    uint16_t *buf = dmalloc(sizeof(uint16_t) * (size_t)(B * H * 8 * E));
+    const int64_t B = 2, H = 3, L = 5, S = 7, E = 64, n = B * H * 8 * E;
+    const size_t bytes = sizeof(uint16_t) * (size_t)n;
+    uint16_t *in = dmalloc(bytes), *dq = dmalloc(bytes), *dk = dmalloc(bytes), *dv = dmalloc(bytes);
     float *lse = dmalloc(sizeof(float) * (size_t)(B * H * L));
+    CU(cudaMemsetAsync(in, 0, bytes, g_stream));
+    CU(cudaMemsetAsync(lse, 0, sizeof(float) * (size_t)(B * H * L), g_stream));
     ng_attention_args a;
     memset(&a, 0, sizeof a);
     a.dtype = NG_F16;
     a.B = B, a.Hq = H, a.Hkv = H, a.L = L, a.S = S, a.E = E, a.Ev = E;
     const int64_t st[3] = {H * 8 * E, 8 * E, E};
-    a.q = a.k = a.v = a.dout = buf;
-    a.out = a.dq = a.dk = a.dv = buf;
+    a.q = a.k = a.v = a.dout = in;
+    a.out = in;
+    a.dq = dq, a.dk = dk, a.dv = dv;
     memcpy(a.q_stride, st, sizeof st), memcpy(a.k_stride, st, sizeof st),
         memcpy(a.v_stride, st, sizeof st);
     memcpy(a.out_stride, st, sizeof st), memcpy(a.dout_stride, st, sizeof st),
@@ -533,14 +537,16 @@ static void attn_bwd_workspace_contract(void) {
     t.dtype = NG_F64;
     CHECK(ng_attention_bwd_cuda_workspace_bytes(&t) == 0, "fp64 asks for a workspace");
     char *ws = dmalloc((size_t)need + 4);
-    ng_status s = ng_attention_bwd_cuda_ws(&a, ws, need - 4, g_stream);
+    ng_status s = ng_attention_bwd_cuda_ws(&a, ws, need, g_stream);
+    CHECK(s == NG_OK, "a workspace of exactly the size asked for: %s", ng_status_str(s));
+    s = ng_attention_bwd_cuda_ws(&a, ws, need - 4, g_stream);
     CHECK(s == NG_ERR_INVALID_ARG, "a workspace 4 bytes short: %s", ng_status_str(s));
     s = ng_attention_bwd_cuda_ws(&a, ws + 2, need, g_stream);
     CHECK(s == NG_ERR_INVALID_ARG, "a misaligned workspace: %s", ng_status_str(s));
     s = ng_attention_bwd_cuda_ws(&a, ws, 0, g_stream);
     CHECK(s == NG_ERR_INVALID_ARG, "an empty workspace: %s", ng_status_str(s));
     CU(cudaStreamSynchronize(g_stream));
-    dfree(ws), dfree(buf), dfree(lse);
+    dfree(ws), dfree(in), dfree(dq), dfree(dk), dfree(dv), dfree(lse);
     case_end();
 }
 
