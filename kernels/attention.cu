@@ -19,10 +19,20 @@
  *         keys, lane j owns key j's score: guarded, masked, folded into
  *         (m, l) with one warp max and one warp sum, then p_j is broadcast
  *         lane by lane into the [Ev] accumulator.
- *   bwd:  two kernels, no atomics and no workspace (FlashAttention-2's split):
+ *   bwd:  FlashAttention-2's split, no atomics:
+ *         dot:  D = rowsum(dout . out) of every query row, once, into the
+ *               caller's workspace (ng_attention_bwd_cuda_ws): fp32
+ *               [B, Hq, L] contiguous, row (b, h, i) at (b Hq + h) L + i (the
+ *               layout of lse), 4 B Hq L bytes; one warp per row, row_dot.
+ *               Without a workspace (ng_attention_bwd_cuda, which allocates
+ *               nothing) it is not launched and the two kernels below compute
+ *               D themselves with the same row_dot, per staged query tile
+ *               (dkdv) or per block (dq). Every backward kernel takes the
+ *               source of D as a template flag (WsD), so that neither
+ *               instantiation carries the other's registers.
  *         dkdv: nblk = ceil(S/16) per (b, kv head), 8 warps x 2 keys; loops over the
  *               query heads of the group and all query tiles (16 rows staged
- *               with their lse and D = dout . out).
+ *               with their lse and D).
  *         dq:   nblk = ceil(L/16) per (b, h), 8 warps x 2 query rows; loops over
  *               key tiles.
  * fp64 has no CUDA path (it exists for gradcheck on the CPU): NG_ERR_DTYPE.
@@ -668,9 +678,60 @@ __device__ __forceinline__ bwd_terms bwd_score(const ng_attention_args &a, float
     return bwd_score_keep(a, qk, dp, lse, D, b, h, i, j, dropout_scale(a, b, h, i, j));
 }
 
-template <ng_dtype T, int NT>
+/* D = dout . out of query row i of the (b, h) slice whose dout / out rows
+ * start at gb / ob, over n columns (N when N > 0, a compile-time head dim),
+ * in fp32: lane l adds columns l, l + 32, ... in order, then the warp's
+ * butterfly sum; every lane gets the total (0 where !valid: a row past L).
+ * The one computation of D, by the pre-kernel and by the kernels' in-kernel
+ * path alike. Called by a whole warp. */
+template <ng_dtype T, int N = 0>
+__device__ __forceinline__ float row_dot(const ng_attention_args &a, const void *gb, const void *ob,
+                                         int64_t i, bool valid) {
+    const int n = N > 0 ? N : (int)a.Ev;
+    float part = 0.0f;
+    if (valid)
+        for (int d = threadIdx.x & 31; d < n; d += 32)
+            part += ld<T>(gb, i * a.dout_stride[2] + d) * ld<T>(ob, i * a.out_stride[2] + d);
+    return warp_sum(part);
+}
+
+/* Row (b, h, i)'s D in the pre-kernel's workspace ([B, Hq, L], as lse). */
+__device__ __forceinline__ float ws_d(const float *dsum, const ng_attention_args &a, int64_t b,
+                                      int64_t h, int64_t i) {
+    return dsum[(b * a.Hq + h) * a.L + i];
+}
+
+/* The SIMT kernels' D of row i (0 where !valid): the workspace's (WsD), or
+ * row_dot. */
+template <ng_dtype T, bool WsD>
+__device__ __forceinline__ float simt_row_d(const float *dsum, const ng_attention_args &a,
+                                            int64_t b, int64_t h, const void *gb, const void *ob,
+                                            int64_t i, bool valid) {
+    if constexpr (WsD)
+        return valid ? ws_d(dsum, a, b, h, i) : 0.0f;
+    else
+        return row_dot<T>(a, gb, ob, i, valid);
+}
+
+/* The pre-kernel: one warp per query row of B Hq L (row = (b Hq + h) L + i),
+ * kWarps rows a block, D into dsum[row]. Reads dout and out through their
+ * strides, as the backward kernels do. */
+template <ng_dtype T>
+static __global__ void __launch_bounds__(kThreads)
+    attention_bwd_dot_kernel(ng_attention_args a, float *dsum) {
+    const int64_t rows = a.B * a.Hq * a.L, row = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
+    if (row >= rows) return; /* the last block's spare warps */
+    const int64_t i = row % a.L, bh = row / a.L, h = bh % a.Hq, b = bh / a.Hq;
+    const void *gb = slice<T>(a.dout, b * a.dout_stride[0] + h * a.dout_stride[1]);
+    const void *ob = slice<T>(a.out, b * a.out_stride[0] + h * a.out_stride[1]);
+    const float d = row_dot<T>(a, gb, ob, i, true);
+    if ((threadIdx.x & 31) == 0) dsum[row] = d;
+}
+
+/* WsD: D from the pre-kernel's dsum; otherwise computed here (dsum unused). */
+template <ng_dtype T, int NT, bool WsD>
 static __global__ void __launch_bounds__(kThreads, NT > 4 ? 1 : kSimtMinBlocks)
-    attention_bwd_dkdv_kernel(ng_attention_args a) {
+    attention_bwd_dkdv_kernel(ng_attention_args a, const float *dsum) {
     NG_DYNAMIC_SMEM(float, smem);
     float *qs = smem, *gs = qs + kBwdBQ * a.E, *lses = gs + kBwdBQ * a.Ev, *Ds = lses + kBwdBQ;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -702,15 +763,10 @@ static __global__ void __launch_bounds__(kThreads, NT > 4 ? 1 : kSimtMinBlocks)
             __syncthreads();
             stage<T>(qs, a.E, kBwdBQ, qb, a.q_stride[2], i0, nq, a.E);
             stage<T>(gs, a.Ev, kBwdBQ, gb, a.dout_stride[2], i0, nq, a.Ev);
-            for (int r = warp; r < kBwdBQ; r += kWarps) { /* D = dout . out, one warp per row */
-                float part = 0.0f;
-                if (r < nq)
-                    for (int64_t d = lane; d < a.Ev; d += 32)
-                        part += ld<T>(gb, (i0 + r) * a.dout_stride[2] + d) *
-                                ld<T>(ob, (i0 + r) * a.out_stride[2] + d);
-                part = warp_sum(part);
+            for (int r = warp; r < kBwdBQ; r += kWarps) { /* D, one warp per row */
+                const float d = simt_row_d<T, WsD>(dsum, a, b, h, gb, ob, i0 + r, r < nq);
                 if (lane == 0) {
-                    Ds[r] = part;
+                    Ds[r] = d;
                     lses[r] = r < nq ? lse[i0 + r] : -INFINITY;
                 }
             }
@@ -751,9 +807,10 @@ static __global__ void __launch_bounds__(kThreads, NT > 4 ? 1 : kSimtMinBlocks)
     }
 }
 
-template <ng_dtype T, int NT>
+/* WsD: D from the pre-kernel's dsum; otherwise computed here (dsum unused). */
+template <ng_dtype T, int NT, bool WsD>
 static __global__ void __launch_bounds__(kThreads, kSimtMinBlocks)
-    attention_bwd_dq_kernel(ng_attention_args a) {
+    attention_bwd_dq_kernel(ng_attention_args a, const float *dsum) {
     NG_DYNAMIC_SMEM(float, smem);
     float *ks = smem, *vs = smem + kBK * a.E;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -770,15 +827,13 @@ static __global__ void __launch_bounds__(kThreads, kSimtMinBlocks)
     float q[kBwdPer][NT], g[kBwdPer][NT], dq[kBwdPer][NT], D[kBwdPer], L[kBwdPer];
     for (int r = 0; r < kBwdPer; r++) {
         const int64_t i = row0 + r;
-        float part = 0.0f;
         for (int t = 0; t < NT; t++) {
             int64_t e = lane + 32 * t;
             q[r][t] = (i < a.L && e < a.E) ? ld<T>(qb, i * a.q_stride[2] + e) : 0.0f;
             g[r][t] = (i < a.L && e < a.Ev) ? ld<T>(gb, i * a.dout_stride[2] + e) : 0.0f;
-            if (i < a.L && e < a.Ev) part += g[r][t] * ld<T>(ob, i * a.out_stride[2] + e);
             dq[r][t] = 0.0f;
         }
-        D[r] = warp_sum(part);
+        D[r] = simt_row_d<T, WsD>(dsum, a, b, h, gb, ob, i, i < a.L);
         L[r] = i < a.L ? lse[i] : -INFINITY;
     }
 
@@ -1089,24 +1144,31 @@ __device__ __forceinline__ void mma_store_rows(void *dst, int64_t base, int64_t 
     }
 }
 
-/* dout . out for rows [i0, i0 + 64) into dl[64] (one warp per row) and their
- * logsumexp into ls[64] (-inf past L, so those rows get p = 0). */
-template <ng_dtype T, int D>
+/* D (dout . out) of rows [i0, i0 + 64) of head h into dl[64] and their
+ * logsumexp into ls[64] (-inf past L, so those rows get p = 0). WsD: D from
+ * the pre-kernel's workspace dsum, one thread per row; otherwise row_dot,
+ * one warp per row. */
+template <ng_dtype T, int D, bool WsD>
 __device__ __forceinline__ void mma_row_terms(float *dl, float *ls, const ng_attention_args &a,
-                                              const void *gb, const void *ob, const float *lse,
-                                              int64_t i0) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll 1
-    for (int r = warp; r < kMmaRows; r += kMmaWarps) {
-        const int64_t i = i0 + r;
-        float part = 0.0f;
-        if (i < a.L)
-            for (int d = lane; d < D; d += 32)
-                part += ld<T>(gb, i * a.dout_stride[2] + d) * ld<T>(ob, i * a.out_stride[2] + d);
-        part = warp_sum(part);
-        if (lane == 0) {
-            dl[r] = part;
+                                              int64_t b, int64_t h, const void *gb, const void *ob,
+                                              const float *dsum, int64_t i0) {
+    const float *lse = (const float *)a.lse + (b * a.Hq + h) * a.L;
+    if constexpr (WsD) {
+        for (int r = threadIdx.x; r < kMmaRows; r += kMmaThreads) {
+            const int64_t i = i0 + r;
+            dl[r] = i < a.L ? ws_d(dsum, a, b, h, i) : 0.0f;
             ls[r] = i < a.L ? lse[i] : -INFINITY;
+        }
+    } else {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll 1
+        for (int r = warp; r < kMmaRows; r += kMmaWarps) {
+            const int64_t i = i0 + r;
+            const float d = row_dot<T, D>(a, gb, ob, i, i < a.L);
+            if (lane == 0) {
+                dl[r] = d;
+                ls[r] = i < a.L ? lse[i] : -INFINITY;
+            }
         }
     }
 }
@@ -1264,26 +1326,27 @@ mma_bwd_scores(float pd[NT][4], float ds[NT][4], const ng_attention_args &a, con
 
 /* Query tile (h, i0) of the dk / dv kernel into a stage: its Q and dO rows
  * issued as cp.async (mma_stage_async; the caller commits), its rows'
- * dout . out and lse (mma_row_terms) stored at once. */
-template <ng_dtype T, int D>
+ * D and lse (mma_row_terms) stored at once. */
+template <ng_dtype T, int D, bool WsD>
 __device__ __forceinline__ void mma_dkdv_issue(uint16_t *qs, uint16_t *gs, float *dl, float *ls,
-                                               const ng_attention_args &a, int64_t b, int64_t h,
-                                               int64_t i0, int vec) {
+                                               const ng_attention_args &a, const float *dsum,
+                                               int64_t b, int64_t h, int64_t i0, int vec) {
     const uint16_t *qb = (const uint16_t *)a.q + b * a.q_stride[0] + h * a.q_stride[1];
     const uint16_t *gb = (const uint16_t *)a.dout + b * a.dout_stride[0] + h * a.dout_stride[1];
     const void *ob = slice<T>(a.out, b * a.out_stride[0] + h * a.out_stride[1]);
     mma_stage_async<D>(qs, qb, a.q_stride[2], i0, a.L - i0, vec);
     mma_stage_async<D>(gs, gb, a.dout_stride[2], i0, a.L - i0, vec);
-    mma_row_terms<T, D>(dl, ls, a, gb, ob, (const float *)a.lse + (b * a.Hq + h) * a.L, i0);
+    mma_row_terms<T, D, WsD>(dl, ls, a, b, h, gb, ob, dsum, i0);
 }
 
 /* NStage (1 or 2) stages of the streamed tiles (launch_mma picks 2 where the
  * device's shared memory allows). With 2 the next tile is issued right after
  * the barrier that opens the current one; with 1 it is issued after a second
- * barrier, once every warp is done with the current one. */
-template <ng_dtype T, int D, int NStage>
+ * barrier, once every warp is done with the current one. WsD: D from the
+ * pre-kernel's dsum; otherwise computed per query tile (dsum unused). */
+template <ng_dtype T, int D, int NStage, bool WsD>
 static __global__ void __launch_bounds__(kMmaThreads)
-    attention_bwd_dkdv_mma_kernel(ng_attention_args a, int vec) {
+    attention_bwd_dkdv_mma_kernel(ng_attention_args a, const float *dsum, int vec) {
     constexpr int kTile = kMmaRows * (D + 8);
     NG_DYNAMIC_SMEM(uint4, mma_smem);
     /* K, V, then stage st's (Q, dO) tiles at (2 + 2 st) kTile; after the
@@ -1308,8 +1371,8 @@ static __global__ void __launch_bounds__(kMmaThreads)
     } else {      /* group: K, V and query tile 0 */
         mma_stage_async<D>(ks, kb, a.k_stride[2], j0, a.S - j0, vec);
         mma_stage_async<D>(vs, vb, a.v_stride[2], j0, a.S - j0, vec);
-        mma_dkdv_issue<T, D>(ks + 2 * kTile, ks + 3 * kTile, rows, rows + kMmaRows, a, b, h, i0,
-                             vec);
+        mma_dkdv_issue<T, D, WsD>(ks + 2 * kTile, ks + 3 * kTile, rows, rows + kMmaRows, a, dsum, b,
+                                  h, i0, vec);
         if constexpr (kAsyncCopy) ng_cp_async_commit();
     }
     for (int st = 0; h < hend; st ^= NStage - 1) {
@@ -1324,9 +1387,9 @@ static __global__ void __launch_bounds__(kMmaThreads)
             const int64_t hn = more ? h : h + 1, in = more ? i0 + kMmaRows : istart;
             const int sn = 2 + 2 * (st ^ 1);
             if (hn < hend) {
-                mma_dkdv_issue<T, D>(ks + sn * kTile, ks + (sn + 1) * kTile,
-                                     rows + 2 * (st ^ 1) * kMmaRows,
-                                     rows + (2 * (st ^ 1) + 1) * kMmaRows, a, b, hn, in, vec);
+                mma_dkdv_issue<T, D, WsD>(
+                    ks + sn * kTile, ks + (sn + 1) * kTile, rows + 2 * (st ^ 1) * kMmaRows,
+                    rows + (2 * (st ^ 1) + 1) * kMmaRows, a, dsum, b, hn, in, vec);
                 if constexpr (kAsyncCopy) ng_cp_async_commit();
             }
         }
@@ -1352,8 +1415,8 @@ static __global__ void __launch_bounds__(kMmaThreads)
         }
         if (NStage == 1 && h < hend) { /* every warp done with the one stage */
             __syncthreads();
-            mma_dkdv_issue<T, D>(ks + 2 * kTile, ks + 3 * kTile, rows, rows + kMmaRows, a, b, h, i0,
-                                 vec);
+            mma_dkdv_issue<T, D, WsD>(ks + 2 * kTile, ks + 3 * kTile, rows, rows + kMmaRows, a,
+                                      dsum, b, h, i0, vec);
             if constexpr (kAsyncCopy) ng_cp_async_commit();
         }
     }
@@ -1367,9 +1430,10 @@ static __global__ void __launch_bounds__(kMmaThreads)
                          j0 + warp * 16, a.S, dv, vmul, lane);
 }
 
-template <ng_dtype T, int D, int NStage>
+/* WsD: D from the pre-kernel's dsum; otherwise computed here (dsum unused). */
+template <ng_dtype T, int D, int NStage, bool WsD>
 static __global__ void __launch_bounds__(kMmaThreads)
-    attention_bwd_dq_mma_kernel(ng_attention_args a, int vec) {
+    attention_bwd_dq_mma_kernel(ng_attention_args a, const float *dsum, int vec) {
     constexpr int kTile = kMmaRows * (D + 8);
     NG_DYNAMIC_SMEM(uint4, mma_smem);
     /* Q, dO, then stage st's (K, V) tiles at (2 + 2 st) kTile; after the
@@ -1395,7 +1459,7 @@ static __global__ void __launch_bounds__(kMmaThreads)
         mma_stage_async<D>(qs + 2 * kTile, kb, a.k_stride[2], 0, kend, vec);
         mma_stage_async<D>(qs + 3 * kTile, vb, a.v_stride[2], 0, kend, vec);
         if constexpr (kAsyncCopy) ng_cp_async_commit();
-        mma_row_terms<T, D>(dl, ls, a, gb, ob, (const float *)a.lse + (b * a.Hq + h) * a.L, q0);
+        mma_row_terms<T, D, WsD>(dl, ls, a, b, h, gb, ob, dsum, q0);
     }
     int st = 0;
     for (int64_t j0 = 0; j0 < kend; j0 += kMmaRows, st ^= NStage - 1) {
@@ -1519,24 +1583,40 @@ ng_status launch_fwd(const ng_attention_args *a, cudaStream_t st) {
     return cuda_check();
 }
 
-template <ng_dtype T, int NT>
-ng_status launch_bwd(const ng_attention_args *a, cudaStream_t st) {
+/* The pre-kernel: D of every query row into dsum (B Hq L floats). */
+template <ng_dtype T>
+ng_status launch_bwd_dot(const ng_attention_args *a, cudaStream_t st, float *dsum) {
+    const int64_t nb = NG_CEIL_DIV(a->B * a->Hq * a->L, (int64_t)kWarps);
+    if (nb > 2147483647LL) return NG_ERR_UNSUPPORTED; /* gridDim.x */
+    NG_LAUNCH((attention_bwd_dot_kernel<T>), dim3((unsigned)nb), kThreads, 0, st, *a, dsum);
+    return cuda_check();
+}
+
+template <ng_dtype T, int NT, bool WsD>
+ng_status launch_bwd_d(const ng_attention_args *a, cudaStream_t st, const float *dsum) {
     static std::atomic<int> allowed_dkdv[kMaxDevices], allowed_dq[kMaxDevices];
     if (a->S > 0) {
         dim3 grid;
         NG_TRY(fold_grid(NG_CEIL_DIV(a->S, (int64_t)kBwdBlock), a->Hkv, a->B, &grid));
         size_t sm = sizeof(float) * (size_t)(kBwdBQ * (a->E + a->Ev) + 2 * kBwdBQ);
-        NG_TRY(allow_smem(attention_bwd_dkdv_kernel<T, NT>, sm, allowed_dkdv));
-        NG_LAUNCH((attention_bwd_dkdv_kernel<T, NT>), grid, kThreads, sm, st, *a);
+        NG_TRY(allow_smem(attention_bwd_dkdv_kernel<T, NT, WsD>, sm, allowed_dkdv));
+        NG_LAUNCH((attention_bwd_dkdv_kernel<T, NT, WsD>), grid, kThreads, sm, st, *a, dsum);
         NG_TRY(cuda_check());
     }
     if (a->L == 0) return NG_OK;
     dim3 grid;
     NG_TRY(fold_grid(NG_CEIL_DIV(a->L, (int64_t)kBwdBlock), a->Hq, a->B, &grid));
     size_t sm = sizeof(float) * (size_t)(kBK * (a->E + a->Ev));
-    NG_TRY(allow_smem(attention_bwd_dq_kernel<T, NT>, sm, allowed_dq));
-    NG_LAUNCH((attention_bwd_dq_kernel<T, NT>), grid, kThreads, sm, st, *a);
+    NG_TRY(allow_smem(attention_bwd_dq_kernel<T, NT, WsD>, sm, allowed_dq));
+    NG_LAUNCH((attention_bwd_dq_kernel<T, NT, WsD>), grid, kThreads, sm, st, *a, dsum);
     return cuda_check();
+}
+
+/* dsum: the pre-kernel's D (the WsD instantiations) or NULL (D in-kernel). */
+template <ng_dtype T, int NT>
+ng_status launch_bwd(const ng_attention_args *a, cudaStream_t st, const float *dsum) {
+    if (dsum) return launch_bwd_d<T, NT, true>(a, st, dsum);
+    return launch_bwd_d<T, NT, false>(a, st, nullptr);
 }
 
 /* The backward's dynamic shared memory: two fixed tiles (dkdv: K, V; dq: Q,
@@ -1547,36 +1627,47 @@ constexpr size_t mma_bwd_smem(int D, int nstage, int rows) {
            (size_t)rows * 2 * kMmaRows * sizeof(float);
 }
 
-template <ng_dtype T, int D, int NStage>
-ng_status launch_mma_bwd(const ng_attention_args *a, cudaStream_t st, int vec) {
+template <ng_dtype T, int D, int NStage, bool WsD>
+ng_status launch_mma_bwd_d(const ng_attention_args *a, cudaStream_t st, int vec,
+                           const float *dsum) {
     static std::atomic<int> allowed_dkdv[kMaxDevices], allowed_dq[kMaxDevices];
     dim3 grid;
     if (a->S > 0) {
         constexpr size_t sm = mma_bwd_smem(D, NStage, NStage);
         NG_TRY(fold_grid(NG_CEIL_DIV(a->S, (int64_t)kMmaRows), a->Hkv, a->B, &grid));
-        NG_TRY(allow_smem(attention_bwd_dkdv_mma_kernel<T, D, NStage>, sm, allowed_dkdv));
-        NG_LAUNCH((attention_bwd_dkdv_mma_kernel<T, D, NStage>), grid, kMmaThreads, sm, st, *a,
-                  vec);
+        NG_TRY(allow_smem(attention_bwd_dkdv_mma_kernel<T, D, NStage, WsD>, sm, allowed_dkdv));
+        NG_LAUNCH((attention_bwd_dkdv_mma_kernel<T, D, NStage, WsD>), grid, kMmaThreads, sm, st, *a,
+                  dsum, vec);
         NG_TRY(cuda_check());
     }
     if (a->L == 0) return NG_OK;
     constexpr size_t sm = mma_bwd_smem(D, NStage, 1);
     NG_TRY(fold_grid(NG_CEIL_DIV(a->L, (int64_t)kMmaRows), a->Hq, a->B, &grid));
-    NG_TRY(allow_smem(attention_bwd_dq_mma_kernel<T, D, NStage>, sm, allowed_dq));
-    NG_LAUNCH((attention_bwd_dq_mma_kernel<T, D, NStage>), grid, kMmaThreads, sm, st, *a, vec);
+    NG_TRY(allow_smem(attention_bwd_dq_mma_kernel<T, D, NStage, WsD>, sm, allowed_dq));
+    NG_LAUNCH((attention_bwd_dq_mma_kernel<T, D, NStage, WsD>), grid, kMmaThreads, sm, st, *a, dsum,
+              vec);
     return cuda_check();
 }
 
+/* dsum: the pre-kernel's D (the WsD instantiations) or NULL (D in-kernel). */
+template <ng_dtype T, int D, int NStage>
+ng_status launch_mma_bwd(const ng_attention_args *a, cudaStream_t st, int vec, const float *dsum) {
+    if (dsum) return launch_mma_bwd_d<T, D, NStage, true>(a, st, vec, dsum);
+    return launch_mma_bwd_d<T, D, NStage, false>(a, st, vec, nullptr);
+}
+
+/* ws: the backward's D (dsum) or NULL; unused by the forward. */
 template <ng_dtype T, int D>
-ng_status launch_mma(const ng_attention_args *a, cudaStream_t st, int backward, int vec) {
+ng_status launch_mma(const ng_attention_args *a, cudaStream_t st, int backward, int vec,
+                     const float *ws) {
     if (backward) {
         /* Two stages of the streamed tiles where the device's shared memory
          * per block allows them (always at D = 64; at D = 128 they need
          * 103 KiB: sm_80 and sm_90 have it, sm_86 / sm_89 have 99 KiB and
          * take one). */
         if (D == 64 || (size_t)device_optin_smem() >= mma_bwd_smem(D, 2, 2))
-            return launch_mma_bwd<T, D, 2>(a, st, vec);
-        return launch_mma_bwd<T, 128, 1>(a, st, vec);
+            return launch_mma_bwd<T, D, 2>(a, st, vec, ws);
+        return launch_mma_bwd<T, 128, 1>(a, st, vec, ws);
     }
     static std::atomic<int> allowed_fwd[kMaxDevices];
     const size_t tile = sizeof(uint16_t) * (size_t)(kMmaRows * (D + 8));
@@ -1653,9 +1744,12 @@ int mma_eligible(const ng_attention_args *a) {
     return device_major() >= 8;
 }
 
-/* Dispatch on NT = ceil(max(E, Ev) / 32) rounded up to 1, 2, 4, 8. */
+/* Dispatch on NT = ceil(max(E, Ev) / 32) rounded up to 1, 2, 4, 8. ws: the
+ * forward's split-KV workspace, or the backward's D (the pre-kernel runs
+ * first); NULL without one. */
 template <ng_dtype T>
 ng_status dispatch_nt(const ng_attention_args *a, cudaStream_t st, int backward, float *ws) {
+    if (backward && ws) NG_TRY(launch_bwd_dot<T>(a, st, ws));
     if (!backward && decode_shape(a)) {
         if (a->Ev <= 32) return launch_decode<T, 1>(a, st, ws);
         if (a->Ev <= 64) return launch_decode<T, 2>(a, st, ws);
@@ -1668,15 +1762,15 @@ ng_status dispatch_nt(const ng_attention_args *a, cudaStream_t st, int backward,
                             rows_aligned16(a->k, a->k_stride) &&
                             rows_aligned16(a->v, a->v_stride) &&
                             (!backward || rows_aligned16(a->dout, a->dout_stride));
-            return a->E == 64 ? launch_mma<T, 64>(a, st, backward, vec)
-                              : launch_mma<T, 128>(a, st, backward, vec);
+            return a->E == 64 ? launch_mma<T, 64>(a, st, backward, vec, ws)
+                              : launch_mma<T, 128>(a, st, backward, vec, ws);
         }
     }
     const int64_t dmax = NG_MAX(a->E, a->Ev);
-    if (dmax <= 32) return backward ? launch_bwd<T, 1>(a, st) : launch_fwd<T, 1>(a, st);
-    if (dmax <= 64) return backward ? launch_bwd<T, 2>(a, st) : launch_fwd<T, 2>(a, st);
-    if (dmax <= 128) return backward ? launch_bwd<T, 4>(a, st) : launch_fwd<T, 4>(a, st);
-    return backward ? launch_bwd<T, 8>(a, st) : launch_fwd<T, 8>(a, st);
+    if (dmax <= 32) return backward ? launch_bwd<T, 1>(a, st, ws) : launch_fwd<T, 1>(a, st);
+    if (dmax <= 64) return backward ? launch_bwd<T, 2>(a, st, ws) : launch_fwd<T, 2>(a, st);
+    if (dmax <= 128) return backward ? launch_bwd<T, 4>(a, st, ws) : launch_fwd<T, 4>(a, st);
+    return backward ? launch_bwd<T, 8>(a, st, ws) : launch_fwd<T, 8>(a, st);
 }
 
 /* The decode plan's workspace: (m, l) and Ev partial outputs per split and
@@ -1689,10 +1783,17 @@ int64_t fwd_workspace_bytes(const ng_attention_args *a) {
     return p.nsplit > 1 ? (int64_t)sizeof(float) * p.nsplit * dec_rows(*a) * (a->Ev + 2) : 0;
 }
 
+/* The backward's D: one fp32 per query row, [B, Hq, L]; 0 where there is
+ * no row (or fp64, which has no CUDA path). Shape only. */
+int64_t bwd_workspace_bytes(const ng_attention_args *a) {
+    if (a->dtype == NG_F64 || a->B <= 0 || a->Hq <= 0 || a->L <= 0) return 0;
+    return (int64_t)sizeof(float) * a->B * a->Hq * a->L;
+}
+
 ng_status dispatch(const ng_attention_args *a, void *stream, int backward, void *ws,
                    int64_t ws_bytes) {
     NG_TRY(ng_attention_check(a, backward));
-    const int64_t need = backward ? 0 : fwd_workspace_bytes(a);
+    const int64_t need = backward ? bwd_workspace_bytes(a) : fwd_workspace_bytes(a);
     if (ws && (ws_bytes < need || (uintptr_t)ws % alignof(float))) return NG_ERR_INVALID_ARG;
     if (a->B == 0 || (a->L == 0 && !backward) || (a->L == 0 && a->S == 0)) return NG_OK;
     ng_attention_args n = *a;
@@ -1725,4 +1826,13 @@ extern "C" int64_t ng_attention_fwd_cuda_workspace_bytes(const ng_attention_args
 
 extern "C" ng_status ng_attention_bwd_cuda(const ng_attention_args *a, void *stream) {
     return dispatch(a, stream, 1, nullptr, 0);
+}
+
+extern "C" ng_status ng_attention_bwd_cuda_ws(const ng_attention_args *a, void *workspace,
+                                              int64_t workspace_bytes, void *stream) {
+    return dispatch(a, stream, 1, workspace, workspace_bytes);
+}
+
+extern "C" int64_t ng_attention_bwd_cuda_workspace_bytes(const ng_attention_args *a) {
+    return a ? bwd_workspace_bytes(a) : 0;
 }

@@ -90,7 +90,8 @@ ng_status ng_attention_fwd_decode(const ng_attention_args *a, ng_parallel_fn par
 
 /* CUDA launchers (kernels/attention.cu): fp32 / fp16 / bf16 (fp64 gives
  * NG_ERR_DTYPE), lse fp32, stream is a cudaStream_t. None allocates: the
- * backward is two kernels (dk/dv per key block, dq per query block). The
+ * backward is two kernels (dk/dv per key block, dq per query block), after
+ * a pre-kernel for D when given a workspace (ng_attention_bwd_cuda_ws). The
  * forward takes a decode kernel for the CPU's decode shapes (above): one
  * block reads a kv head once for up to 16 rows of the query heads that
  * share it. */
@@ -107,6 +108,18 @@ ng_status ng_attention_fwd_cuda_ws(const ng_attention_args *a, void *workspace,
                                    int64_t workspace_bytes, void *stream);
 /* 0 unless the shape is a decode shape with keys to split. */
 int64_t ng_attention_fwd_cuda_workspace_bytes(const ng_attention_args *a);
+/* The backward with a device workspace (4-byte aligned) of at least
+ * ng_attention_bwd_cuda_workspace_bytes(a) = 4 B Hq L bytes: a pre-kernel
+ * computes D = rowsum(dout . out) of every query row once, in fp32, into it
+ * ([B, Hq, L], the layout of lse), and the dk/dv and dq kernels read it.
+ * Without one (NULL, as ng_attention_bwd_cuda passes) the kernels compute D
+ * themselves for each query tile they stage; the two forms differ at most
+ * in fp32 summation order. A smaller or misaligned workspace is
+ * NG_ERR_INVALID_ARG. */
+ng_status ng_attention_bwd_cuda_ws(const ng_attention_args *a, void *workspace,
+                                   int64_t workspace_bytes, void *stream);
+/* 4 B Hq L (0 without query rows, and for fp64). */
+int64_t ng_attention_bwd_cuda_workspace_bytes(const ng_attention_args *a);
 
 #ifdef __cplusplus
 }

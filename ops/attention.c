@@ -281,7 +281,10 @@ static void sdpa_backward(StableIValue *stack, uint64_t na, uint64_t no, const c
     }
     a.lse = (void *)(uintptr_t)lse.data;
 #ifdef NG_BUILD_CUDA
-    NG_KERNEL_CHECK(&f, ng_attention_bwd_cuda(&a, ng_cuda_current_stream(&f, q.device_index)));
+    /* D = rowsum(dout . out) per query row, computed once by a pre-kernel */
+    const int64_t wsb = ng_attention_bwd_cuda_workspace_bytes(&a);
+    NG_KERNEL_CHECK(&f, ng_attention_bwd_cuda_ws(&a, ng_scratch(&f, wsb, &q), wsb,
+                                                 ng_cuda_current_stream(&f, q.device_index)));
 #else
     NG_KERNEL_CHECK(&f, ng_attention_bwd(&a, ng_torch_parallel));
 #endif

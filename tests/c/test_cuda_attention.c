@@ -12,7 +12,9 @@
  * 2^32); [B,S,H,D] strides, padded rows and a base off 16 bytes (the tensor
  * cores' unaligned staging); scores beyond fp16's range; a NaN in q; L or
  * S = 0; decode shapes (L <= 16, S >= 32) with and without the split-KV
- * workspace; fp64 and Hq % Hkv != 0 must be refused.
+ * workspace; every backward with D from the pre-kernel's workspace, a third
+ * of them also without one (D in the kernels); fp64, Hq % Hkv != 0 and a
+ * short or misaligned workspace must be refused.
  *
  * Tolerances (rtol / afrac / aabs; afrac of the row's largest |cpu|):
  *                 out               lse (fp32)          dq, dk, dv
@@ -320,17 +322,19 @@ static void attn_check_fwd(const acase *c, ng_dtype t, aio *io, const ng_attenti
     dfree(ws_d);
 }
 
-/* The backward, fed the CPU forward's out and lse: dq, dk, dv against the
- * CPU's; fully masked rows' dq exactly 0; out and lse only read. */
-static void attn_check_bwd(const acase *c, ng_dtype t, aio *io, const ng_attention_args *ad,
-                           adev *dv) {
+/* One form of the backward: with ws (D by the pre-kernel) or without (ws
+ * NULL, D in the kernels). */
+static void attn_check_bwd_form(const acase *c, ng_dtype t, aio *io, const ng_attention_args *ad,
+                                adev *dv, void *ws, int64_t wsb) {
     const int64_t L = c->L, S = c->S, grp = c->Hq / c->Hkv;
     if (io->o.span) dcopy_to(io->o.d, io->o.h, at_bytes(&io->o));
     if (L) dcopy_to(dv->lse_d, dv->lse, dv->lse_bytes);
     dpoison(io->dq.d, at_bytes(&io->dq));
     dpoison(io->dk.d, at_bytes(&io->dk));
     dpoison(io->dv.d, at_bytes(&io->dv));
-    if (!LAUNCHED(ng_attention_bwd_cuda(ad, g_stream))) return;
+    if (!LAUNCHED(ws ? ng_attention_bwd_cuda_ws(ad, ws, wsb, g_stream)
+                     : ng_attention_bwd_cuda(ad, g_stream)))
+        return;
     void *g = at_compare("dq", &io->dq, t, attn_tol(t, 2, c->mag, S));
     const int64_t nonzero = empty_row_nonzeros(g, t, &io->dq, dv->empty_row);
     CHECK(nonzero == 0, "%lld dq values of fully masked rows are not 0", (long long)nonzero);
@@ -347,6 +351,30 @@ static void attn_check_bwd(const acase *c, ng_dtype t, aio *io, const ng_attenti
               (!L || memcmp(lg, dv->lse, dv->lse_bytes) == 0),
           "the backward wrote to out or lse");
     free(og), free(lg);
+}
+
+/* The backward, fed the CPU forward's out and lse, as the op calls it (D by
+ * the pre-kernel into a workspace, poisoned first), then for a third of the
+ * cases without a workspace (D in the kernels): dq, dk, dv against the
+ * CPU's, both forms to the same tolerances; fully masked rows' dq exactly 0;
+ * out and lse only read. */
+static void attn_check_bwd(const acase *c, ng_dtype t, aio *io, const ng_attention_args *ad,
+                           adev *dv) {
+    const int64_t wsb = ng_attention_bwd_cuda_workspace_bytes(ad);
+    CHECK(wsb == (int64_t)sizeof(float) * c->B * c->Hq * c->L, "backward workspace: %lld bytes",
+          (long long)wsb);
+    void *ws_d = wsb ? dmalloc((size_t)wsb) : NULL;
+    const int no_ws = (c->L * 7 + c->S * 3 + c->E + c->Ev + c->causal + (int64_t)t) % 3 == 0;
+    const size_t case_len = strlen(g_case);
+    for (int form = 0; form < (no_ws ? 2 : 1); form++) {
+        if (form == 1)
+            snprintf(g_case + strlen(g_case), sizeof g_case - strlen(g_case),
+                     " [bwd no workspace]");
+        if (ws_d) dpoison(ws_d, (size_t)wsb);
+        attn_check_bwd_form(c, t, io, ad, dv, form ? NULL : ws_d, wsb);
+        g_case[case_len] = 0;
+    }
+    dfree(ws_d);
 }
 
 static void attn_case(const acase *c, ng_dtype t) {
@@ -474,6 +502,54 @@ static void attn_workspace_contract(void) {
     case_end();
 }
 
+/* The backward's workspace: 4 B Hq L bytes of D, taken when given in full;
+ * a smaller or misaligned one refused before anything is launched. */
+static void attn_bwd_workspace_contract(void) {
+    if (!case_begin("attention  %-34s %s", "bwd_workspace", "float16")) return;
+    const int64_t B = 2, H = 3, L = 5, S = 7, E = 64, n = B * H * 8 * E;
+    const size_t bytes = sizeof(uint16_t) * (size_t)n;
+    uint16_t *in = dmalloc(bytes), *dq = dmalloc(bytes), *dk = dmalloc(bytes), *dv = dmalloc(bytes);
+    float *lse = dmalloc(sizeof(float) * (size_t)(B * H * L));
+    CU(cudaMemsetAsync(in, 0, bytes, g_stream));
+    CU(cudaMemsetAsync(lse, 0, sizeof(float) * (size_t)(B * H * L), g_stream));
+    ng_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.dtype = NG_F16;
+    a.B = B, a.Hq = H, a.Hkv = H, a.L = L, a.S = S, a.E = E, a.Ev = E;
+    const int64_t st[3] = {H * 8 * E, 8 * E, E};
+    a.q = a.k = a.v = a.dout = in;
+    a.out = in;
+    a.dq = dq, a.dk = dk, a.dv = dv;
+    memcpy(a.q_stride, st, sizeof st), memcpy(a.k_stride, st, sizeof st),
+        memcpy(a.v_stride, st, sizeof st);
+    memcpy(a.out_stride, st, sizeof st), memcpy(a.dout_stride, st, sizeof st),
+        memcpy(a.dq_stride, st, sizeof st);
+    memcpy(a.dk_stride, st, sizeof st), memcpy(a.dv_stride, st, sizeof st);
+    a.lse = lse;
+    a.scale = 0.125;
+    const int64_t need = ng_attention_bwd_cuda_workspace_bytes(&a);
+    CHECK(need == (int64_t)sizeof(float) * B * H * L, "workspace of B 2, Hq 3, L 5: %lld bytes",
+          (long long)need);
+    ng_attention_args t = a;
+    t.L = 0;
+    CHECK(ng_attention_bwd_cuda_workspace_bytes(&t) == 0, "L 0 asks for a workspace");
+    t = a;
+    t.dtype = NG_F64;
+    CHECK(ng_attention_bwd_cuda_workspace_bytes(&t) == 0, "fp64 asks for a workspace");
+    char *ws = dmalloc((size_t)need + 4);
+    ng_status s = ng_attention_bwd_cuda_ws(&a, ws, need, g_stream);
+    CHECK(s == NG_OK, "a workspace of exactly the size asked for: %s", ng_status_str(s));
+    s = ng_attention_bwd_cuda_ws(&a, ws, need - 4, g_stream);
+    CHECK(s == NG_ERR_INVALID_ARG, "a workspace 4 bytes short: %s", ng_status_str(s));
+    s = ng_attention_bwd_cuda_ws(&a, ws + 2, need, g_stream);
+    CHECK(s == NG_ERR_INVALID_ARG, "a misaligned workspace: %s", ng_status_str(s));
+    s = ng_attention_bwd_cuda_ws(&a, ws, 0, g_stream);
+    CHECK(s == NG_ERR_INVALID_ARG, "an empty workspace: %s", ng_status_str(s));
+    CU(cudaStreamSynchronize(g_stream));
+    dfree(ws), dfree(in), dfree(dq), dfree(dk), dfree(dv), dfree(lse);
+    case_end();
+}
+
 void test_cuda_attention(void) {
     static const int64_t sizes[5] = {1, 7, 64, 129, 300};
     static const int64_t dims[2] = {64, 128};
@@ -514,4 +590,5 @@ void test_cuda_attention(void) {
         for (int di = 1; di < 3; di++) attn_case(&ATTN_CASES_16[ci], FLOAT_TYPES[di]);
     attn_rejects_fp64();
     attn_workspace_contract();
+    attn_bwd_workspace_contract();
 }
