@@ -1126,6 +1126,60 @@ __device__ __forceinline__ float keep_factor(uint32_t bits, int nt, int c, float
     return (bits >> (4 * nt + c)) & 1u ? inv_keep : 0.0f;
 }
 
+/* ---- score variants of a tile ----------------------------------------------
+ * The general per-score path (guarded_score: bounds, causality, clamp /
+ * soft-cap, a mask element read through 64-bit index math) is what a tile
+ * at an edge needs; most tiles of a long sequence need much less. The
+ * tensor-core kernels pick one of these per 64 x 64 tile at run time (one
+ * branch, uniform over the block), each compiled with only its own steps:
+ *   kScorePlain    an interior tile (every query row < L, every key < kend,
+ *                  none above the causal diagonal) of a call without mask,
+ *                  clamp or soft-cap: s = raw * scale;
+ *   kScoreKeyMask  an interior tile without clamp or soft-cap whose mask
+ *                  does not depend on the query (mask_stride[2] == 0: a
+ *                  padding mask [B, 1, 1, S] or [B, H, 1, S]): the mask
+ *                  element at the key alone, s = raw * scale + mask;
+ *   kScoreGeneral  everything else: guarded_score per element, bounds too.
+ * Where a variant applies it computes what guarded_score does: with both
+ * guards off the transform is the identity and its derivative exactly 1,
+ * and the mask adds the same float (or masks the same keys). */
+enum score_variant { kScorePlain, kScoreKeyMask, kScoreGeneral };
+
+/* The variant of the tile of query rows [i0, i0 + 64) and keys [j0, j0 + 64),
+ * keys valid below kend. */
+__device__ __forceinline__ score_variant tile_variant(const ng_attention_args &a, int64_t i0,
+                                                      int64_t j0, int64_t kend) {
+    const bool interior =
+        i0 + kMmaRows <= a.L && j0 + kMmaRows <= kend && (!a.is_causal || j0 + kMmaRows - 1 <= i0);
+    const bool guards =
+        (float)a.max_score > 0.0f || (float)a.softcap > 0.0f; /* as "on" in math.h */
+    if (!interior || guards) return kScoreGeneral;
+    if (a.mask_kind == NG_MASK_NONE) return kScorePlain;
+    return a.mask_stride[2] == 0 ? kScoreKeyMask : kScoreGeneral;
+}
+
+/* Score of element (i, j) of a tile of variant V from its scaled raw dot
+ * product x: mrow, the offset of (b, h)'s mask row (kScoreKeyMask: the
+ * element's is mrow + j mask_stride[3]), ok that i < L and j < kend
+ * (kScoreGeneral). */
+template <score_variant V>
+__device__ __forceinline__ float tile_score(const ng_attention_args &a, float x, int64_t b,
+                                            int64_t h, int64_t i, int64_t j, bool ok,
+                                            int64_t mrow) {
+    if constexpr (V == kScorePlain) return x;
+    if constexpr (V == kScoreKeyMask) {
+        const double mv =
+            ng_attn_mask_value(a.mask, a.mask_kind, a.mask_dtype, mrow + j * a.mask_stride[3]);
+        return mv == -INFINITY ? -INFINITY : x + (float)mv;
+    }
+    return ok ? guarded_score(a, x, b, h, i, j) : -INFINITY;
+}
+
+/* The offset of (b, h)'s row of a mask (what tile_score takes). */
+__device__ __forceinline__ int64_t mask_row(const ng_attention_args &a, int64_t b, int64_t h) {
+    return b * a.mask_stride[0] + h * a.mask_stride[1];
+}
+
 /* Store a warp's 16 x D accumulator rows, row r times mul[r], to rows
  * row0 + frag_row of a [seq, D] slice; rows >= n are skipped. */
 template <ng_dtype T, int D>
@@ -1171,6 +1225,24 @@ __device__ __forceinline__ void mma_row_terms(float *dl, float *ls, const ng_att
             }
         }
     }
+}
+
+/* The forward's scores of a key tile, variant V: s[nt][c] (raw dot
+ * products of the warp's rows from i0 against keys from j0) becomes each
+ * element's score, bm[r] the max over the lane's part of row r. */
+template <score_variant V>
+__device__ __forceinline__ void
+fwd_scores(float s[kMmaNT][4], float bm[2], const ng_attention_args &a, int64_t b, int64_t h,
+           int64_t i0, int64_t j0, int64_t kend, float scale, int lane) {
+    const int64_t mrow = mask_row(a, b, h);
+#pragma unroll
+    for (int nt = 0; nt < kMmaNT; nt++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int64_t i = i0 + frag_row(lane, c), j = j0 + frag_col(lane, nt, c);
+            s[nt][c] = tile_score<V>(a, s[nt][c] * scale, b, h, i, j, i < a.L && j < kend, mrow);
+            bm[c >> 1] = ng_attn_max_nan_f32(bm[c >> 1], s[nt][c]);
+        }
 }
 
 template <ng_dtype T, int D>
@@ -1228,18 +1300,15 @@ static __global__ void __launch_bounds__(kMmaThreads)
         mma_qkt<T, D>(s, qf, ks, lane);
 
         float bm[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int nt = 0; nt < kMmaNT; nt++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                const int64_t i = q0 + warp * 16 + frag_row(lane, c),
-                              j = j0 + frag_col(lane, nt, c);
-                const float x = (i < a.L && j < kend)
-                                    ? guarded_score(a, s[nt][c] * scale, b, h, i, j)
-                                    : -INFINITY;
-                s[nt][c] = x;
-                bm[c >> 1] = ng_attn_max_nan_f32(bm[c >> 1], x);
-            }
+        switch (tile_variant(a, q0, j0, kend)) {
+        case kScorePlain:
+            fwd_scores<kScorePlain>(s, bm, a, b, h, q0 + warp * 16, j0, kend, scale, lane);
+            break;
+        case kScoreKeyMask:
+            fwd_scores<kScoreKeyMask>(s, bm, a, b, h, q0 + warp * 16, j0, kend, scale, lane);
+            break;
+        default: fwd_scores<kScoreGeneral>(s, bm, a, b, h, q0 + warp * 16, j0, kend, scale, lane);
+        }
         const uint32_t keep =
             drop ? mma_keep_bits(a, b, h, q0 + warp * 16, j0, 0, kMmaNT, lane) : 0u;
         float alpha[2];
@@ -1285,28 +1354,17 @@ static __global__ void __launch_bounds__(kMmaThreads)
                          q0 + warp * 16, a.L, o, inv, lane);
 }
 
-/* One warp's backward scores against 8 NT rows of a staged tile, in C fragments:
- * pd = p times the dropout keep bit (0 or 1: the factor 1/(1-p_drop) is
- * applied to the fp32 dv accumulator by the caller, so no rounding to fp16
- * can overflow) and ds = dS (bwd_score_keep) of the 16 x 8 NT block whose raw
- * dot products are x . y^T (q . k) and x2 . y2^T (dout . v). KeyRows: the
- * warp's rows are keys and the tile's rows queries (dk/dv kernel), else the
- * reverse (dq kernel). row0 / col0: first global row / column index; rl0:
- * the warp's first row inside its block (the lse / D arrays ls, dl are
- * indexed by the query's position in its 64-row block); keys >= kend are
- * out of range. */
-template <ng_dtype T, int D, bool KeyRows, int NT>
+/* The elementwise part of mma_bwd_scores for a tile of variant V, from the
+ * raw dot products st (q . k) and dpt (dout . v). */
+template <score_variant V, bool KeyRows, int NT>
 __device__ __forceinline__ void
-mma_bwd_scores(float pd[NT][4], float ds[NT][4], const ng_attention_args &a, const uint16_t *x,
-               const uint16_t *y, const uint16_t *x2, const uint16_t *y2, const float *ls,
-               const float *dl, int64_t b, int64_t h, int64_t row0, int64_t col0, int rl0,
-               int64_t kend, int lane) {
+mma_bwd_elems(float pd[NT][4], float ds[NT][4], const float st[NT][4], const float dpt[NT][4],
+              const ng_attention_args &a, uint32_t keep, const float *ls, const float *dl,
+              int64_t b, int64_t h, int64_t row0, int64_t col0, int rl0, int64_t kend, int lane) {
     const bool drop = a.dropout_p > 0.0;
     const float inv_keep = drop ? (float)(1.0 / (1.0 - a.dropout_p)) : 1.0f;
-    float st[NT][4] = {}, dpt[NT][4] = {};
-    mma_xyt<T, D, NT>(st, x, rl0, y, lane);
-    mma_xyt<T, D, NT>(dpt, x2, rl0, y2, lane);
-    const uint32_t keep = drop ? mma_keep_bits(a, b, h, row0, col0, KeyRows, NT, lane) : 0u;
+    const float scale = (float)a.scale;
+    const int64_t mrow = mask_row(a, b, h);
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -1316,12 +1374,57 @@ mma_bwd_scores(float pd[NT][4], float ds[NT][4], const ng_attention_args &a, con
             const int64_t i = KeyRows ? col0 + cl : row0 + rl, j = KeyRows ? row0 + rl : col0 + cl;
             const float kf = drop ? keep_factor(keep, nt, c, inv_keep) : 1.0f;
             bwd_terms w = {0.0f, 0.0f, 0.0f};
-            /* rows past L (the last tile's) never reach the mask */
-            if (j < kend && i < a.L)
-                w = bwd_score_keep(a, st[nt][c], dpt[nt][c], ls[ql], dl[ql], b, h, i, j, kf);
+            if constexpr (V == kScoreGeneral) {
+                /* rows past L (the last tile's) never reach the mask */
+                if (j < kend && i < a.L)
+                    w = bwd_score_keep(a, st[nt][c], dpt[nt][c], ls[ql], dl[ql], b, h, i, j, kf);
+            } else if (ls[ql] != -INFINITY) { /* bwd_score_keep's steps, guards off */
+                const float sc = tile_score<V>(a, st[nt][c] * scale, b, h, i, j, true, mrow);
+                const float p = sc == -INFINITY ? 0.0f : expf(sc - ls[ql]);
+                if (p != 0.0f) {
+                    w.p = p;
+                    w.ds = p * (dpt[nt][c] * kf - dl[ql]) * scale;
+                }
+            }
             pd[nt][c] = kf != 0.0f ? w.p : 0.0f;
             ds[nt][c] = w.ds;
         }
+}
+
+/* One warp's backward scores against 8 NT rows of a staged tile, in C fragments:
+ * pd = p times the dropout keep bit (0 or 1: the factor 1/(1-p_drop) is
+ * applied to the fp32 dv accumulator by the caller, so no rounding to fp16
+ * can overflow) and ds = dS (bwd_score_keep) of the 16 x 8 NT block whose raw
+ * dot products are x . y^T (q . k) and x2 . y2^T (dout . v). KeyRows: the
+ * warp's rows are keys and the tile's rows queries (dk/dv kernel), else the
+ * reverse (dq kernel). row0 / col0: first global row / column index; rl0:
+ * the warp's first row inside its block (the lse / D arrays ls, dl are
+ * indexed by the query's position in its 64-row block); keys >= kend are
+ * out of range; var: the tile's score variant (tile_variant). */
+template <ng_dtype T, int D, bool KeyRows, int NT>
+__device__ __forceinline__ void
+mma_bwd_scores(float pd[NT][4], float ds[NT][4], const ng_attention_args &a, const uint16_t *x,
+               const uint16_t *y, const uint16_t *x2, const uint16_t *y2, const float *ls,
+               const float *dl, int64_t b, int64_t h, int64_t row0, int64_t col0, int rl0,
+               int64_t kend, score_variant var, int lane) {
+    float st[NT][4] = {}, dpt[NT][4] = {};
+    mma_xyt<T, D, NT>(st, x, rl0, y, lane);
+    mma_xyt<T, D, NT>(dpt, x2, rl0, y2, lane);
+    const uint32_t keep =
+        a.dropout_p > 0.0 ? mma_keep_bits(a, b, h, row0, col0, KeyRows, NT, lane) : 0u;
+    switch (var) {
+    case kScorePlain:
+        mma_bwd_elems<kScorePlain, KeyRows, NT>(pd, ds, st, dpt, a, keep, ls, dl, b, h, row0, col0,
+                                                rl0, kend, lane);
+        break;
+    case kScoreKeyMask:
+        mma_bwd_elems<kScoreKeyMask, KeyRows, NT>(pd, ds, st, dpt, a, keep, ls, dl, b, h, row0,
+                                                  col0, rl0, kend, lane);
+        break;
+    default:
+        mma_bwd_elems<kScoreGeneral, KeyRows, NT>(pd, ds, st, dpt, a, keep, ls, dl, b, h, row0,
+                                                  col0, rl0, kend, lane);
+    }
 }
 
 /* Query tile (h, i0) of the dk / dv kernel into a stage: its Q and dO rows
@@ -1397,12 +1500,15 @@ static __global__ void __launch_bounds__(kMmaThreads)
          * take 32 registers beside the 128 of the dk / dv accumulators
          * instead of 64 (with 64 the kernel spills) */
         constexpr int kParts = D == 128 ? 2 : 1, kPartNT = kMmaNT / kParts;
+        /* the variants in the hot kernel only: the in-kernel D's registers
+         * leave no room for them (it would spill) */
+        const score_variant var = WsD ? tile_variant(a, i0, j0, a.S) : kScoreGeneral;
 #pragma unroll 1
         for (int q = 0; q < kMmaRows; q += kMmaRows / kParts) {
             const uint16_t *qp = qs + q * (D + 8), *gp = gs + q * (D + 8);
             float pd[kPartNT][4], ds[kPartNT][4];
             mma_bwd_scores<T, D, true, kPartNT>(pd, ds, a, ks, qp, vs, gp, ls + q, dl + q, b, h,
-                                                j0 + warp * 16, i0 + q, warp * 16, a.S, lane);
+                                                j0 + warp * 16, i0 + q, warp * 16, a.S, var, lane);
             mma_scale_ds<T, D, kPartNT>(ds, dk, ex);
             mma_wy<T, D, kPartNT>(dv, pd, gp, lane);
             mma_wy<T, D, kPartNT>(dk, ds, qp, lane);
@@ -1477,7 +1583,8 @@ static __global__ void __launch_bounds__(kMmaThreads)
         }
         float pd[kMmaNT][4], ds[kMmaNT][4];
         mma_bwd_scores<T, D, false, kMmaNT>(pd, ds, a, qs, ks, gs, vs, ls, dl, b, h, q0 + warp * 16,
-                                            j0, warp * 16, kend, lane);
+                                            j0, warp * 16, kend, tile_variant(a, q0, j0, kend),
+                                            lane);
         mma_scale_ds<T, D, kMmaNT>(ds, dq, ex);
         mma_wy<T, D, kMmaNT>(dq, ds, ks, lane);
         if (NStage == 1 && jn < kend) { /* every warp done with the one stage */

@@ -183,6 +183,13 @@ static inline void amask_free(amask *m) {
 
 /* ---- arguments --------------------------------------------------------------- */
 
+/* One [B, heads, seq] stride triple for all eight tensors of a. */
+static inline void attn_same_strides(ng_attention_args *a, const int64_t st[3]) {
+    int64_t *const all[] = {a->q_stride,    a->k_stride,  a->v_stride,  a->out_stride,
+                            a->dout_stride, a->dq_stride, a->dk_stride, a->dv_stride};
+    for (size_t x = 0; x < sizeof all / sizeof all[0]; x++) memcpy(all[x], st, 3 * sizeof *st);
+}
+
 /* The kernel arguments of a case: the views of io's host buffers (device:
  * 0) or device buffers (device: 1), lse, the stored mask at mask_buf (m's
  * host or device copy). */

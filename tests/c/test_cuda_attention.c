@@ -87,6 +87,10 @@ static const acase ATTN_CASES[] = {
     {"shifted_base_E128_gqa_mask", 2, 4, 2, 64, 129, 128, 128, LAY_SHIFT, LAY_BHSD, AM_BOOL,  MS_FULL, 1, 1, 0,   0,   0.2, 1,   0, SP_NONE, 42, 0},
     {"pad_rows_E128_causal",    2, 2, 2,  64,  300, 128, 128, LAY_BSHD, LAY_PAD,  AM_NONE,    MS_FULL, 0, 1, 0,   0,   0,   1,   0, SP_NONE, 42, 0},
     {"many_heads_E64",          3, 6, 3,  64,  64,  64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1,   0, SP_NONE, 42, 0},
+    /* a padding mask with causality and dropout past one 64 x 64 tile: the
+     * tensor-core kernels' key-mask tiles (below the diagonal) beside their
+     * general ones (on it, and the last partial tiles) */
+    {"pad_causal_dropout_E128", 2, 2, 2,  129, 200, 128, 128, LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 1, 0,   0,   0.2, 1,   0, SP_NONE, 42, 0},
     {"large_scores_E64",        1, 2, 2,  64,  64,  64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_LARGE, 42, 0},
     {"large_scores_E128",       1, 1, 1,  7,   129, 128, 128, LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_LARGE, 42, 0},
     {"nan_in_q_E64",            1, 2, 2,  64,  64,  64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NAN, 42, 0},
@@ -443,11 +447,7 @@ static void attn_rejects_fp64(void) {
     const int64_t st[3] = {16, 16, 8};
     a.q = a.k = a.v = a.dout = buf;
     a.out = a.dq = a.dk = a.dv = buf;
-    memcpy(a.q_stride, st, sizeof st), memcpy(a.k_stride, st, sizeof st),
-        memcpy(a.v_stride, st, sizeof st);
-    memcpy(a.out_stride, st, sizeof st), memcpy(a.dout_stride, st, sizeof st),
-        memcpy(a.dq_stride, st, sizeof st);
-    memcpy(a.dk_stride, st, sizeof st), memcpy(a.dv_stride, st, sizeof st);
+    attn_same_strides(&a, st);
     a.lse = lse;
     a.scale = 0.35;
     ng_status s1 = ng_attention_fwd_cuda(&a, g_stream), s2 = ng_attention_bwd_cuda(&a, g_stream);
@@ -520,11 +520,7 @@ static void attn_bwd_workspace_contract(void) {
     a.q = a.k = a.v = a.dout = in;
     a.out = in;
     a.dq = dq, a.dk = dk, a.dv = dv;
-    memcpy(a.q_stride, st, sizeof st), memcpy(a.k_stride, st, sizeof st),
-        memcpy(a.v_stride, st, sizeof st);
-    memcpy(a.out_stride, st, sizeof st), memcpy(a.dout_stride, st, sizeof st),
-        memcpy(a.dq_stride, st, sizeof st);
-    memcpy(a.dk_stride, st, sizeof st), memcpy(a.dv_stride, st, sizeof st);
+    attn_same_strides(&a, st);
     a.lse = lse;
     a.scale = 0.125;
     const int64_t need = ng_attention_bwd_cuda_workspace_bytes(&a);

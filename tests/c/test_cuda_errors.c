@@ -16,7 +16,8 @@
 #include "kernels/attention.h"
 #include "kernels/cuda_status.h"
 #include "kernels/layernorm.h"
-#include "tests/c/cuda_fixture.h"
+#include "tests/c/cuda_fixture.h" /* before attn_cases.h: it includes ng_test.h */
+#include "tests/c/attn_cases.h"
 
 static ng_attention_args err_attn_args(void *buf, void *lse, int64_t E) {
     ng_attention_args a;
@@ -26,11 +27,7 @@ static ng_attention_args err_attn_args(void *buf, void *lse, int64_t E) {
     const int64_t st[3] = {E, E, E};
     a.q = a.k = a.v = a.dout = buf;
     a.out = a.dq = a.dk = a.dv = (char *)buf + E * 4;
-    memcpy(a.q_stride, st, sizeof st), memcpy(a.k_stride, st, sizeof st),
-        memcpy(a.v_stride, st, sizeof st);
-    memcpy(a.out_stride, st, sizeof st), memcpy(a.dout_stride, st, sizeof st),
-        memcpy(a.dq_stride, st, sizeof st);
-    memcpy(a.dk_stride, st, sizeof st), memcpy(a.dv_stride, st, sizeof st);
+    attn_same_strides(&a, st);
     a.lse = lse;
     a.scale = 0.0625;
     return a;
