@@ -1175,6 +1175,26 @@ __device__ __forceinline__ float tile_score(const ng_attention_args &a, float x,
     return ok ? guarded_score(a, x, b, h, i, j) : -INFINITY;
 }
 
+/* The tensor-core kernels take exp in base 2: a score x is carried as
+ * x log2(e), so that exp(x - m) is one FMA and one ex2 (exp2f) where expf
+ * needs a range reduction of its own, and the plain variant folds the
+ * scale in (raw * scale log2(e)). Their p is rounded to fp16 / bf16 right
+ * after, far coarser than the few ulp by which this differs from expf. */
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+/* exp2(x2 - m2), 0 where m2 is -inf (nothing seen yet): the base-2
+ * ng_attn_exp_shift_f32. */
+__device__ __forceinline__ float exp2_shift(float x2, float m2) {
+    return m2 == -INFINITY ? 0.0f : exp2f(x2 - m2);
+}
+
+/* The base-2 ng_attn_rescale_f32: the old state's factor when the max
+ * moves from m2_old to m2_new. */
+__device__ __forceinline__ float rescale2(float m2_old, float m2_new) {
+    return m2_old == -INFINITY ? (m2_new != m2_new ? m2_new : 0.0f) : exp2f(m2_old - m2_new);
+}
+
 /* The offset of (b, h)'s row of a mask (what tile_score takes). */
 __device__ __forceinline__ int64_t mask_row(const ng_attention_args &a, int64_t b, int64_t h) {
     return b * a.mask_stride[0] + h * a.mask_stride[1];
@@ -1199,7 +1219,8 @@ __device__ __forceinline__ void mma_store_rows(void *dst, int64_t base, int64_t 
 }
 
 /* D (dout . out) of rows [i0, i0 + 64) of head h into dl[64] and their
- * logsumexp into ls[64] (-inf past L, so those rows get p = 0). WsD: D from
+ * logsumexp times log2(e) into ls[64] (-inf past L, so those rows get
+ * p = 0). WsD: D from
  * the pre-kernel's workspace dsum, one thread per row; otherwise row_dot,
  * one warp per row. */
 template <ng_dtype T, int D, bool WsD>
@@ -1211,7 +1232,7 @@ __device__ __forceinline__ void mma_row_terms(float *dl, float *ls, const ng_att
         for (int r = threadIdx.x; r < kMmaRows; r += kMmaThreads) {
             const int64_t i = i0 + r;
             dl[r] = i < a.L ? ws_d(dsum, a, b, h, i) : 0.0f;
-            ls[r] = i < a.L ? lse[i] : -INFINITY;
+            ls[r] = i < a.L ? lse[i] * kLog2e : -INFINITY;
         }
     } else {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1221,7 +1242,7 @@ __device__ __forceinline__ void mma_row_terms(float *dl, float *ls, const ng_att
             const float d = row_dot<T, D>(a, gb, ob, i, i < a.L);
             if (lane == 0) {
                 dl[r] = d;
-                ls[r] = i < a.L ? lse[i] : -INFINITY;
+                ls[r] = i < a.L ? lse[i] * kLog2e : -INFINITY;
             }
         }
     }
@@ -1229,18 +1250,25 @@ __device__ __forceinline__ void mma_row_terms(float *dl, float *ls, const ng_att
 
 /* The forward's scores of a key tile, variant V: s[nt][c] (raw dot
  * products of the warp's rows from i0 against keys from j0) becomes each
- * element's score, bm[r] the max over the lane's part of row r. */
+ * element's score times log2(e), bm[r] the max over the lane's part of
+ * row r. */
 template <score_variant V>
 __device__ __forceinline__ void
 fwd_scores(float s[kMmaNT][4], float bm[2], const ng_attention_args &a, int64_t b, int64_t h,
            int64_t i0, int64_t j0, int64_t kend, float scale, int lane) {
     const int64_t mrow = mask_row(a, b, h);
+    const float scale2 = scale * kLog2e;
 #pragma unroll
     for (int nt = 0; nt < kMmaNT; nt++)
 #pragma unroll
         for (int c = 0; c < 4; c++) {
             const int64_t i = i0 + frag_row(lane, c), j = j0 + frag_col(lane, nt, c);
-            s[nt][c] = tile_score<V>(a, s[nt][c] * scale, b, h, i, j, i < a.L && j < kend, mrow);
+            if constexpr (V == kScorePlain)
+                s[nt][c] *= scale2;
+            else
+                s[nt][c] =
+                    tile_score<V>(a, s[nt][c] * scale, b, h, i, j, i < a.L && j < kend, mrow) *
+                    kLog2e;
             bm[c >> 1] = ng_attn_max_nan_f32(bm[c >> 1], s[nt][c]);
         }
 }
@@ -1281,6 +1309,7 @@ static __global__ void __launch_bounds__(kMmaThreads)
     for (int kk = 0; kk < D / 16; kk++)
         ng_mma_ldm_a(qf[kk], smem + 2 * kTile, D + 8, warp * 16, kk * 16, lane);
 
+    /* m: each row's running max times log2(e) (fwd_scores) */
     float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     int st = 0;
     for (int64_t j0 = 0; j0 < kend; j0 += kMmaRows, st ^= 1) {
@@ -1317,7 +1346,7 @@ static __global__ void __launch_bounds__(kMmaThreads)
             bm[r] = ng_attn_max_nan_f32(bm[r], __shfl_xor_sync(kFull, bm[r], 1));
             bm[r] = ng_attn_max_nan_f32(bm[r], __shfl_xor_sync(kFull, bm[r], 2));
             const float m_new = ng_attn_max_nan_f32(m[r], bm[r]);
-            alpha[r] = ng_attn_rescale_f32(m[r], m_new);
+            alpha[r] = rescale2(m[r], m_new);
             m[r] = m_new;
             l[r] *= alpha[r];
         }
@@ -1326,7 +1355,7 @@ static __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
             for (int c = 0; c < 4; c++) {
                 const int r = c >> 1;
-                const float p = ng_attn_exp_shift_f32(s[nt][c], m[r]);
+                const float p = exp2_shift(s[nt][c], m[r]);
                 l[r] += p;
                 /* only the keep bit here: p * 1/(1-p_drop) can exceed fp16's
                  * range once rounded for the tensor cores; the factor is
@@ -1348,7 +1377,7 @@ static __global__ void __launch_bounds__(kMmaThreads)
         inv[r] = ng_attn_inv_sum_f32(l[r]) * inv_keep;
         const int64_t i = q0 + warp * 16 + frag_row(lane, 2 * r);
         if ((lane & 3) == 0 && i < a.L)
-            ((float *)a.lse)[(b * a.Hq + h) * a.L + i] = ng_attn_lse_f32(m[r], l[r]);
+            ((float *)a.lse)[(b * a.Hq + h) * a.L + i] = ng_attn_lse_f32(m[r] * kLn2, l[r]);
     }
     mma_store_rows<T, D>(a.out, b * a.out_stride[0] + h * a.out_stride[1], a.out_stride[2],
                          q0 + warp * 16, a.L, o, inv, lane);
@@ -1363,7 +1392,7 @@ mma_bwd_elems(float pd[NT][4], float ds[NT][4], const float st[NT][4], const flo
               int64_t b, int64_t h, int64_t row0, int64_t col0, int rl0, int64_t kend, int lane) {
     const bool drop = a.dropout_p > 0.0;
     const float inv_keep = drop ? (float)(1.0 / (1.0 - a.dropout_p)) : 1.0f;
-    const float scale = (float)a.scale;
+    const float scale = (float)a.scale, scale2 = scale * kLog2e;
     const int64_t mrow = mask_row(a, b, h);
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -1373,21 +1402,25 @@ mma_bwd_elems(float pd[NT][4], float ds[NT][4], const float st[NT][4], const flo
             const int ql = KeyRows ? cl : rl0 + rl; /* the query's place in its block */
             const int64_t i = KeyRows ? col0 + cl : row0 + rl, j = KeyRows ? row0 + rl : col0 + cl;
             const float kf = drop ? keep_factor(keep, nt, c, inv_keep) : 1.0f;
-            bwd_terms w = {0.0f, 0.0f, 0.0f};
-            if constexpr (V == kScoreGeneral) {
-                /* rows past L (the last tile's) never reach the mask */
-                if (j < kend && i < a.L)
-                    w = bwd_score_keep(a, st[nt][c], dpt[nt][c], ls[ql], dl[ql], b, h, i, j, kf);
-            } else if (ls[ql] != -INFINITY) { /* bwd_score_keep's steps, guards off */
-                const float sc = tile_score<V>(a, st[nt][c] * scale, b, h, i, j, true, mrow);
-                const float p = sc == -INFINITY ? 0.0f : expf(sc - ls[ql]);
+            /* bwd_score_keep's steps in base 2; rows past L (the last
+             * tile's) never reach the mask */
+            float p = 0.0f, dsc = 0.0f;
+            if ((V != kScoreGeneral || (j < kend && i < a.L)) && ls[ql] != -INFINITY) {
+                if constexpr (V == kScorePlain) {
+                    p = exp2f(fmaf(st[nt][c], scale2, -ls[ql]));
+                } else {
+                    const float sc = tile_score<V>(a, st[nt][c] * scale, b, h, i, j, true, mrow);
+                    p = sc == -INFINITY ? 0.0f : exp2f(fmaf(sc, kLog2e, -ls[ql]));
+                }
                 if (p != 0.0f) {
-                    w.p = p;
-                    w.ds = p * (dpt[nt][c] * kf - dl[ql]) * scale;
+                    dsc = p * (dpt[nt][c] * kf - dl[ql]) * scale;
+                    if constexpr (V == kScoreGeneral)
+                        dsc *= ng_attn_transform_grad_f32(st[nt][c] * scale, (float)a.max_score,
+                                                          (float)a.softcap);
                 }
             }
-            pd[nt][c] = kf != 0.0f ? w.p : 0.0f;
-            ds[nt][c] = w.ds;
+            pd[nt][c] = kf != 0.0f ? p : 0.0f;
+            ds[nt][c] = dsc;
         }
 }
 
