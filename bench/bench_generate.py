@@ -11,7 +11,12 @@ patched model is faster), which a slow drift of the machine's speed during
 the run affects less than a ratio of two medians. Both must produce the same tokens (fp32:
 checked; bf16: reported, since rounding may flip a near tie).
 
-    python bench/bench_generate.py [--repeats 15] [--threads N] [--kv-heads 8,2]
+    python bench/bench_generate.py [--repeats 15] [--threads N] [--kv-heads 8,2] [--control]
+
+--control adds the same measurement of an unpatched deep copy against the
+stock model (column control_vs_stock): two identical models, so its
+distance from 1 is the benchmark's own noise on this machine, the yardstick
+for vs_stock.
 
 Results: bench/results/generate_<device>[_<isa>][_tN].{json,md}, naming the CPU
 model, its ISA flags and nanguard's CPU path (NANGUARD_CPU_ISA=avx2 caps it
@@ -64,6 +69,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3 if _common.quick() else 15)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--kv-heads", default="8,2")
+    p.add_argument("--control", action="store_true",
+                   help="also time an unpatched copy against the stock model (the noise floor)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -93,14 +100,20 @@ def main():
             row = {"dtype": str(dtype).replace("torch.", ""), "heads": f"{HEADS}/{kv}",
                    "nanguard_s": t[0], "stock_s": t[1], "vs_stock": ratio,
                    "same_tokens": same}
+            if args.control:
+                twin = copy.deepcopy(stock)  # made as `ours` is, left unpatched
+                row["control_vs_stock"] = _common.paired_times(mk("twin", twin), mk("stock", stock),
+                                                               repeats=args.repeats, device=dev)[1]
             rows.append(row)
             print(row, flush=True)
     cols = ["dtype", "heads", "nanguard_s", "stock_s", "vs_stock", "same_tokens"]
+    if args.control:
+        cols.append("control_vs_stock")
     isa = os.environ.get("NANGUARD_CPU_ISA", "") if dev == "cpu" else ""
     suffix = (f"_{isa}" if isa else "") + (f"_t{args.threads}" if args.threads else "")
     _common.write_results(f"generate_{dev}{suffix}", rows, cols,
                           {"layers": LAYERS, "hidden": HIDDEN, "batch": BATCH, "prompt": PROMPT, "new_tokens": NEW,
-                           "repeats": args.repeats})
+                           "repeats": args.repeats, "control": args.control})
 
 
 if __name__ == "__main__":
