@@ -1200,6 +1200,23 @@ __device__ __forceinline__ int64_t mask_row(const ng_attention_args &a, int64_t 
     return b * a.mask_stride[0] + h * a.mask_stride[1];
 }
 
+/* This thread's vote on whether the 64 keys [j0, j0 + 64) are live for
+ * head h: with a mask that does not depend on the query (a padding mask),
+ * thread t < 64 says whether key j0 + t is below kend and not masked (the
+ * others say no); with any other mask, or none, every thread says yes.
+ * Through __syncthreads_or the block learns whether any key is live: a tile
+ * none of whose keys is gives every row p = 0 (and dS = 0), and its math is
+ * skipped (a NaN that K or V hold at those keys does not reach the rows,
+ * the "may" of the numerics contract, as on the CPU). */
+__device__ __forceinline__ int key_vote(const ng_attention_args &a, int64_t b, int64_t h,
+                                        int64_t j0, int64_t kend) {
+    if (a.mask_kind == NG_MASK_NONE || a.mask_stride[2] != 0) return 1;
+    const int64_t j = j0 + threadIdx.x;
+    return threadIdx.x < kMmaRows && j < kend &&
+           ng_attn_mask_value(a.mask, a.mask_kind, a.mask_dtype,
+                              mask_row(a, b, h) + j * a.mask_stride[3]) != -INFINITY;
+}
+
 /* Store a warp's 16 x D accumulator rows, row r times mul[r], to rows
  * row0 + frag_row of a [seq, D] slice; rows >= n are skipped. */
 template <ng_dtype T, int D>
@@ -1316,7 +1333,7 @@ static __global__ void __launch_bounds__(kMmaThreads)
         /* tile j0 complete and visible to all; every warp done with the
          * other stage (tile j0 - 64, or Q on the first pass) */
         if constexpr (kAsyncCopy) ng_cp_async_wait_group<0>();
-        __syncthreads();
+        const bool live = __syncthreads_or(key_vote(a, b, h, j0, kend));
         const uint16_t *ks = smem + 2 * st * kTile, *vs = ks + kTile;
         if (j0 + kMmaRows < kend) { /* tile j0 + 64 into the other stage, behind this one's math */
             uint16_t *kn = smem + 2 * (st ^ 1) * kTile;
@@ -1325,6 +1342,7 @@ static __global__ void __launch_bounds__(kMmaThreads)
                                vec);
             if constexpr (kAsyncCopy) ng_cp_async_commit();
         }
+        if (!live) continue; /* every key of the tile masked: p = 0 for every row */
         float s[kMmaNT][4] = {};
         mma_qkt<T, D>(s, qf, ks, lane);
 
@@ -1605,7 +1623,7 @@ static __global__ void __launch_bounds__(kMmaThreads)
         /* key tile j0 complete and visible to all; with two stages, every
          * warp done with the other one (the previous tile) */
         if constexpr (kAsyncCopy) ng_cp_async_wait_group<0>(); /* this thread's K / V rows */
-        __syncthreads();
+        const bool live = __syncthreads_or(key_vote(a, b, h, j0, kend));
         const uint16_t *ks = qs + (2 + 2 * st) * kTile, *vs = ks + kTile;
         const int64_t jn = j0 + kMmaRows;
         if (NStage == 2 && jn < kend) { /* the next tile into the other stage, behind this math */
@@ -1614,12 +1632,14 @@ static __global__ void __launch_bounds__(kMmaThreads)
             mma_stage_async<D>(kn + kTile, vb, a.v_stride[2], jn, kend - jn, vec);
             if constexpr (kAsyncCopy) ng_cp_async_commit();
         }
-        float pd[kMmaNT][4], ds[kMmaNT][4];
-        mma_bwd_scores<T, D, false, kMmaNT>(pd, ds, a, qs, ks, gs, vs, ls, dl, b, h, q0 + warp * 16,
-                                            j0, warp * 16, kend, tile_variant(a, q0, j0, kend),
-                                            lane);
-        mma_scale_ds<T, D, kMmaNT>(ds, dq, ex);
-        mma_wy<T, D, kMmaNT>(dq, ds, ks, lane);
+        if (live) { /* else every key of the tile masked: dS = 0 */
+            float pd[kMmaNT][4], ds[kMmaNT][4];
+            mma_bwd_scores<T, D, false, kMmaNT>(pd, ds, a, qs, ks, gs, vs, ls, dl, b, h,
+                                                q0 + warp * 16, j0, warp * 16, kend,
+                                                tile_variant(a, q0, j0, kend), lane);
+            mma_scale_ds<T, D, kMmaNT>(ds, dq, ex);
+            mma_wy<T, D, kMmaNT>(dq, ds, ks, lane);
+        }
         if (NStage == 1 && jn < kend) { /* every warp done with the one stage */
             __syncthreads();
             mma_stage_async<D>(qs + 2 * kTile, kb, a.k_stride[2], jn, kend - jn, vec);

@@ -32,7 +32,8 @@ enum { LAY_BHSD, LAY_BSHD, LAY_PAD, LAY_SHIFT };
 /* Mask kinds: none, bool (true attends), additive with -inf or with the
  * dtype's lowest finite value at the masked positions. */
 enum { AM_NONE, AM_BOOL, AM_NEG_INF, AM_LOWEST };
-enum { MS_FULL, MS_PAD, MS_LS }; /* mask shape: [B, Hq, L, S], [B, 1, 1, S], [L, S] */
+/* mask shape: [B, Hq, L, S], [B, 1, 1, S], [L, S], [B, Hq, 1, S] (padding per head) */
+enum { MS_FULL, MS_PAD, MS_LS, MS_PAD_H };
 /* Special inputs (the CUDA test's; see test_cuda_attention.c). */
 enum { SP_NONE, SP_LARGE, SP_NAN, SP_NAN_DOUT, SP_PAD_TAIL, SP_PAD_HEAD };
 
@@ -46,7 +47,8 @@ typedef struct acase {
     int special;     /* SP_LARGE: q.k far beyond fp16's range (forward only: its
                         softmax is one-hot, so its gradients are rounding noise);
                         SP_NAN: one NaN in q; SP_NAN_DOUT: one NaN in dout;
-                        SP_PAD_TAIL: batch 0's keys past S / 3 masked too;
+                        SP_PAD_TAIL: batch 0's keys past S / 3 masked too
+                        (with MS_PAD_H in head 0 only);
                         SP_PAD_HEAD: batch 0's keys below S - S / 8 masked
                         too, key 0 included (left padding) */
     uint64_t offset; /* dropout counter offset */
@@ -146,7 +148,8 @@ static inline amask amask_new(const acase *c, ng_dtype mdt, ng_rng *rng) {
     m.dtype = mdt;
     if (c->mask == AM_NONE) return m;
     const int64_t S = c->S, mB = c->mshape == MS_LS ? 1 : c->B,
-                  mH = c->mshape == MS_FULL ? c->Hq : 1, mL = c->mshape == MS_PAD ? 1 : c->L;
+                  mH = c->mshape == MS_FULL || c->mshape == MS_PAD_H ? c->Hq : 1,
+                  mL = c->mshape == MS_PAD || c->mshape == MS_PAD_H ? 1 : c->L;
     m.n = mB * mH * mL * S;
     m.st[0] = mB > 1 ? mH * mL * S : 0;
     m.st[1] = mH > 1 ? mL * S : 0;

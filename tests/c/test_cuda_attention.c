@@ -91,6 +91,14 @@ static const acase ATTN_CASES[] = {
      * tensor-core kernels' key-mask tiles (below the diagonal) beside their
      * general ones (on it, and the last partial tiles) */
     {"pad_causal_dropout_E128", 2, 2, 2,  129, 200, 128, 128, LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 1, 0,   0,   0.2, 1,   0, SP_NONE, 42, 0},
+    /* padding that covers whole 64-key tiles (batch 0 past S / 3): the
+     * tensor-core kernels skip those tiles' math */
+    {"pad_tail_E64",            2, 2, 2,  129, 300, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  0, 0, 0,   0,   0,   1,   0, SP_PAD_TAIL, 42, 0},
+    {"pad_tail_E128_causal_dropout", 1, 2, 1, 300, 300, 128, 128, LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_PAD, 0, 1, 0, 0, 0.2, 1,   0, SP_PAD_TAIL, 42, 0},
+    /* a padding mask per head: head 0 of batch 0 pads past S / 3, head 1,
+     * which shares its keys (GQA), does not; the dk / dv kernel must keep
+     * those tiles for head 1 */
+    {"pad_head_tail_E64_gqa",   2, 4, 2,  129, 300, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD_H, 0, 0, 0,  0,   0,   1,   0, SP_PAD_TAIL, 42, 0},
     {"large_scores_E64",        1, 2, 2,  64,  64,  64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_LARGE, 42, 0},
     {"large_scores_E128",       1, 1, 1,  7,   129, 128, 128, LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_LARGE, 42, 0},
     {"nan_in_q_E64",            1, 2, 2,  64,  64,  64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NAN, 42, 0},

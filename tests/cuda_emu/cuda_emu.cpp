@@ -1198,8 +1198,14 @@ bool run_block(uint64_t lin) {
                     b0->site, g_launch.at_barrier, n, positions().c_str());
                 return false;
             }
+            uint64_t any = 0; /* __syncthreads_or: every thread gets the OR */
             for (int i = 0; i < n; i++)
-                if (g_threads[i].state == T_BAR) set_state(&g_threads[i], T_RUN);
+                if (g_threads[i].state == T_BAR) any |= g_threads[i].value;
+            for (int i = 0; i < n; i++)
+                if (g_threads[i].state == T_BAR) {
+                    g_threads[i].result = any;
+                    set_state(&g_threads[i], T_RUN);
+                }
             g_launch.at_barrier = 0;
             new_epoch(false);
             continue;
@@ -1255,13 +1261,17 @@ struct snapshot {
 
 /* ---- the device side's entry points ------------------------------------------ */
 
-void syncthreads(const char *site) {
+void syncthreads(const char *site) { (void)syncthreads_or(0, site); }
+
+int syncthreads_or(int pred, const char *site) {
     thread_state *t = running("__syncthreads");
     rc_flush();
     set_state(t, T_BAR);
     t->site = site;
+    t->value = pred != 0; /* the release ORs the waiting threads' predicates into result */
     g_launch.at_barrier++;
     leave(t, false);
+    return (int)t->result;
 }
 
 uint64_t warp_op(warp_kind kind, unsigned mask, uint64_t value, int arg, int width,

@@ -129,6 +129,7 @@ enum warp_kind {
 };
 
 void syncthreads(const char *site);
+int syncthreads_or(int pred, const char *site);
 uint64_t warp_op(warp_kind kind, unsigned mask, uint64_t value, int arg, int width,
                  const char *site);
 unsigned activemask();
@@ -234,6 +235,7 @@ constexpr int warpSize = 32;
 
 /* ---- synchronisation and warp intrinsics --------------------------------- */
 #define __syncthreads() ng_emu::syncthreads(NG_EMU_SITE)
+#define __syncthreads_or(pred) ng_emu::syncthreads_or((pred), NG_EMU_SITE)
 #define __syncwarp(...) ng_emu::syncwarp(NG_EMU_SITE, ##__VA_ARGS__)
 #define __shfl_sync(...) ng_emu::shfl(ng_emu::W_SHFL_IDX, NG_EMU_SITE, __VA_ARGS__)
 #define __shfl_up_sync(...) ng_emu::shfl(ng_emu::W_SHFL_UP, NG_EMU_SITE, __VA_ARGS__)

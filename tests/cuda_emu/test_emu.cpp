@@ -200,6 +200,17 @@ static __global__ void block_sum_kernel(const float *x, float *out, unsigned lon
     atomicAdd(count, 1ull);
 }
 
+/* __syncthreads_or twice per block: block b's thread (37 b) % 96 alone
+ * sets the predicate in the first round (none in block 3), nobody in the
+ * second; out[2 t] and out[2 t + 1] the two results of thread t. */
+static __global__ void sync_or_kernel(int *out) {
+    const int b = blockIdx.x, t = threadIdx.x;
+    const int first = __syncthreads_or(b != 3 && t == (37 * b) % 96);
+    const int second = __syncthreads_or(0);
+    out[(b * 96 + t) * 2] = first;
+    out[(b * 96 + t) * 2 + 1] = second;
+}
+
 /* Whether n bytes at p all hold the schedule's shared-memory poison. Not
  * seen by the race detector, to which reading unwritten shared memory is an
  * error. */
@@ -360,6 +371,17 @@ static void test_shared() {
     NG_LAUNCH((fixed_sum_kernel), 6, 256, 0, 0, sx, so);
     CHECK(cudaGetLastError() == cudaSuccess, "two block sums with their barriers pass");
     cudaFree(sx), cudaFree(so);
+
+    int *sor = dalloc<int>(5 * 96 * 2);
+    NG_LAUNCH((sync_or_kernel), 5, 96, 0, 0, sor);
+    CHECK(cudaGetLastError() == cudaSuccess, "sync_or_kernel launch");
+    auto hs = download(sor, 5 * 96 * 2);
+    int bad_or = 0;
+    for (int b = 0; b < 5; b++)
+        for (int t = 0; t < 96; t++)
+            bad_or += hs[(b * 96 + t) * 2] != (b != 3) || hs[(b * 96 + t) * 2 + 1] != 0;
+    CHECK(bad_or == 0, "__syncthreads_or: %d of 960 results wrong", bad_or);
+    cudaFree(sor);
 
     int *idx = dalloc<int>(3 * 2 * 2 * 4 * 3 * 2);
     NG_LAUNCH((index_kernel), dim3(3, 2, 2), dim3(4, 3, 2), 0, 0, idx);
