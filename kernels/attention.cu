@@ -1158,15 +1158,31 @@ __device__ __forceinline__ score_variant tile_variant(const ng_attention_args &a
     return a.mask_stride[2] == 0 ? kScoreKeyMask : kScoreGeneral;
 }
 
-/* Score of element (i, j) of a tile of variant V from its scaled raw dot
- * product x: mrow, the offset of (b, h)'s mask row (kScoreKeyMask: the
- * element's is mrow + j mask_stride[3]), ok that i < L and j < kend
- * (kScoreGeneral). */
+/* f(variant_tag<V>{}) for the variant var, V a compile-time constant: the
+ * one run-time branch by which a tile picks its compiled score step. */
+template <score_variant V>
+struct variant_tag {
+    static constexpr score_variant value = V;
+};
+template <typename F>
+__device__ __forceinline__ void with_variant(score_variant var, F &&f) {
+    switch (var) {
+    case kScorePlain: f(variant_tag<kScorePlain>{}); break;
+    case kScoreKeyMask: f(variant_tag<kScoreKeyMask>{}); break;
+    default: f(variant_tag<kScoreGeneral>{});
+    }
+}
+
+/* Score of element (i, j) of a tile of variant V (the masked ones: the
+ * plain variant's score is the scaled dot product itself, which its
+ * callers fold into their own step) from its scaled raw dot product x:
+ * mrow, the offset of (b, h)'s mask row (kScoreKeyMask: the element's is
+ * mrow + j mask_stride[3]), ok that i < L and j < kend (kScoreGeneral). */
 template <score_variant V>
 __device__ __forceinline__ float tile_score(const ng_attention_args &a, float x, int64_t b,
                                             int64_t h, int64_t i, int64_t j, bool ok,
                                             int64_t mrow) {
-    if constexpr (V == kScorePlain) return x;
+    static_assert(V != kScorePlain, "the plain variant has no tile_score");
     if constexpr (V == kScoreKeyMask) {
         const double mv =
             ng_attn_mask_value(a.mask, a.mask_kind, a.mask_dtype, mrow + j * a.mask_stride[3]);
@@ -1182,18 +1198,6 @@ __device__ __forceinline__ float tile_score(const ng_attention_args &a, float x,
  * after, far coarser than the few ulp by which this differs from expf. */
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-
-/* exp2(x2 - m2), 0 where m2 is -inf (nothing seen yet): the base-2
- * ng_attn_exp_shift_f32. */
-__device__ __forceinline__ float exp2_shift(float x2, float m2) {
-    return m2 == -INFINITY ? 0.0f : exp2f(x2 - m2);
-}
-
-/* The base-2 ng_attn_rescale_f32: the old state's factor when the max
- * moves from m2_old to m2_new. */
-__device__ __forceinline__ float rescale2(float m2_old, float m2_new) {
-    return m2_old == -INFINITY ? (m2_new != m2_new ? m2_new : 0.0f) : exp2f(m2_old - m2_new);
-}
 
 /* The offset of (b, h)'s row of a mask (what tile_score takes). */
 __device__ __forceinline__ int64_t mask_row(const ng_attention_args &a, int64_t b, int64_t h) {
@@ -1347,15 +1351,9 @@ static __global__ void __launch_bounds__(kMmaThreads)
         mma_qkt<T, D>(s, qf, ks, lane);
 
         float bm[2] = {-INFINITY, -INFINITY};
-        switch (tile_variant(a, q0, j0, kend)) {
-        case kScorePlain:
-            fwd_scores<kScorePlain>(s, bm, a, b, h, q0 + warp * 16, j0, kend, scale, lane);
-            break;
-        case kScoreKeyMask:
-            fwd_scores<kScoreKeyMask>(s, bm, a, b, h, q0 + warp * 16, j0, kend, scale, lane);
-            break;
-        default: fwd_scores<kScoreGeneral>(s, bm, a, b, h, q0 + warp * 16, j0, kend, scale, lane);
-        }
+        with_variant(tile_variant(a, q0, j0, kend), [&](auto v) {
+            fwd_scores<decltype(v)::value>(s, bm, a, b, h, q0 + warp * 16, j0, kend, scale, lane);
+        });
         const uint32_t keep =
             drop ? mma_keep_bits(a, b, h, q0 + warp * 16, j0, 0, kMmaNT, lane) : 0u;
         float alpha[2];
@@ -1364,7 +1362,7 @@ static __global__ void __launch_bounds__(kMmaThreads)
             bm[r] = ng_attn_max_nan_f32(bm[r], __shfl_xor_sync(kFull, bm[r], 1));
             bm[r] = ng_attn_max_nan_f32(bm[r], __shfl_xor_sync(kFull, bm[r], 2));
             const float m_new = ng_attn_max_nan_f32(m[r], bm[r]);
-            alpha[r] = rescale2(m[r], m_new);
+            alpha[r] = ng_attn_rescale2_f32(m[r], m_new);
             m[r] = m_new;
             l[r] *= alpha[r];
         }
@@ -1373,7 +1371,7 @@ static __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
             for (int c = 0; c < 4; c++) {
                 const int r = c >> 1;
-                const float p = exp2_shift(s[nt][c], m[r]);
+                const float p = ng_attn_exp2_shift_f32(s[nt][c], m[r]);
                 l[r] += p;
                 /* only the keep bit here: p * 1/(1-p_drop) can exceed fp16's
                  * range once rounded for the tensor cores; the factor is
@@ -1463,19 +1461,10 @@ mma_bwd_scores(float pd[NT][4], float ds[NT][4], const ng_attention_args &a, con
     mma_xyt<T, D, NT>(dpt, x2, rl0, y2, lane);
     const uint32_t keep =
         a.dropout_p > 0.0 ? mma_keep_bits(a, b, h, row0, col0, KeyRows, NT, lane) : 0u;
-    switch (var) {
-    case kScorePlain:
-        mma_bwd_elems<kScorePlain, KeyRows, NT>(pd, ds, st, dpt, a, keep, ls, dl, b, h, row0, col0,
-                                                rl0, kend, lane);
-        break;
-    case kScoreKeyMask:
-        mma_bwd_elems<kScoreKeyMask, KeyRows, NT>(pd, ds, st, dpt, a, keep, ls, dl, b, h, row0,
-                                                  col0, rl0, kend, lane);
-        break;
-    default:
-        mma_bwd_elems<kScoreGeneral, KeyRows, NT>(pd, ds, st, dpt, a, keep, ls, dl, b, h, row0,
-                                                  col0, rl0, kend, lane);
-    }
+    with_variant(var, [&](auto v) {
+        mma_bwd_elems<decltype(v)::value, KeyRows, NT>(pd, ds, st, dpt, a, keep, ls, dl, b, h, row0,
+                                                       col0, rl0, kend, lane);
+    });
 }
 
 /* Query tile (h, i0) of the dk / dv kernel into a stage: its Q and dO rows

@@ -163,6 +163,18 @@ NG_HD double ng_attn_rescale_f64(double m_old, double m_new) {
     return m_old == -INFINITY ? (m_new != m_new ? m_new : 0.0) : exp(m_old - m_new);
 }
 
+/* The same two in base 2, for scores carried times log2(e) (the CUDA
+ * tensor-core kernels): exp2(x2 - m2), 0 where m2 is -inf (nothing seen
+ * yet), and the old state's factor when the max moves from m2_old to
+ * m2_new. */
+NG_HD float ng_attn_exp2_shift_f32(float x2, float m2) {
+    return m2 == -INFINITY ? 0.0f : exp2f(x2 - m2);
+}
+
+NG_HD float ng_attn_rescale2_f32(float m2_old, float m2_new) {
+    return m2_old == -INFINITY ? (m2_new != m2_new ? m2_new : 0.0f) : exp2f(m2_old - m2_new);
+}
+
 /* logsumexp of a finished row: -inf when it is empty (l == 0). */
 NG_HD float ng_attn_lse_f32(float m, float l) {
     return l > 0.0f ? m + logf(l) : (l != l || m != m ? NAN : -INFINITY);
