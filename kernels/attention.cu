@@ -1324,7 +1324,9 @@ static __global__ void __launch_bounds__(kMmaThreads)
         ng_cp_async_commit();
         ng_cp_async_wait_group<1>(); /* Q landed; tile 0 may still be in flight */
     }
-    __syncthreads();
+    /* live: whether the tile about to be computed has a live key (tile 0's
+     * copies are issued before its vote, the others' after) */
+    bool live = __syncthreads_or(key_vote(a, b, h, 0, kend));
     uint32_t qf[D / 16][4]; /* the warp's 16 query rows as A fragments, for every key tile */
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++)
@@ -1337,16 +1339,20 @@ static __global__ void __launch_bounds__(kMmaThreads)
         /* tile j0 complete and visible to all; every warp done with the
          * other stage (tile j0 - 64, or Q on the first pass) */
         if constexpr (kAsyncCopy) ng_cp_async_wait_group<0>();
-        const bool live = __syncthreads_or(key_vote(a, b, h, j0, kend));
+        /* the block's vote on the next tile: copied only when it has a
+         * live key */
+        const int64_t jn = j0 + kMmaRows;
+        const bool live_next = __syncthreads_or(jn < kend && key_vote(a, b, h, jn, kend));
         const uint16_t *ks = smem + 2 * st * kTile, *vs = ks + kTile;
-        if (j0 + kMmaRows < kend) { /* tile j0 + 64 into the other stage, behind this one's math */
+        if (live_next) { /* tile jn into the other stage, behind this one's math */
             uint16_t *kn = smem + 2 * (st ^ 1) * kTile;
-            mma_stage_async<D>(kn, kb, a.k_stride[2], j0 + kMmaRows, kend - j0 - kMmaRows, vec);
-            mma_stage_async<D>(kn + kTile, vb, a.v_stride[2], j0 + kMmaRows, kend - j0 - kMmaRows,
-                               vec);
+            mma_stage_async<D>(kn, kb, a.k_stride[2], jn, kend - jn, vec);
+            mma_stage_async<D>(kn + kTile, vb, a.v_stride[2], jn, kend - jn, vec);
             if constexpr (kAsyncCopy) ng_cp_async_commit();
         }
-        if (!live) continue; /* every key of the tile masked: p = 0 for every row */
+        const bool dead = !live;
+        live = live_next;
+        if (dead) continue; /* every key of the tile masked: p = 0 for every row */
         float s[kMmaNT][4] = {};
         mma_qkt<T, D>(s, qf, ks, lane);
 
@@ -1608,14 +1614,18 @@ static __global__ void __launch_bounds__(kMmaThreads)
         mma_row_terms<T, D, WsD>(dl, ls, a, b, h, gb, ob, dsum, q0);
     }
     int st = 0;
+    /* live: whether key tile j0 has a live key, from the vote at the
+     * previous tile's barrier (tile 0, copied with Q and dO, is computed) */
+    bool live = true;
     for (int64_t j0 = 0; j0 < kend; j0 += kMmaRows, st ^= NStage - 1) {
         /* key tile j0 complete and visible to all; with two stages, every
-         * warp done with the other one (the previous tile) */
+         * warp done with the other one (the previous tile). The block's
+         * vote on the next tile: copied only when it has a live key. */
         if constexpr (kAsyncCopy) ng_cp_async_wait_group<0>(); /* this thread's K / V rows */
-        const bool live = __syncthreads_or(key_vote(a, b, h, j0, kend));
-        const uint16_t *ks = qs + (2 + 2 * st) * kTile, *vs = ks + kTile;
         const int64_t jn = j0 + kMmaRows;
-        if (NStage == 2 && jn < kend) { /* the next tile into the other stage, behind this math */
+        const bool live_next = __syncthreads_or(jn < kend && key_vote(a, b, h, jn, kend));
+        const uint16_t *ks = qs + (2 + 2 * st) * kTile, *vs = ks + kTile;
+        if (NStage == 2 && live_next) { /* the next tile into the other stage, behind this math */
             uint16_t *kn = qs + (2 + 2 * (st ^ 1)) * kTile;
             mma_stage_async<D>(kn, kb, a.k_stride[2], jn, kend - jn, vec);
             mma_stage_async<D>(kn + kTile, vb, a.v_stride[2], jn, kend - jn, vec);
@@ -1629,12 +1639,13 @@ static __global__ void __launch_bounds__(kMmaThreads)
             mma_scale_ds<T, D, kMmaNT>(ds, dq, ex);
             mma_wy<T, D, kMmaNT>(dq, ds, ks, lane);
         }
-        if (NStage == 1 && jn < kend) { /* every warp done with the one stage */
+        if (NStage == 1 && live_next) { /* every warp done with the one stage */
             __syncthreads();
             mma_stage_async<D>(qs + 2 * kTile, kb, a.k_stride[2], jn, kend - jn, vec);
             mma_stage_async<D>(qs + 3 * kTile, vb, a.v_stride[2], jn, kend - jn, vec);
             if constexpr (kAsyncCopy) ng_cp_async_commit();
         }
+        live = live_next;
     }
 
     const float qmul[2] = {ldexpf(1.0f, ex[0]), ldexpf(1.0f, ex[1])};

@@ -95,6 +95,10 @@ static const acase ATTN_CASES[] = {
      * tensor-core kernels skip those tiles' math */
     {"pad_tail_E64",            2, 2, 2,  129, 300, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  0, 0, 0,   0,   0,   1,   0, SP_PAD_TAIL, 42, 0},
     {"pad_tail_E128_causal_dropout", 1, 2, 1, 300, 300, 128, 128, LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_PAD, 0, 1, 0, 0, 0.2, 1,   0, SP_PAD_TAIL, 42, 0},
+    /* left padding over whole tiles (batch 0's keys below S - S / 8): the
+     * tensor-core kernels copy no dead tile, and the live one after them */
+    {"pad_head_E64",            2, 2, 2,  129, 300, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  0, 0, 0,   0,   0,   1,   0, SP_PAD_HEAD, 42, 0},
+    {"pad_head_E128_causal",    1, 2, 2,  300, 300, 128, 128, LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_PAD,  0, 1, 0,   0,   0,   1,   0, SP_PAD_HEAD, 42, 0},
     /* a padding mask per head: head 0 of batch 0 pads past S / 3, head 1,
      * which shares its keys (GQA), does not; the dk / dv kernel must keep
      * those tiles for head 1 */
