@@ -2,9 +2,11 @@
  * kernels/attention.cu - safe_sdpa on CUDA: tiled attention with an online
  * softmax, fp32 accumulation, the per-score math of attention_math.h.
  *
- * Two implementations of the same three kernels (forward, dk/dv, dq):
+ * Two implementations of the same three kernels (forward, dk/dv, dq) and
+ * of the decode forward (L <= 16 rows against S >= 32 keys, with its
+ * split-KV combine):
  * - tensor cores (mma.sync m16n8k16) for fp16 / bf16 with E == Ev in
- *   {64, 128} on sm_80+, described at their section below;
+ *   {64, 128} on sm_80+, described at their sections below;
  * - SIMT for everything else (fp32, other head dims up to 256, E != Ev).
  *
  * SIMT: one warp per query row (fwd, dq) or per key (dk/dv); each lane
@@ -40,6 +42,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <atomic>
@@ -293,7 +296,7 @@ static __global__ void __launch_bounds__(kThreads, NT > 4 ? 4 : 0)
  * Split-KV ("flash-decoding"): when the caller gives a workspace and there
  * are fewer than kDecWaves blocks per SM of the device, the keys are split
  * over blocks of at least kDecMinSplit keys (a power-of-two count of splits,
- * each a multiple of kBK keys). Each split leaves its (m, l) and
+ * each a multiple of the kernel's key tile). Each split leaves its (m, l) and
  * unnormalized output in the workspace and decode_combine merges them in
  * split order, one warp per row, as the CPU's split-KV combine does. The
  * split sizes depend on the shape and the device's SM count alone (the
@@ -317,13 +320,15 @@ struct dec_plan {
     int64_t groups;    /* row groups of kDecRows per (batch, kv head) */
     int64_t klen;      /* keys any row can see */
     int64_t nsplit;    /* key splits */
-    int64_t split_len; /* keys per split, a multiple of kBK */
+    int64_t split_len; /* keys per split, a multiple of the kernel's key tile */
 };
 
 __host__ __device__ inline int64_t dec_rows(const ng_attention_args &a) { return a.B * a.Hq * a.L; }
 
-/* sms: the device's SM count (0: unknown, kDecBlocks blocks targeted). */
-dec_plan plan_decode(const ng_attention_args *a, int can_split, int sms) {
+/* sms: the device's SM count (0: unknown, kDecBlocks blocks targeted);
+ * tile: the decode kernel's keys per tile (kBK, or kMmaRows for the
+ * tensor-core decode), which every split but the last fills. */
+dec_plan plan_decode(const ng_attention_args *a, int can_split, int sms, int64_t tile) {
     dec_plan p;
     p.groups = NG_CEIL_DIV((a->Hq / a->Hkv) * a->L, (int64_t)kDecRows);
     p.klen = a->is_causal ? NG_MIN(a->S, a->L) : a->S; /* causal: keys past the last query unseen */
@@ -331,7 +336,7 @@ dec_plan plan_decode(const ng_attention_args *a, int can_split, int sms) {
     const int64_t target = sms > 0 ? kDecWaves * sms : kDecBlocks;
     int64_t n = 1;
     while (can_split && blocks * n < target && p.klen / (n * 2) >= kDecMinSplit) n *= 2;
-    p.split_len = NG_MAX((int64_t)kBK, NG_CEIL_DIV(NG_CEIL_DIV(p.klen, n), (int64_t)kBK) * kBK);
+    p.split_len = NG_MAX(tile, NG_CEIL_DIV(NG_CEIL_DIV(p.klen, n), tile) * tile);
     p.nsplit = NG_MAX((int64_t)1, NG_CEIL_DIV(p.klen, p.split_len));
     return p;
 }
@@ -1294,6 +1299,55 @@ fwd_scores(float s[kMmaNT][4], float bm[2], const ng_attention_args &a, int64_t 
         }
 }
 
+/* Keys [j0, j0 + 64) of K and V (those below end; zeros past it) into a
+ * stage's K tile and the V tile after it, issued as one committed cp.async
+ * group (mma_stage_async). */
+template <int D>
+__device__ __forceinline__ void mma_issue_kv(uint16_t *stage, const uint16_t *kb,
+                                             const uint16_t *vb, const ng_attention_args &a,
+                                             int64_t j0, int64_t end, int vec) {
+    mma_stage_async<D>(stage, kb, a.k_stride[2], j0, end - j0, vec);
+    mma_stage_async<D>(stage + kMmaRows * (D + 8), vb, a.v_stride[2], j0, end - j0, vec);
+    if constexpr (kAsyncCopy) ng_cp_async_commit();
+}
+
+/* One step of the online softmax of a warp's 16 rows in base 2 over a
+ * tile's NT n-tiles: s holds the scores times log2(e) and bm[r] the max of
+ * the lane's part of row r (0: g, 1: g + 8). The row max is taken over the
+ * 4 lanes of the group; m, l and the accumulator o move to it, and s
+ * becomes p times its dropout keep bit (keep, bit 4 nt + c; unused without
+ * drop). Only the bit: p / (1 - p_drop) can exceed fp16's range once
+ * rounded for the tensor cores, so the factor is the caller's, on the fp32
+ * output. */
+template <int D, int NT>
+__device__ __forceinline__ void mma_softmax_step(float s[NT][4], float bm[2], float m[2],
+                                                 float l[2], float o[D / 8][4], bool drop,
+                                                 uint32_t keep) {
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        bm[r] = ng_attn_max_nan_f32(bm[r], __shfl_xor_sync(kFull, bm[r], 1));
+        bm[r] = ng_attn_max_nan_f32(bm[r], __shfl_xor_sync(kFull, bm[r], 2));
+        const float m_new = ng_attn_max_nan_f32(m[r], bm[r]);
+        alpha[r] = ng_attn_rescale2_f32(m[r], m_new);
+        m[r] = m_new;
+        l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int r = c >> 1;
+            const float p = ng_attn_exp2_shift_f32(s[nt][c], m[r]);
+            l[r] += p;
+            s[nt][c] = drop ? p * keep_factor(keep, nt, c, 1.0f) : p;
+        }
+#pragma unroll
+    for (int dt = 0; dt < D / 8; dt++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) o[dt][c] *= alpha[c >> 1];
+}
+
 template <ng_dtype T, int D>
 static __global__ void __launch_bounds__(kMmaThreads)
     attention_fwd_mma_kernel(ng_attention_args a, int vec) {
@@ -1345,10 +1399,7 @@ static __global__ void __launch_bounds__(kMmaThreads)
         const bool live_next = __syncthreads_or(jn < kend && key_vote(a, b, h, jn, kend));
         const uint16_t *ks = smem + 2 * st * kTile, *vs = ks + kTile;
         if (live_next) { /* tile jn into the other stage, behind this one's math */
-            uint16_t *kn = smem + 2 * (st ^ 1) * kTile;
-            mma_stage_async<D>(kn, kb, a.k_stride[2], jn, kend - jn, vec);
-            mma_stage_async<D>(kn + kTile, vb, a.v_stride[2], jn, kend - jn, vec);
-            if constexpr (kAsyncCopy) ng_cp_async_commit();
+            mma_issue_kv<D>(smem + 2 * (st ^ 1) * kTile, kb, vb, a, jn, kend, vec);
         }
         const bool dead = !live;
         live = live_next;
@@ -1362,32 +1413,7 @@ static __global__ void __launch_bounds__(kMmaThreads)
         });
         const uint32_t keep =
             drop ? mma_keep_bits(a, b, h, q0 + warp * 16, j0, 0, kMmaNT, lane) : 0u;
-        float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            bm[r] = ng_attn_max_nan_f32(bm[r], __shfl_xor_sync(kFull, bm[r], 1));
-            bm[r] = ng_attn_max_nan_f32(bm[r], __shfl_xor_sync(kFull, bm[r], 2));
-            const float m_new = ng_attn_max_nan_f32(m[r], bm[r]);
-            alpha[r] = ng_attn_rescale2_f32(m[r], m_new);
-            m[r] = m_new;
-            l[r] *= alpha[r];
-        }
-#pragma unroll
-        for (int nt = 0; nt < kMmaNT; nt++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                const int r = c >> 1;
-                const float p = ng_attn_exp2_shift_f32(s[nt][c], m[r]);
-                l[r] += p;
-                /* only the keep bit here: p * 1/(1-p_drop) can exceed fp16's
-                 * range once rounded for the tensor cores; the factor is
-                 * applied to the fp32 output below */
-                s[nt][c] = drop ? p * keep_factor(keep, nt, c, 1.0f) : p;
-            }
-#pragma unroll
-        for (int dt = 0; dt < D / 8; dt++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) o[dt][c] *= alpha[c >> 1];
+        mma_softmax_step<D, kMmaNT>(s, bm, m, l, o, drop, keep);
         mma_wy<T, D, kMmaNT>(o, s, vs, lane);
     }
 
@@ -1403,6 +1429,217 @@ static __global__ void __launch_bounds__(kMmaThreads)
     }
     mma_store_rows<T, D>(a.out, b * a.out_stride[0] + h * a.out_stride[1], a.out_stride[2],
                          q0 + warp * 16, a.L, o, inv, lane);
+}
+
+/* ---- decode on the tensor cores ---------------------------------------------
+ * The decode shape in fp16 / bf16 with E == Ev in {64, 128} on sm_80+
+ * (dec_mma): the SIMT decode's rows and splits (a block takes kDecRows = 16
+ * rows of (b, hk)'s group, row r = query r % L of head hk G + r / L, and one
+ * split of the keys) with the tensor-core forward's math. The split's keys
+ * stream through two stages of 64-key (K, V) tiles as in the forward:
+ * 16-byte cp.async.cg, the next tile issued right after the barrier that
+ * opens the current one, and with a padding mask that every row of the
+ * block shares, a tile without a live key neither copied nor computed.
+ *
+ * Warp w takes keys 16 w .. 16 w + 15 of every tile: S = Q K^T (two
+ * n-tiles; the block's 16 rows as A fragments held in registers, zeros past
+ * the group), its own online softmax, O_w += P V (one k-step, P rounded to
+ * T as in the forward). Every warp sees all 16 rows and a quarter of the
+ * keys, so a single query row (MHA) keeps the four warps busy, and a kv
+ * head's K / V bytes serve up to 16 rows of its group through the tensor
+ * cores where the SIMT decode spends an FMA per row and element. The four
+ * warps' (m, l, O) merge through shared memory in warp order at the end;
+ * the block then writes out and lse, or (with splits) its (m, l) and
+ * unnormalized O for decode_combine, as the SIMT decode does. */
+
+/* Whether every row of a decode block reads one mask row: a padding mask
+ * ([B, 1, 1, S], or [B, Hq, 1, S] when the rows are all of one head) is
+ * then one vote per key (key_vote), and a tile it hides is skipped. */
+__device__ __forceinline__ bool dec_shared_mask(const ng_attention_args &a, int64_t G) {
+    return a.mask_kind != NG_MASK_NONE && a.mask_stride[2] == 0 &&
+           (a.mask_stride[1] == 0 || G == 1);
+}
+
+template <ng_dtype T, int D>
+static __global__ void __launch_bounds__(kMmaThreads)
+    attention_decode_mma_kernel(ng_attention_args a, dec_plan p, float *ws, int vec) {
+    constexpr int kLd = D + 8, kTile = kMmaRows * kLd;
+    static_assert(kDecRows == 16 && kMmaWarps * 16 == kMmaRows, "one m16 tile, 16 keys a warp");
+    NG_DYNAMIC_SMEM(uint4, mma_smem);
+    uint16_t *const smem = (uint16_t *)mma_smem;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const block_coord bc = block_coords(p.nsplit * p.groups, a.Hkv);
+    const int64_t b = bc.b, hk = bc.h, split = bc.blk % p.nsplit, r0 = bc.blk / p.nsplit * kDecRows;
+    const int64_t G = a.Hq / a.Hkv, M = G * a.L;
+    const float scale = (float)a.scale, scale2 = scale * kLog2e;
+    const bool drop = a.dropout_p > 0.0;
+    const float inv_keep = drop ? (float)(1.0 / (1.0 - a.dropout_p)) : 1.0f;
+    const bool plain = a.mask_kind == NG_MASK_NONE && !a.is_causal &&
+                       !((float)a.max_score > 0.0f) &&
+                       !((float)a.softcap > 0.0f); /* s = raw * scale: guarded_score's identity */
+    const bool vote = dec_shared_mask(a, G);
+    const uint16_t *kb = (const uint16_t *)a.k + b * a.k_stride[0] + hk * a.k_stride[1];
+    const uint16_t *vb = (const uint16_t *)a.v + b * a.v_stride[0] + hk * a.v_stride[1];
+    const int64_t jb = split * p.split_len, je = NG_MIN(p.klen, jb + p.split_len);
+
+    /* group 0: the block's Q rows (zeros past M) in stage 1's K tile */
+    uint16_t *const qs = smem + 2 * kTile;
+    for (int x = threadIdx.x; x < kDecRows * (D / 8); x += kMmaThreads) {
+        const int rr = x / (D / 8), c = (x % (D / 8)) * 8;
+        const int64_t r = r0 + rr;
+        uint16_t *dst = qs + rr * kLd + c;
+        if (r >= M) {
+            *(uint4 *)dst = make_uint4(0u, 0u, 0u, 0u);
+            continue;
+        }
+        const uint16_t *src = (const uint16_t *)a.q + b * a.q_stride[0] +
+                              (hk * G + r / a.L) * a.q_stride[1] + (r % a.L) * a.q_stride[2] + c;
+        if (kAsyncCopy && vec)
+            ng_cp_async_cg16(dst, src);
+        else if (vec)
+            *(uint4 *)dst = *(const uint4 *)src;
+        else
+            *(uint4 *)dst = make_uint4(ng_mma_ld2(src), ng_mma_ld2(src + 2), ng_mma_ld2(src + 4),
+                                       ng_mma_ld2(src + 6));
+    }
+    if constexpr (kAsyncCopy) ng_cp_async_commit();
+    /* group 1: the split's first tile */
+    if (jb < je) {
+        mma_stage_async<D>(smem, kb, a.k_stride[2], jb, je - jb, vec);
+        mma_stage_async<D>(smem + kTile, vb, a.v_stride[2], jb, je - jb, vec);
+    }
+    if constexpr (kAsyncCopy) {
+        ng_cp_async_commit();
+        ng_cp_async_wait_group<1>(); /* Q landed; tile jb may still be in flight */
+    }
+    /* live: whether the tile about to be computed has a live key */
+    bool live = __syncthreads_or(jb < je && (!vote || key_vote(a, b, hk * G, jb, je)));
+    uint32_t qf[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) ng_mma_ldm_a(qf[kk], qs, kLd, 0, kk * 16, lane);
+
+    /* the lane's two rows (g, g + 8): valid, head, query position */
+    bool rok[2];
+    int64_t rh[2], ri[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int64_t row = r0 + (lane >> 2) + 8 * r;
+        rok[r] = row < M;
+        rh[r] = hk * G + (rok[r] ? row / a.L : 0);
+        ri[r] = rok[r] ? row % a.L : 0;
+    }
+
+    /* m: each row's running max over the warp's keys, times log2(e) */
+    float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    int st = 0;
+    for (int64_t j0 = jb; j0 < je; j0 += kMmaRows, st ^= 1) {
+        /* tile j0 complete and visible to all; every warp done with the
+         * other stage (tile j0 - 64, or Q on the first pass) */
+        if constexpr (kAsyncCopy) ng_cp_async_wait_group<0>();
+        const int64_t jn = j0 + kMmaRows;
+        const bool live_next =
+            __syncthreads_or(jn < je && (!vote || key_vote(a, b, hk * G, jn, je)));
+        const uint16_t *ks = smem + 2 * st * kTile + warp * 16 * kLd, *vs = ks + kTile;
+        if (live_next) { /* tile jn into the other stage, behind this one's math */
+            mma_issue_kv<D>(smem + 2 * (st ^ 1) * kTile, kb, vb, a, jn, je, vec);
+        }
+        const bool dead = !live;
+        live = live_next;
+        if (dead) continue; /* every key of the tile masked: p = 0 for every row */
+
+        float s[2][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) mma_xyt_step<T, D, 2>(s, qf[kk], ks, kk * 16, lane);
+        const int64_t jw = j0 + warp * 16; /* the warp's first key */
+        float bm[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int r = c >> 1;
+                const int64_t j = jw + frag_col(lane, nt, c);
+                float x = -INFINITY;
+                if (rok[r] && j < je)
+                    x = plain ? s[nt][c] * scale2
+                              : guarded_score(a, s[nt][c] * scale, b, rh[r], ri[r], j) * kLog2e;
+                s[nt][c] = x;
+                bm[r] = ng_attn_max_nan_f32(bm[r], x);
+            }
+        uint32_t keep = 0u; /* dropout keep bit of element 4 nt + c */
+        if (drop) {
+#pragma unroll 1
+            for (int x = 0; x < 8; x++) {
+                const bool hi = (x & 3) >> 1; /* row g + 8 (selects, not an index:
+                                                   the arrays stay in registers) */
+                const int64_t j = jw + frag_col(lane, x >> 2, x & 3);
+                if ((hi ? rok[1] : rok[0]) && j < je) {
+                    const int64_t h = hi ? rh[1] : rh[0], i = hi ? ri[1] : ri[0];
+                    const uint64_t e = (uint64_t)(((b * a.Hq + h) * a.L + i) * a.S + j);
+                    keep |= (uint32_t)ng_attn_dropout_keep(a.seed, a.offset, e, (float)a.dropout_p)
+                            << x;
+                }
+            }
+        }
+        mma_softmax_step<D, 2>(s, bm, m, l, o, drop, keep);
+        mma_wy<T, D, 2>(o, s, vs, lane);
+    }
+
+    /* merge the warps: (m, l) of each warp's 16 rows, then its O scaled to
+     * the block's max, in the stages' shared memory */
+    if constexpr (kAsyncCopy) ng_cp_async_wait_group<0>();
+    __syncthreads(); /* every warp done with the stages */
+    float *const mw = (float *)mma_smem, *const lw = mw + kMmaWarps * 16;
+    float *const ow = lw + kMmaWarps * 16; /* [warp][16][D] */
+#pragma unroll
+    for (int r = 0; r < 2; r++) { /* the 4 lanes of a group hold disjoint parts of the row sum */
+        l[r] += __shfl_xor_sync(kFull, l[r], 1);
+        l[r] += __shfl_xor_sync(kFull, l[r], 2);
+        if ((lane & 3) == 0) {
+            mw[warp * 16 + (lane >> 2) + 8 * r] = m[r];
+            lw[warp * 16 + (lane >> 2) + 8 * r] = l[r];
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = (lane >> 2) + 8 * r;
+        float mx = -INFINITY;
+        for (int w = 0; w < kMmaWarps; w++) mx = ng_attn_max_nan_f32(mx, mw[w * 16 + row]);
+        const float f = ng_attn_rescale2_f32(m[r], mx);
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt++)
+#pragma unroll
+            for (int c = 2 * r; c < 2 * r + 2; c++)
+                ow[(warp * 16 + row) * D + frag_col(lane, dt, c)] = o[dt][c] * f;
+    }
+    __syncthreads();
+    const int64_t rows = dec_rows(a);
+    for (int x = threadIdx.x; x < kDecRows * D; x += kMmaThreads) {
+        const int rr = x / D, d = x % D;
+        const int64_t r = r0 + rr;
+        if (r >= M) break; /* rows past M come last */
+        float mx = -INFINITY, lsum = 0.0f, acc = 0.0f;
+        for (int w = 0; w < kMmaWarps; w++) mx = ng_attn_max_nan_f32(mx, mw[w * 16 + rr]);
+        for (int w = 0; w < kMmaWarps; w++) {
+            lsum += lw[w * 16 + rr] * ng_attn_rescale2_f32(mw[w * 16 + rr], mx);
+            acc += ow[(w * 16 + rr) * D + d];
+        }
+        acc *= inv_keep;
+        const int64_t h = hk * G + r / a.L, i = r % a.L, row = (b * a.Hq + h) * a.L + i;
+        const float m_nat = mx * kLn2; /* natural units, as lse and the SIMT decode's m */
+        if (p.nsplit == 1) {
+            ng_store_f32(a.out, T,
+                         b * a.out_stride[0] + h * a.out_stride[1] + i * a.out_stride[2] + d,
+                         acc * ng_attn_inv_sum_f32(lsum));
+            if (d == 0) ((float *)a.lse)[row] = ng_attn_lse_f32(m_nat, lsum);
+        } else {
+            ws[2 * p.nsplit * rows + (split * rows + row) * D + d] = acc;
+            if (d == 0) {
+                ws[2 * (split * rows + row)] = m_nat;
+                ws[2 * (split * rows + row) + 1] = lsum;
+            }
+        }
+    }
 }
 
 /* The elementwise part of mma_bwd_scores for a tile of variant V, from the
@@ -1863,13 +2100,24 @@ ng_status launch_decode_kernel(const ng_attention_args *a, cudaStream_t st, cons
     return cuda_check();
 }
 
+/* The combine of a split decode (p.nsplit > 1). */
+template <ng_dtype T, int NT>
+ng_status launch_decode_combine(const ng_attention_args *a, cudaStream_t st, const dec_plan &p,
+                                const float *ws) {
+    const int64_t nb = NG_CEIL_DIV(dec_rows(*a), (int64_t)kDecWarps);
+    if (nb > 2147483647LL) return NG_ERR_UNSUPPORTED; /* gridDim.x */
+    NG_LAUNCH((attention_decode_combine_kernel<T, NT>), dim3((unsigned)nb), kDecThreads, 0, st, *a,
+              p.nsplit, ws);
+    return cuda_check();
+}
+
 /* The decode kernel, then (with splits) the combine; ws may be NULL (no
  * splits). Two (K, V) stages where the device's shared memory per block
  * takes them, one buffer otherwise; cp.async (vec) on sm_80+ where every K
  * and V row starts on 16 bytes and 16 bytes divide both head dims. */
 template <ng_dtype T, int NT>
 ng_status launch_decode(const ng_attention_args *a, cudaStream_t st, float *ws) {
-    const dec_plan p = plan_decode(a, ws != nullptr, device_sms());
+    const dec_plan p = plan_decode(a, ws != nullptr, device_sms(), kBK);
     const int64_t el = (int64_t)ng_dtype_size(T), w = dec_w(T);
     const int vec = device_major() >= 8 && a->E % w == 0 && a->Ev % w == 0 &&
                     rows_aligned(a->k, a->k_stride, el) && rows_aligned(a->v, a->v_stride, el);
@@ -1878,17 +2126,22 @@ ng_status launch_decode(const ng_attention_args *a, cudaStream_t st, float *ws) 
         NG_TRY((launch_decode_kernel<T, NT, true>(a, st, p, ws, vec)));
     else
         NG_TRY((launch_decode_kernel<T, NT, false>(a, st, p, ws, vec)));
-    if (p.nsplit == 1) return NG_OK;
-    const int64_t nb = NG_CEIL_DIV(dec_rows(*a), (int64_t)kDecWarps);
-    if (nb > 2147483647LL) return NG_ERR_UNSUPPORTED; /* gridDim.x */
-    NG_LAUNCH((attention_decode_combine_kernel<T, NT>), dim3((unsigned)nb), kDecThreads, 0, st, *a,
-              p.nsplit, (const float *)ws);
-    return cuda_check();
+    return p.nsplit == 1 ? NG_OK : launch_decode_combine<T, NT>(a, st, p, ws);
 }
 
 /* A forward the decode kernel takes. */
 int decode_shape(const ng_attention_args *a) {
     return a->L >= 1 && a->L <= NG_ATTN_DEC_MAX_L && a->S >= NG_ATTN_DEC_MIN_S;
+}
+
+/* NANGUARD_CUDA_DECODE=simt: the SIMT decode even where the tensor-core one
+ * applies (to compare the two), read once. */
+int decode_simt_forced() {
+    static const int forced = [] {
+        const char *v = getenv("NANGUARD_CUDA_DECODE");
+        return v != nullptr && strcmp(v, "simt") == 0;
+    }();
+    return forced;
 }
 
 /* A [B, heads, seq, D] operand whose every row starts on 16 bytes. */
@@ -1904,6 +2157,27 @@ int mma_eligible(const ng_attention_args *a) {
     return device_major() >= 8;
 }
 
+/* The decode shapes the tensor-core decode takes: those of the tensor-core
+ * kernels, unless NANGUARD_CUDA_DECODE=simt. */
+int dec_mma(const ng_attention_args *a) { return mma_eligible(a) && !decode_simt_forced(); }
+
+/* The tensor-core decode (two 64-key (K, V) stages, the forward's shared
+ * memory), then (with splits) the combine. */
+template <ng_dtype T, int D>
+ng_status launch_decode_mma(const ng_attention_args *a, cudaStream_t st, float *ws) {
+    static std::atomic<int> allowed[kMaxDevices];
+    const dec_plan p = plan_decode(a, ws != nullptr, device_sms(), kMmaRows);
+    const int vec = rows_aligned16(a->q, a->q_stride) && rows_aligned16(a->k, a->k_stride) &&
+                    rows_aligned16(a->v, a->v_stride);
+    const size_t sm = 4 * sizeof(uint16_t) * (size_t)(kMmaRows * (D + 8));
+    dim3 grid;
+    NG_TRY(fold_grid(p.nsplit * p.groups, a->Hkv, a->B, &grid));
+    NG_TRY(allow_smem(attention_decode_mma_kernel<T, D>, sm, allowed));
+    NG_LAUNCH((attention_decode_mma_kernel<T, D>), grid, kMmaThreads, sm, st, *a, p, ws, vec);
+    NG_TRY(cuda_check());
+    return p.nsplit == 1 ? NG_OK : launch_decode_combine<T, D / 32>(a, st, p, ws);
+}
+
 /* Dispatch on NT = ceil(max(E, Ev) / 32) rounded up to 1, 2, 4, 8. ws: the
  * forward's split-KV workspace, or the backward's D (the pre-kernel runs
  * first); NULL without one. */
@@ -1911,6 +2185,10 @@ template <ng_dtype T>
 ng_status dispatch_nt(const ng_attention_args *a, cudaStream_t st, int backward, float *ws) {
     if (backward && ws) NG_TRY(launch_bwd_dot<T>(a, st, ws));
     if (!backward && decode_shape(a)) {
+        if constexpr (T != NG_F32)
+            if (dec_mma(a))
+                return a->E == 64 ? launch_decode_mma<T, 64>(a, st, ws)
+                                  : launch_decode_mma<T, 128>(a, st, ws);
         if (a->Ev <= 32) return launch_decode<T, 1>(a, st, ws);
         if (a->Ev <= 64) return launch_decode<T, 2>(a, st, ws);
         if (a->Ev <= 128) return launch_decode<T, 4>(a, st, ws);
@@ -1939,7 +2217,7 @@ ng_status dispatch_nt(const ng_attention_args *a, cudaStream_t st, int backward,
 int64_t fwd_workspace_bytes(const ng_attention_args *a) {
     if (a->dtype == NG_F64 || a->B <= 0 || a->Hkv <= 0 || a->Hq % a->Hkv || !decode_shape(a))
         return 0;
-    const dec_plan p = plan_decode(a, 1, device_sms());
+    const dec_plan p = plan_decode(a, 1, device_sms(), dec_mma(a) ? kMmaRows : kBK);
     return p.nsplit > 1 ? (int64_t)sizeof(float) * p.nsplit * dec_rows(*a) * (a->Ev + 2) : 0;
 }
 

@@ -9,7 +9,8 @@
 # kernels (fused-if-allowed; docs/attention.md, "Delegation"), then the
 # attention benchmarks against PyTorch: training shapes against its flash
 # backend with delegation off and on (safe_sdpa's default, auto), and
-# decode steps (the split-KV decode kernel) with their KV-read bandwidth.
+# decode steps with their KV-read bandwidth, through the SIMT decode kernel
+# (NANGUARD_CUDA_DECODE=simt) and through the tensor-core one (bf16).
 #
 #   bash scripts/gpu_check.sh             # everything, about 10 minutes on 16 cores
 #   bash scripts/gpu_check.sh --no-bench  # tests only
@@ -17,7 +18,8 @@
 # Needs the test extras (pip install --no-build-isolation ".[test]").
 # Results: stdout, bench/results/attention_cuda_flash_nanguard.{json,md}
 # (delegation off), bench/results/attention_cuda_flash.{json,md} (auto: the
-# fused kernel where allowed) and bench/results/attention_cuda_decode.{json,md}.
+# fused kernel where allowed), bench/results/attention_cuda_decode.{json,md}
+# and bench/results/attention_cuda_decode_simt.{json,md}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -47,6 +49,10 @@ if [[ "${1:-}" != --no-bench && $status -eq 0 ]]; then
     NANGUARD_SDPA_BACKEND=nanguard "$PY" bench/bench_attention.py --flash
     for ext in json md; do mv "$results/attention_cuda_flash.$ext" "$results/attention_cuda_flash_nanguard.$ext"; done
     NANGUARD_SDPA_BACKEND=auto "$PY" bench/bench_attention.py --flash
+    # decode: the SIMT kernel first (NANGUARD_CUDA_DECODE=simt), kept as
+    # attention_cuda_decode_simt, then the tensor-core one where it applies
+    NANGUARD_CUDA_DECODE=simt NANGUARD_SDPA_BACKEND=nanguard "$PY" bench/bench_attention.py --device cuda --decode
+    for ext in json md; do mv "$results/attention_cuda_decode.$ext" "$results/attention_cuda_decode_simt.$ext"; done
     NANGUARD_SDPA_BACKEND=nanguard "$PY" bench/bench_attention.py --device cuda --decode
 fi
 exit $status

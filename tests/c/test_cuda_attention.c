@@ -11,8 +11,9 @@
  * rows; clamp and soft-cap; dropout with fixed seed / offset (also above
  * 2^32); [B,S,H,D] strides, padded rows and a base off 16 bytes (the tensor
  * cores' unaligned staging); scores beyond fp16's range; a NaN in q; L or
- * S = 0; decode shapes (L <= 16, S >= 32) with and without the split-KV
- * workspace; every backward with D from the pre-kernel's workspace, a third
+ * S = 0; decode shapes (L <= 16, S >= 32: the tensor-core decode for fp16 /
+ * bf16 at head dims 64 and 128, the SIMT one otherwise) with and without
+ * the split-KV workspace; every backward with D from the pre-kernel's workspace, a third
  * of them also without one (D in the kernels); fp64, Hq % Hkv != 0 and a
  * short or misaligned workspace must be refused.
  *
@@ -144,6 +145,13 @@ static const acase ATTN_CASES[] = {
     /* B * Hq * L = 3 rows, not a multiple of the combine's 4 rows (warps) a
      * block: its last block has a warp past the last row */
     {"decode_L1_H3_splits",     1, 3, 3,  1,  2048, 64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42, 0},
+    /* the tensor-core decode (fp16 / bf16, E = Ev in {64, 128}): causal
+     * rows of a GQA group; a per-head padding mask that the heads of a
+     * group do not share (no tile skipped), and one that a block's rows all
+     * share (MHA: left-padded tiles skipped) */
+    {"decode_L4_causal_E64_gqa", 1, 8, 2, 4,   300, 64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 1, 0,   0,   0,   1,   0, SP_NONE, 42, 0},
+    {"decode_L1_pad_h_gqa_E128", 2, 8, 2, 1,   900, 128, 128, LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD_H, 0, 0, 0,  0,   0,   1,   0, SP_PAD_TAIL, 42, 0},
+    {"decode_L2_pad_h_mha_left", 2, 4, 4, 2,   700, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD_H, 0, 0, 0,  0,   0,   1,   0, SP_PAD_HEAD, 42, 0},
     /* more heads than gridDim.y / z allow (65535) */
     {"heads_65537",             1, 65537, 65537, 1, 3,   64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42, 0},
     {"empty_S",                 1, 2, 2,  5,   0,   64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42, 0},

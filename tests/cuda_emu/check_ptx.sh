@@ -4,8 +4,9 @@
 # errors, and fails unless every ldmatrix / cp.async form kernels/cuda_ptx.h
 # wraps is in the output. With ATTENTION_CU (kernels/attention.cu), also
 # compiles it to PTX for sm_80, splits the PTX into its .entry blocks and
-# fails unless every tensor-core kernel's own block (forward, dk / dv, dq, in
-# every instantiation) holds the ldmatrix and cp.async forms its pipeline uses,
+# fails unless every tensor-core kernel's own block (forward, dk / dv, dq,
+# decode, in every instantiation) holds mma.sync and the ldmatrix and cp.async
+# forms its pipeline uses,
 # and every decode kernel's block holds cp.async.cg (its pipelined
 # instantiations also commit_group and wait_group 0).
 nvcc=$1 src=$2 inc=$3 attn=$4
@@ -41,7 +42,7 @@ per_entry() {
     awk -v want="$1" '
         /^[.a-z ]*\.(entry|func)[ \t]/ {
             cur = ""
-            if ($0 ~ /\.entry[ \t]/ && $0 ~ /attention_((fwd|bwd_dkdv|bwd_dq)_mma|decode)_kernel/) {
+            if ($0 ~ /\.entry[ \t]/ && $0 ~ /attention_((fwd|bwd_dkdv|bwd_dq|decode)_mma|decode)_kernel/) {
                 cur = $0
                 sub(/^.*\.entry[ \t]+/, "", cur)
                 sub(/\(.*$/, "", cur)
@@ -69,9 +70,11 @@ check_entries() {
         status=1
     fi
 }
-for kernel in attention_fwd_mma_kernel attention_bwd_dkdv_mma_kernel attention_bwd_dq_mma_kernel; do
-    for insn in 'ldmatrix.sync.aligned.m8n8.x4.shared.b16' 'ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16' \
-        'cp.async.cg.shared.global' 'cp.async.commit_group' 'cp.async.wait_group 0'; do
+for kernel in attention_fwd_mma_kernel attention_bwd_dkdv_mma_kernel attention_bwd_dq_mma_kernel \
+    attention_decode_mma_kernel; do
+    for insn in 'mma.sync.aligned.m16n8k16.row.col.f32' 'ldmatrix.sync.aligned.m8n8.x4.shared.b16' \
+        'ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16' 'cp.async.cg.shared.global' \
+        'cp.async.commit_group' 'cp.async.wait_group 0'; do
         check_entries "$insn" "$kernel" '.'
     done
 done
