@@ -107,7 +107,7 @@ SPECS = [
     Spec("jetmoe", "JetMoE", config=_MOE),
     Spec("gpt_oss", "GPT-OSS", config=_MOE, attention_untouched="s_aux"),
     Spec("bloom", "BLOOM", attention_untouched="AttentionInterface"),
-    Spec("falcon", "Falcon", attention_untouched="AttentionInterface"),
+    Spec("falcon", "Falcon"),
     Spec("bert", "BERT", causal=False),
     Spec("roberta", "RoBERTa", causal=False),
     Spec("xlm-roberta", "XLM-RoBERTa", causal=False),
