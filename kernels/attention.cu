@@ -1150,15 +1150,19 @@ __device__ __forceinline__ float keep_factor(uint32_t bits, int nt, int c, float
  * and the mask adds the same float (or masks the same keys). */
 enum score_variant { kScorePlain, kScoreKeyMask, kScoreGeneral };
 
+/* Whether a score clamp or soft-cap is on ("on" as in attention_math.h):
+ * otherwise a score is raw * scale, guarded_score's identity. */
+__device__ __forceinline__ bool score_guards_on(const ng_attention_args &a) {
+    return (float)a.max_score > 0.0f || (float)a.softcap > 0.0f;
+}
+
 /* The variant of the tile of query rows [i0, i0 + 64) and keys [j0, j0 + 64),
  * keys valid below kend. */
 __device__ __forceinline__ score_variant tile_variant(const ng_attention_args &a, int64_t i0,
                                                       int64_t j0, int64_t kend) {
     const bool interior =
         i0 + kMmaRows <= a.L && j0 + kMmaRows <= kend && (!a.is_causal || j0 + kMmaRows - 1 <= i0);
-    const bool guards =
-        (float)a.max_score > 0.0f || (float)a.softcap > 0.0f; /* as "on" in math.h */
-    if (!interior || guards) return kScoreGeneral;
+    if (!interior || score_guards_on(a)) return kScoreGeneral;
     if (a.mask_kind == NG_MASK_NONE) return kScorePlain;
     return a.mask_stride[2] == 0 ? kScoreKeyMask : kScoreGeneral;
 }
@@ -1474,9 +1478,7 @@ static __global__ void __launch_bounds__(kMmaThreads)
     const float scale = (float)a.scale, scale2 = scale * kLog2e;
     const bool drop = a.dropout_p > 0.0;
     const float inv_keep = drop ? (float)(1.0 / (1.0 - a.dropout_p)) : 1.0f;
-    const bool plain = a.mask_kind == NG_MASK_NONE && !a.is_causal &&
-                       !((float)a.max_score > 0.0f) &&
-                       !((float)a.softcap > 0.0f); /* s = raw * scale: guarded_score's identity */
+    const bool plain = a.mask_kind == NG_MASK_NONE && !a.is_causal && !score_guards_on(a);
     const bool vote = dec_shared_mask(a, G);
     const uint16_t *kb = (const uint16_t *)a.k + b * a.k_stride[0] + hk * a.k_stride[1];
     const uint16_t *vb = (const uint16_t *)a.v + b * a.v_stride[0] + hk * a.v_stride[1];
@@ -1503,15 +1505,13 @@ static __global__ void __launch_bounds__(kMmaThreads)
                                        ng_mma_ld2(src + 6));
     }
     if constexpr (kAsyncCopy) ng_cp_async_commit();
-    /* group 1: the split's first tile */
-    if (jb < je) {
-        mma_stage_async<D>(smem, kb, a.k_stride[2], jb, je - jb, vec);
-        mma_stage_async<D>(smem + kTile, vb, a.v_stride[2], jb, je - jb, vec);
-    }
-    if constexpr (kAsyncCopy) {
+    /* group 1: the split's first tile, or an empty group when the split has
+     * no keys (the wait counts groups) */
+    if (jb < je)
+        mma_issue_kv<D>(smem, kb, vb, a, jb, je, vec);
+    else if constexpr (kAsyncCopy)
         ng_cp_async_commit();
-        ng_cp_async_wait_group<1>(); /* Q landed; tile jb may still be in flight */
-    }
+    if constexpr (kAsyncCopy) ng_cp_async_wait_group<1>(); /* Q landed; tile jb may be in flight */
     /* live: whether the tile about to be computed has a live key */
     bool live = __syncthreads_or(jb < je && (!vote || key_vote(a, b, hk * G, jb, je)));
     uint32_t qf[D / 16][4];
@@ -1589,7 +1589,11 @@ static __global__ void __launch_bounds__(kMmaThreads)
     if constexpr (kAsyncCopy) ng_cp_async_wait_group<0>();
     __syncthreads(); /* every warp done with the stages */
     float *const mw = (float *)mma_smem, *const lw = mw + kMmaWarps * 16;
-    float *const ow = lw + kMmaWarps * 16; /* [warp][16][D] */
+    /* ow: [warp][16][D]; fm, fl: each row's max and rescaled sum */
+    float *const ow = lw + kMmaWarps * 16, *const fm = ow + kMmaWarps * 16 * D, *const fl = fm + 16;
+    static_assert((2 * kMmaWarps * 16 + kMmaWarps * 16 * D + 2 * 16) * sizeof(float) <=
+                      4 * kTile * sizeof(uint16_t),
+                  "the merge fits in the stages");
 #pragma unroll
     for (int r = 0; r < 2; r++) { /* the 4 lanes of a group hold disjoint parts of the row sum */
         l[r] += __shfl_xor_sync(kFull, l[r], 1);
@@ -1606,6 +1610,13 @@ static __global__ void __launch_bounds__(kMmaThreads)
         float mx = -INFINITY;
         for (int w = 0; w < kMmaWarps; w++) mx = ng_attn_max_nan_f32(mx, mw[w * 16 + row]);
         const float f = ng_attn_rescale2_f32(m[r], mx);
+        if (warp == 0 && (lane & 3) == 0) { /* the row's max and its rescaled sum, once */
+            float lsum = 0.0f;
+            for (int w = 0; w < kMmaWarps; w++)
+                lsum += lw[w * 16 + row] * ng_attn_rescale2_f32(mw[w * 16 + row], mx);
+            fm[row] = mx;
+            fl[row] = lsum;
+        }
 #pragma unroll
         for (int dt = 0; dt < D / 8; dt++)
 #pragma unroll
@@ -1618,12 +1629,9 @@ static __global__ void __launch_bounds__(kMmaThreads)
         const int rr = x / D, d = x % D;
         const int64_t r = r0 + rr;
         if (r >= M) break; /* rows past M come last */
-        float mx = -INFINITY, lsum = 0.0f, acc = 0.0f;
-        for (int w = 0; w < kMmaWarps; w++) mx = ng_attn_max_nan_f32(mx, mw[w * 16 + rr]);
-        for (int w = 0; w < kMmaWarps; w++) {
-            lsum += lw[w * 16 + rr] * ng_attn_rescale2_f32(mw[w * 16 + rr], mx);
-            acc += ow[(w * 16 + rr) * D + d];
-        }
+        const float mx = fm[rr], lsum = fl[rr];
+        float acc = 0.0f;
+        for (int w = 0; w < kMmaWarps; w++) acc += ow[(w * 16 + rr) * D + d];
         acc *= inv_keep;
         const int64_t h = hk * G + r / a.L, i = r % a.L, row = (b * a.Hq + h) * a.L + i;
         const float m_nat = mx * kLn2; /* natural units, as lse and the SIMT decode's m */
