@@ -188,7 +188,7 @@ def write_results(name: str, rows: list[dict], columns: list[str], extra: dict |
         cells = []
         for c in columns:
             v = r.get(c, "")
-            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+            cells.append(f"{v:.3g}" if isinstance(v, float) else "-" if v is None else str(v))
         lines.append("| " + " | ".join(cells) + " |")
     md = "\n".join(lines) + (f"\n\n{notes}" if notes else "")
     print(md)

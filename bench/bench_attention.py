@@ -81,6 +81,7 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -322,6 +323,36 @@ def _iqr(q1, q3):
     return f"{q1:.2f}-{q3:.2f}"
 
 
+#: 16-bit torch.mm slower than this share of fp32's: PyTorch has no native
+#: kernel for the dtype on this CPU (no avx512_bf16 / fp16, or capped), and a
+#: 2048^2 product would take a minute a repeat to report a meaningless rate
+MM_NATIVE_SHARE = 0.1
+_mm_native_cache: dict = {}
+
+
+def _mm_native(dtype, dev):
+    """Whether torch.mm in dtype runs at a native rate here, probed once on
+    512^2 against fp32 (best of 3 each)."""
+    if dtype == torch.float32 or dev != "cpu":
+        return True
+    if dtype not in _mm_native_cache:
+        def rate(dt):
+            a, b = (torch.randn(512, 512).to(dt) for _ in range(2))
+            torch.mm(a, b)
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                torch.mm(a, b)
+                best = min(best, time.perf_counter() - t0)
+            return 2 * 512**3 / best / 1e9
+        r16, r32 = rate(dtype), rate(torch.float32)
+        _mm_native_cache[dtype] = r16 >= MM_NATIVE_SHARE * r32
+        if not _mm_native_cache[dtype]:
+            print(f"torch.mm {dtype}: {r16:.2f} GFLOP/s at 512^2 against {r32:.1f} in fp32, no native kernel "
+                  "here; its mm columns are not timed", flush=True)
+    return _mm_native_cache[dtype]
+
+
 def _attn_case(mode, dtype_name, b, h, L, E, causal, dev, repeats):
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(0)
@@ -358,24 +389,29 @@ def _attn_case(mode, dtype_name, b, h, L, E, causal, dev, repeats):
         with torch.inference_mode():
             torch.mm(ma, mb)
 
-    fns = {"nanguard": mk(safe_sdpa), "torch": mk(F.scaled_dot_product_attention), "mm_attn": mm_attn,
-           "mm_2048": mm_sq}
+    fns = {"nanguard": mk(safe_sdpa), "torch": mk(F.scaled_dot_product_attention)}
+    mm = _mm_native(dtype, dev)
+    if mm:
+        fns.update(mm_attn=mm_attn, mm_2048=mm_sq)
     t = _common.time_samples(fns, repeats=repeats, warmup=1, device=dev)
     med = {n: statistics.median(x) for n, x in t.items()}
     fl = attn_flops(b, h, L, L, E, E, causal, mode != "fwd")
     fl_attn_mm, fl_sq = 4.0 * L * L * E * heads, 2.0 * MM_N**3
     ratio, q1, q3 = _common.paired_ratio(t, "torch", "nanguard")
     # share of the same repeat's torch.mm rate: (fl / t_ng) / (fl_mm / t_mm)
-    pct_sq = 100 * _common.paired_ratio(t, "mm_2048", "nanguard")[0] * fl / fl_sq
-    pct_attn_mm = 100 * _common.paired_ratio(t, "mm_attn", "nanguard")[0] * fl / fl_attn_mm
-    torch_pct_sq = 100 * _common.paired_ratio(t, "mm_2048", "torch")[0] * fl / fl_sq
+    pct_sq = pct_attn_mm = torch_pct_sq = None
+    if mm:
+        pct_sq = 100 * _common.paired_ratio(t, "mm_2048", "nanguard")[0] * fl / fl_sq
+        pct_attn_mm = 100 * _common.paired_ratio(t, "mm_attn", "nanguard")[0] * fl / fl_attn_mm
+        torch_pct_sq = 100 * _common.paired_ratio(t, "mm_2048", "torch")[0] * fl / fl_sq
     return {
         "case": f"{mode} {dtype_name} [{b},{h},{L},{E}]" + (" causal" if causal else ""),
         "mode": mode, "dtype": dtype_name, "B": b, "H": h, "L": L, "E": E, "causal": causal,
         "nanguard_ms": med["nanguard"] * 1e3, "torch_ms": med["torch"] * 1e3,
         "vs_torch": ratio, "vs_torch_iqr": _iqr(q1, q3),
         "nanguard_GFLOPs": fl / med["nanguard"] / 1e9, "torch_GFLOPs": fl / med["torch"] / 1e9,
-        "mm_attn_GFLOPs": fl_attn_mm / med["mm_attn"] / 1e9, "mm_2048_GFLOPs": fl_sq / med["mm_2048"] / 1e9,
+        "mm_attn_GFLOPs": fl_attn_mm / med["mm_attn"] / 1e9 if mm else None,
+        "mm_2048_GFLOPs": fl_sq / med["mm_2048"] / 1e9 if mm else None,
         "nanguard_pct_mm_attn": pct_attn_mm, "nanguard_pct_mm_2048": pct_sq, "torch_pct_mm_2048": torch_pct_sq,
     }
 
@@ -448,7 +484,8 @@ def table_compare(dev, repeats, dec_repeats, name, dry, cases=None):
     def md(rs, cs):
         out = ["| " + " | ".join(cs) + " |", "|" + "---|" * len(cs)]
         for r in rs:
-            out.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cs) + " |")
+            out.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else "-" if r[c] is None
+                                         else str(r[c]) for c in cs) + " |")
         return "\n".join(out)
 
     notes = (
@@ -457,7 +494,8 @@ def table_compare(dev, repeats, dec_repeats, name, dry, cases=None):
         "median of per-repeat ratios (vs_torch_iqr: their quartiles). GFLOP/s: 4 B H L S E forward, 3.5x "
         "for forward + backward, halved when causal. mm_attn: torch.mm on the case's per-head Q K^T and P V "
         f"({MM_HEADS} heads, outputs preallocated); mm_{MM_N}: torch.mm {MM_N}^2 of the case's dtype, both "
-        "timed in the same repeats. Decode: "
+        "timed in the same repeats; '-' where torch.mm has no native kernel for a 16-bit dtype on this CPU "
+        f"(below {MM_NATIVE_SHARE:g}x its fp32 rate at 512^2). Decode: "
         f"q [{DECODE['B']}, 32, 1, {DECODE['D']}], S {DECODE['S']}, bool padding mask (1/8 of the keys "
         "padded); KV_GBs = bytes of K and V / time; kv_read = torch reading those K and V bytes once (sum), "
         "in the same repeats; nanguard_pct_read = nanguard's KV rate / that; attended = the bytes of the "
