@@ -176,13 +176,9 @@ def describe() -> str:
             f"threads: {torch.get_num_threads()}; torch {torch.__version__}")
 
 
-def write_results(name: str, rows: list[dict], columns: list[str], extra: dict | None = None,
-                  notes: str = "", dry: bool | None = None) -> None:
-    """Write bench/results/<name>.json and .md (notes: a paragraph after the
-    table) and print the table; dry=True (default: a smoke run, quick())
-    prints only."""
-    dry = quick() if dry is None else dry
-    payload = {"benchmark": name, "machine": machine(), "rows": rows, **(extra or {})}
+def md_table(rows: list[dict], columns: list[str]) -> str:
+    """A markdown table of rows' columns: floats to 3 significant digits,
+    None (not measured) as '-'."""
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         cells = []
@@ -190,7 +186,17 @@ def write_results(name: str, rows: list[dict], columns: list[str], extra: dict |
             v = r.get(c, "")
             cells.append(f"{v:.3g}" if isinstance(v, float) else "-" if v is None else str(v))
         lines.append("| " + " | ".join(cells) + " |")
-    md = "\n".join(lines) + (f"\n\n{notes}" if notes else "")
+    return "\n".join(lines)
+
+
+def write_results(name: str, rows: list[dict], columns: list[str], extra: dict | None = None,
+                  notes: str = "", dry: bool | None = None) -> None:
+    """Write bench/results/<name>.json and .md (notes: a paragraph after the
+    table) and print the table; dry=True (default: a smoke run, quick())
+    prints only."""
+    dry = quick() if dry is None else dry
+    payload = {"benchmark": name, "machine": machine(), "rows": rows, **(extra or {})}
+    md = md_table(rows, columns) + (f"\n\n{notes}" if notes else "")
     print(md)
     if dry:
         print("\n(smoke run: nothing written)")

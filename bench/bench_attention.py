@@ -399,20 +399,22 @@ def _attn_case(mode, dtype_name, b, h, L, E, causal, dev, repeats):
     fl_attn_mm, fl_sq = 4.0 * L * L * E * heads, 2.0 * MM_N**3
     ratio, q1, q3 = _common.paired_ratio(t, "torch", "nanguard")
     # share of the same repeat's torch.mm rate: (fl / t_ng) / (fl_mm / t_mm)
-    pct_sq = pct_attn_mm = torch_pct_sq = None
+    mm_cols = dict.fromkeys(("mm_attn_GFLOPs", "mm_2048_GFLOPs", "nanguard_pct_mm_attn", "nanguard_pct_mm_2048",
+                             "torch_pct_mm_2048"))
     if mm:
-        pct_sq = 100 * _common.paired_ratio(t, "mm_2048", "nanguard")[0] * fl / fl_sq
-        pct_attn_mm = 100 * _common.paired_ratio(t, "mm_attn", "nanguard")[0] * fl / fl_attn_mm
-        torch_pct_sq = 100 * _common.paired_ratio(t, "mm_2048", "torch")[0] * fl / fl_sq
+        mm_cols.update({
+            "mm_attn_GFLOPs": fl_attn_mm / med["mm_attn"] / 1e9, "mm_2048_GFLOPs": fl_sq / med["mm_2048"] / 1e9,
+            "nanguard_pct_mm_attn": 100 * _common.paired_ratio(t, "mm_attn", "nanguard")[0] * fl / fl_attn_mm,
+            "nanguard_pct_mm_2048": 100 * _common.paired_ratio(t, "mm_2048", "nanguard")[0] * fl / fl_sq,
+            "torch_pct_mm_2048": 100 * _common.paired_ratio(t, "mm_2048", "torch")[0] * fl / fl_sq,
+        })
     return {
         "case": f"{mode} {dtype_name} [{b},{h},{L},{E}]" + (" causal" if causal else ""),
         "mode": mode, "dtype": dtype_name, "B": b, "H": h, "L": L, "E": E, "causal": causal,
         "nanguard_ms": med["nanguard"] * 1e3, "torch_ms": med["torch"] * 1e3,
         "vs_torch": ratio, "vs_torch_iqr": _iqr(q1, q3),
         "nanguard_GFLOPs": fl / med["nanguard"] / 1e9, "torch_GFLOPs": fl / med["torch"] / 1e9,
-        "mm_attn_GFLOPs": fl_attn_mm / med["mm_attn"] / 1e9 if mm else None,
-        "mm_2048_GFLOPs": fl_sq / med["mm_2048"] / 1e9 if mm else None,
-        "nanguard_pct_mm_attn": pct_attn_mm, "nanguard_pct_mm_2048": pct_sq, "torch_pct_mm_2048": torch_pct_sq,
+        **mm_cols,
     }
 
 
@@ -481,13 +483,6 @@ def table_compare(dev, repeats, dec_repeats, name, dry, cases=None):
     dcols = ["case", "KV_MiB", "nanguard_ms", "torch_ms", "vs_torch", "vs_torch_iqr", "nanguard_KV_GBs",
              "torch_KV_GBs", "kv_read_GBs", "nanguard_pct_read", "nanguard_pct_copy", "nanguard_attended_GBs"]
 
-    def md(rs, cs):
-        out = ["| " + " | ".join(cs) + " |", "|" + "---|" * len(cs)]
-        for r in rs:
-            out.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else "-" if r[c] is None
-                                         else str(r[c]) for c in cs) + " |")
-        return "\n".join(out)
-
     notes = (
         f"copy rate {copy_gbs:.1f} GB/s (256 MiB fp32 copy_, read + write counted); read rate {read_gbs:.1f} GB/s "
         f"(256 MiB fp32 sum). Forward / backward: {repeats} repeats, decode: {dec_repeats}; medians, ratios "
@@ -499,7 +494,7 @@ def table_compare(dev, repeats, dec_repeats, name, dry, cases=None):
         f"q [{DECODE['B']}, 32, 1, {DECODE['D']}], S {DECODE['S']}, bool padding mask (1/8 of the keys "
         "padded); KV_GBs = bytes of K and V / time; kv_read = torch reading those K and V bytes once (sum), "
         "in the same repeats; nanguard_pct_read = nanguard's KV rate / that; attended = the bytes of the "
-        "keys the mask keeps.\n\n## decode\n\n" + md(dec_rows, dcols)
+        "keys the mask keeps.\n\n## decode\n\n" + _common.md_table(dec_rows, dcols)
     )
     # the forward / backward rows are the table; the decode rows, with columns
     # of their own, follow in the notes (and under "decode_rows" in the JSON)
