@@ -580,6 +580,63 @@ static void test_decode_nan(void) {
 #undef ROWS_NAN
 }
 
+/* A query row's decode result does not depend on how many rows share its
+ * kv head: 7 heads of one group (the kernels' 4-, 2- and 1-row blocks)
+ * give each head's bits from a decode of that head alone (1-row blocks),
+ * for every KV element type. E 40 and Ev 24 leave tails after the vector
+ * blocks, 301 keys a tail after the 4-key blocks; one split either way. */
+static void test_decode_group_rows(void) {
+    enum { Hq = 7, S = 301, E = 40, Ev = 24 };
+    const ng_dtype types[3] = {NG_F32, NG_BF16, NG_F16};
+    for (int ti = 0; ti < 3; ti++) {
+        const ng_dtype t = types[ti];
+        const size_t es = ng_dtype_size(t);
+        char *q = malloc(Hq * E * es), *k = malloc(S * E * es), *v = malloc(S * Ev * es);
+        char *o = malloc(Hq * Ev * es), *o1 = malloc(Ev * es);
+        float lse[Hq], lse1;
+        g_rng.s = 5 + ti;
+        for (int x = 0; x < Hq * E; x++) ng_store_f64(q, t, x, 2 * urand());
+        for (int x = 0; x < S * E; x++) ng_store_f64(k, t, x, 2 * urand());
+        for (int x = 0; x < S * Ev; x++) ng_store_f64(v, t, x, urand());
+        ng_attention_args a;
+        memset(&a, 0, sizeof a);
+        a.dtype = t;
+        a.B = a.Hkv = a.L = 1;
+        a.Hq = Hq;
+        a.S = S;
+        a.E = E;
+        a.Ev = Ev;
+        const int64_t sq[3] = {Hq * E, E, E}, sk[3] = {S * E, S * E, E},
+                      sv[3] = {S * Ev, S * Ev, Ev};
+        const int64_t so[3] = {Hq * Ev, Ev, Ev};
+        a.q = q;
+        memcpy(a.q_stride, sq, sizeof sq);
+        a.k = k;
+        memcpy(a.k_stride, sk, sizeof sk);
+        a.v = v;
+        memcpy(a.v_stride, sv, sizeof sv);
+        a.out = o;
+        memcpy(a.out_stride, so, sizeof so);
+        a.lse = lse;
+        a.scale = 1.0 / sqrt((double)E);
+        CHECK(ng_attention_fwd_decode(&a, NULL) == NG_OK, "decode group rows %s", ng_dtype_name(t));
+        int differ = 0;
+        for (int h = 0; h < Hq; h++) {
+            ng_attention_args one = a;
+            one.Hq = 1;
+            one.q = q + (size_t)h * E * es;
+            one.out = o1;
+            one.lse = &lse1;
+            CHECK(ng_attention_fwd_decode(&one, NULL) == NG_OK, "decode one row %s",
+                  ng_dtype_name(t));
+            differ += memcmp(o1, o + (size_t)h * Ev * es, Ev * es) != 0 || lse1 != lse[h];
+        }
+        CHECK(differ == 0, "decode %s [%s]: %d of %d heads differ alone from in their group",
+              ng_dtype_name(t), ng_cpu_isa_name(ng_cpu_isa_active()), differ, Hq);
+        free(q), free(k), free(v), free(o), free(o1);
+    }
+}
+
 /* fp16 inputs whose q.k exceeds 65504: the output stays finite and matches. */
 static void test_fp16_overflow(void) {
     acase c = {"fp16_overflow", 1, 1, 1, 8, 16, 64,  64, LAY_BHSD, LAY_BHSD, AM_NONE,
@@ -946,6 +1003,7 @@ int main(void) {
                 run_case(&g_dec_cases[ci], dtypes[di], (ci % 2) ? chunky_par : NULL,
                          ng_attention_fwd_decode);
         test_decode_nan();
+        test_decode_group_rows();
         test_fp16_overflow();
         test_nan_propagates();
         printf("path %s: %s\n", ng_cpu_isa_name((ng_cpu_isa)isa),
