@@ -503,6 +503,36 @@ static const acase g_dec_cases[] = {
 };
 /* clang-format on */
 
+/* Arguments for contiguous [B, heads, seq, dim] q, k, v and out (k and v
+ * of Hkv heads), no mask, everything else off. */
+static ng_attention_args bhsd_args(ng_dtype t, int64_t B, int64_t Hq, int64_t Hkv, int64_t L,
+                                   int64_t S, int64_t E, int64_t Ev, const void *q, const void *k,
+                                   const void *v, void *o, void *lse, double scale) {
+    ng_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.dtype = t;
+    a.B = B;
+    a.Hq = Hq;
+    a.Hkv = Hkv;
+    a.L = L;
+    a.S = S;
+    a.E = E;
+    a.Ev = Ev;
+    const int64_t sq[3] = {Hq * L * E, L * E, E}, sk[3] = {Hkv * S * E, S * E, E};
+    const int64_t sv[3] = {Hkv * S * Ev, S * Ev, Ev}, so[3] = {Hq * L * Ev, L * Ev, Ev};
+    a.q = q;
+    memcpy(a.q_stride, sq, sizeof sq);
+    a.k = k;
+    memcpy(a.k_stride, sk, sizeof sk);
+    a.v = v;
+    memcpy(a.v_stride, sv, sizeof sv);
+    a.out = o;
+    memcpy(a.out_stride, so, sizeof so);
+    a.lse = lse;
+    a.scale = scale;
+    return a;
+}
+
 /* NaN on the decode path, with GQA heads sharing K / V and the keys split
  * four ways: a NaN in one query row reaches that row only; a NaN key that a
  * row attends makes the row NaN, whichever split it falls in; a NaN key
@@ -517,27 +547,7 @@ static void test_decode_nan(void) {
     for (int x = 0; x < S * E; x++) k[x] = (float)urand();
     for (int x = 0; x < S * E; x++) v[x] = (float)urand();
     for (int j = 0; j < S; j++) mask[j] = j != 1000;
-    ng_attention_args a;
-    memset(&a, 0, sizeof a);
-    a.dtype = NG_F32;
-    a.B = 1;
-    a.Hq = Hq;
-    a.Hkv = 1;
-    a.L = L;
-    a.S = S;
-    a.E = E;
-    a.Ev = E;
-    int64_t sq[3] = {Hq * L * E, L * E, E}, sk[3] = {S * E, S * E, E};
-    a.q = q;
-    memcpy(a.q_stride, sq, sizeof sq);
-    a.k = k;
-    memcpy(a.k_stride, sk, sizeof sk);
-    a.v = v;
-    memcpy(a.v_stride, sk, sizeof sk);
-    a.out = o;
-    memcpy(a.out_stride, sq, sizeof sq);
-    a.lse = lse;
-    a.scale = 0.25;
+    ng_attention_args a = bhsd_args(NG_F32, 1, Hq, 1, L, S, E, E, q, k, v, o, lse, 0.25);
     /* count rows whose output is all NaN / all finite */
 #define ROWS_NAN(nan_rows, fin_rows)                                                               \
     do {                                                                                           \
@@ -598,27 +608,8 @@ static void test_decode_group_rows(void) {
         for (int x = 0; x < Hq * E; x++) ng_store_f64(q, t, x, 2 * urand());
         for (int x = 0; x < S * E; x++) ng_store_f64(k, t, x, 2 * urand());
         for (int x = 0; x < S * Ev; x++) ng_store_f64(v, t, x, urand());
-        ng_attention_args a;
-        memset(&a, 0, sizeof a);
-        a.dtype = t;
-        a.B = a.Hkv = a.L = 1;
-        a.Hq = Hq;
-        a.S = S;
-        a.E = E;
-        a.Ev = Ev;
-        const int64_t sq[3] = {Hq * E, E, E}, sk[3] = {S * E, S * E, E},
-                      sv[3] = {S * Ev, S * Ev, Ev};
-        const int64_t so[3] = {Hq * Ev, Ev, Ev};
-        a.q = q;
-        memcpy(a.q_stride, sq, sizeof sq);
-        a.k = k;
-        memcpy(a.k_stride, sk, sizeof sk);
-        a.v = v;
-        memcpy(a.v_stride, sv, sizeof sv);
-        a.out = o;
-        memcpy(a.out_stride, so, sizeof so);
-        a.lse = lse;
-        a.scale = 1.0 / sqrt((double)E);
+        ng_attention_args a =
+            bhsd_args(t, 1, Hq, 1, 1, S, E, Ev, q, k, v, o, lse, 1.0 / sqrt((double)E));
         CHECK(ng_attention_fwd_decode(&a, NULL) == NG_OK, "decode group rows %s", ng_dtype_name(t));
         int differ = 0;
         for (int h = 0; h < Hq; h++) {
@@ -649,26 +640,7 @@ static void test_fp16_overflow(void) {
     for (int64_t x = 0; x < k.span; x++) ng_store_f64(k.h, t, x, 150.0 + 50.0 * urand());
     fill(&v, t, 1.0);
     float lse[8];
-    ng_attention_args a;
-    memset(&a, 0, sizeof a);
-    a.dtype = t;
-    a.B = 1;
-    a.Hq = 1;
-    a.Hkv = 1;
-    a.L = 8;
-    a.S = 16;
-    a.E = 64;
-    a.Ev = 64;
-    a.q = q.h;
-    memcpy(a.q_stride, q.st, sizeof q.st);
-    a.k = k.h;
-    memcpy(a.k_stride, k.st, sizeof k.st);
-    a.v = v.h;
-    memcpy(a.v_stride, v.st, sizeof v.st);
-    a.out = o.h;
-    memcpy(a.out_stride, o.st, sizeof o.st);
-    a.lse = lse;
-    a.scale = 0.125;
+    ng_attention_args a = bhsd_args(t, 1, 1, 1, 8, 16, 64, 64, q.h, k.h, v.h, o.h, lse, 0.125);
     CHECK(ng_attention_fwd(&a, NULL) == NG_OK, "fp16 overflow fwd");
     refout r = refout_new(&c);
     atensor dummy = at_new(t, 1, 1, 8, 64, LAY_BHSD);
@@ -698,27 +670,7 @@ static void test_nan_propagates(void) {
     for (int x = 0; x < S * E; x++) k[x] = (float)urand();
     for (int x = 0; x < S * E; x++) v[x] = (float)urand();
     q[2 * E + 3] = NAN; /* row 2 of q */
-    ng_attention_args a;
-    memset(&a, 0, sizeof a);
-    a.dtype = NG_F32;
-    a.B = 1;
-    a.Hq = 1;
-    a.Hkv = 1;
-    a.L = L;
-    a.S = S;
-    a.E = E;
-    a.Ev = E;
-    int64_t sq[3] = {L * E, L * E, E}, sk[3] = {S * E, S * E, E};
-    a.q = q;
-    memcpy(a.q_stride, sq, sizeof sq);
-    a.k = k;
-    memcpy(a.k_stride, sk, sizeof sk);
-    a.v = v;
-    memcpy(a.v_stride, sk, sizeof sk);
-    a.out = o;
-    memcpy(a.out_stride, sq, sizeof sq);
-    a.lse = lse;
-    a.scale = 0.3;
+    ng_attention_args a = bhsd_args(NG_F32, 1, 1, 1, L, S, E, E, q, k, v, o, lse, 0.3);
     a.max_score = 5.0; /* the clamp must not swallow the NaN */
     CHECK(ng_attention_fwd(&a, NULL) == NG_OK, "nan fwd");
     int row2 = 1, others = 1;
