@@ -62,7 +62,7 @@
  * tile, most query rows one task keeps, and the split-KV sizing. 128 keys
  * a tile rather than 64 halve the per-tile work (each row's softmax step
  * and accumulator rescale, the kernels' setup): the bf16 GQA decode step
- * took 0.91x the time on an AVX2 core (AMD Zen 3), fp32 0.97x. */
+ * took 0.91-0.94x the time on an AVX2 core (AMD Zen 3), fp32 0.96-0.97x. */
 #define BKD 128
 #define NG_DEC_ROWS 64
 #define NG_DEC_TASKS 64      /* split long key ranges until there are this many tasks */
