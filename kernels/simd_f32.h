@@ -59,10 +59,16 @@ NG_TARGET_AVX2 static inline float ng_hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* ng_hsum4x8's last steps, from h01 = hadd(a0, a1) and h23 = hadd(a2, a3):
+ * for a caller that cannot hold all four vectors at once. */
+NG_TARGET_AVX2 static inline __m128 ng_hsum4x8_pairs(__m256 h01, __m256 h23) {
+    const __m256 t = _mm256_hadd_ps(h01, h23);
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
 /* The four sums of a0..a3's lanes, in that order. */
 NG_TARGET_AVX2 static inline __m128 ng_hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    return ng_hsum4x8_pairs(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
 }
 
 /* 16 lanes to 8: low half + high half. */
