@@ -27,8 +27,9 @@ extern "C" {
 /* Largest head dim (E and Ev) the kernels take. */
 #define NG_ATTN_MAX_HEAD_DIM 256
 
-/* The forward takes its decode path (CPU) / decode kernel (CUDA) for
- * L <= NG_ATTN_DEC_MAX_L query rows against S >= NG_ATTN_DEC_MIN_S keys. */
+/* The forward takes its decode path (CPU) for L <= NG_ATTN_DEC_MAX_L query
+ * rows against any S >= 1 keys, its decode kernel (CUDA) for those rows
+ * against S >= NG_ATTN_DEC_MIN_S keys. */
 #define NG_ATTN_DEC_MAX_L 16
 #define NG_ATTN_DEC_MIN_S 32
 
@@ -75,8 +76,8 @@ typedef struct ng_attention_args {
 ng_status ng_attention_check(const ng_attention_args *a, int backward);
 
 /* CPU kernels; par == NULL runs serially. ng_attention_fwd takes the
- * decode path below for short query blocks (L <= NG_ATTN_DEC_MAX_L) against
- * S >= NG_ATTN_DEC_MIN_S keys, the tiled flash path otherwise. */
+ * decode path below for short query blocks (L <= NG_ATTN_DEC_MAX_L, S >= 1),
+ * the tiled flash path otherwise. */
 ng_status ng_attention_fwd(const ng_attention_args *a, ng_parallel_fn par);
 ng_status ng_attention_bwd(const ng_attention_args *a, ng_parallel_fn par);
 

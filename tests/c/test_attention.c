@@ -448,6 +448,9 @@ static const acase g_cases[] = {
      * clamp, softcap, dropout, mag, mask_f32, special, offset, tail */
     {"plain",          2, 2, 2, 33,  47,  16,  16,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
     {"L1",             1, 3, 3, 1,   5,   8,   8,   LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    /* L <= 16 against fewer keys than a tile: the forward's decode path */
+    {"short_S_gqa_cau",2, 8, 2, 12,  24,  32,  32,  LAY_BSHD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 1, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"short_S_guards", 1, 4, 4, 3,   17,  40,  24,  LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_FULL, 1, 0, 3.0, 2.0, 0.3, 4, 0, SP_NONE, 42, 0},
     {"L7_S129_E40",    1, 2, 2, 7,   129, 40,  40,  LAY_BSHD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
     {"L129_E80",       1, 1, 1, 129, 70,  80,  80,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
     {"E256",           1, 1, 1, 65,  66,  256, 256, LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
@@ -476,7 +479,7 @@ static const acase g_cases[] = {
 /* clang-format on */
 
 /* The decode path (ng_attention_fwd_decode, which ng_attention_fwd takes for
- * L <= 16 and S >= 32): short query blocks, GQA / MQA groups sharing each
+ * L <= 16 and S >= 1): short query blocks, GQA / MQA groups sharing each
  * K / V read, key ranges split across tasks (nsplit > 1 from about 512 keys
  * when there are few (batch, kv head) pairs), splits that see only masked
  * keys, E not a multiple of 8 (K converted, not read in place). Each case
