@@ -20,13 +20,14 @@ def check_tensor(name: str, t, *, float_only: bool = True) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-    if float_only and t.dtype not in FLOAT_DTYPES:
+    dtype, device = t.dtype, t.device.type  # (each attribute read builds a new object)
+    if float_only and dtype not in FLOAT_DTYPES:
         raise TypeError(
-            f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}"
+            f"{name} must be float16, bfloat16, float32 or float64, got {dtype}"
         )
-    if t.device.type == "cuda" and t.dtype == torch.float64:
+    if device == "cuda" and dtype == torch.float64:
         raise TypeError(f"{name}: float64 is supported on the CPU only")
-    if t.device.type not in ("cpu", "cuda", "meta"):
+    if device not in ("cpu", "cuda", "meta"):
         raise ValueError(f"{name} is on {t.device}; nanguard supports cpu and cuda tensors")
 
 
@@ -131,6 +132,32 @@ def register_inplace(qualname: str, mutated: dict = None) -> None:
         return out
 
     lib.impl(name, kernel, "ADInplaceOrView", with_keyset=True)
+
+
+# ---- calling an op ----------------------------------------------------------------
+
+_BELOW_AUTOGRAD = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
+_ANY_REQUIRES_GRAD = getattr(torch._C, "_any_requires_grad", None)
+
+
+def call_op(op, *args):
+    """``op(*args)`` for an op whose autograd formula is registered from
+    Python (``torch.library.register_autograd``). Where no gradient can be
+    recorded (grad mode off, or no argument requires grad), an eager call
+    runs the op below the autograd layer, as that Python autograd kernel
+    itself would (``torch/_library/autograd.py``, with the same test), minus
+    the kernel's Python: about 8 us a call, as much as a small op's whole
+    kernel. Traced calls (``torch.compile``, ``torch.export``) go through
+    the dispatcher unchanged."""
+    if (
+        not torch.compiler.is_compiling()  # first: the tracer cannot call the test below
+        and _BELOW_AUTOGRAD is not None
+        and _ANY_REQUIRES_GRAD is not None
+        and not (torch.is_grad_enabled() and _ANY_REQUIRES_GRAD(*args))
+    ):
+        with _BELOW_AUTOGRAD():
+            return op(*args)
+    return op(*args)
 
 
 # ---- autocast -------------------------------------------------------------------

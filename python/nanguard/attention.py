@@ -235,6 +235,9 @@ def _check_guard(name: str, value) -> float:
     return value
 
 
+_NO_DROPOUT_RNG = torch.zeros(2, dtype=torch.int64, device="cpu")
+
+
 def _draw_rng(dropout_p: float) -> torch.Tensor:
     """Dropout's Philox ``[seed, offset]`` as a CPU int64 tensor of 2 elements,
     drawn from PyTorch's default CPU generator, so ``torch.manual_seed`` makes
@@ -242,11 +245,14 @@ def _draw_rng(dropout_p: float) -> torch.Tensor:
     tensor. It stays a tensor (never ``.tolist()``): under ``torch.compile``
     the draw is an op of the graph, not a value the tracer would have to know.
 
-    Without dropout the ops ignore it. It is a new zeros tensor per call, not
-    a cached module-level one: a cached real tensor would meet fake tensors
-    when the call is traced, and a caller could modify it in place."""
+    Without dropout the ops ignore its values, and an eager call passes one
+    shared zeros pair (a new tensor per call cost a few microseconds); under
+    ``torch.compile`` it is a new zeros tensor, an op of the graph, so that
+    no real module-level tensor meets the tracer's fake ones."""
     if dropout_p == 0.0:
-        return torch.zeros(2, dtype=torch.int64, device="cpu")
+        if torch.compiler.is_compiling():
+            return torch.zeros(2, dtype=torch.int64, device="cpu")
+        return _NO_DROPOUT_RNG
     return torch.randint(0, 2**62, (2,), dtype=torch.int64, device="cpu")
 
 
@@ -331,10 +337,12 @@ def safe_sdpa(
     if kernel is not None:
         out = _delegate.fused_attention(kernel, q4, k4, v4, is_causal, float(scale))
     elif attn_mask is None:
-        out, _ = _ops.safe_sdpa(q4, k4, v4, *params)
+        out, _ = _checks.call_op(_ops.safe_sdpa, q4, k4, v4, *params)
     else:
         m = _mask_4d(attn_mask, query, batch, Hq, L, S)
-        out, _ = _ops.safe_sdpa.masked(q4, k4, v4, m, *params)
+        out, _ = _checks.call_op(_ops.safe_sdpa.masked, q4, k4, v4, m, *params)
+    if out.dim() == query.dim() == key.dim() == value.dim():
+        return out  # 4-d inputs, the [B, Hq, L, Ev] result as it is
     nd = max(query.dim(), key.dim(), value.dim()) - 2  # leading dims of the result
     lead = (*batch, Hq)[-nd:] if nd > 0 else ()
     return out.reshape(*lead, L, Ev)
@@ -346,15 +354,18 @@ def _check_qkv(query, key, value):
         _checks.check_tensor(name, t)
         if t.dim() < 2:
             raise ValueError(f"{name} must have at least 2 dims (..., seq, head_dim), got shape {list(t.shape)}")
+    device, dtype = query.device, query.dtype
     for name, t in (("key", key), ("value", value)):
-        _checks.check_same_device(name, t, "query", query)
-        if t.dtype != query.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but query has {query.dtype}; they must match")
-    E, L, S, Ev = query.shape[-1], query.shape[-2], key.shape[-2], value.shape[-1]
-    if key.shape[-1] != E:
-        raise ValueError(f"key's head dim ({key.shape[-1]}) must equal query's ({E})")
-    if value.shape[-2] != S:
-        raise ValueError(f"value's sequence length ({value.shape[-2]}) must equal key's ({S})")
+        if t.device != device:
+            _checks.check_same_device(name, t, "query", query)
+        if t.dtype != dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but query has {dtype}; they must match")
+    qs, ks, vs = query.shape, key.shape, value.shape
+    E, L, S, Ev = qs[-1], qs[-2], ks[-2], vs[-1]
+    if ks[-1] != E:
+        raise ValueError(f"key's head dim ({ks[-1]}) must equal query's ({E})")
+    if vs[-2] != S:
+        raise ValueError(f"value's sequence length ({vs[-2]}) must equal key's ({S})")
     if E > _MAX_HEAD_DIM or Ev > _MAX_HEAD_DIM or E < 1 or Ev < 1:
         raise ValueError(
             f"head dims must be in [1, {_MAX_HEAD_DIM}], got query/key {E} and value {Ev} "
@@ -367,19 +378,20 @@ def _check_qkv(query, key, value):
 def _check_scalars(dropout_p, is_causal, scale, E):
     """dropout_p, is_causal and scale as PyTorch takes them; returns
     (dropout_p, scale) as floats (scale's default 1/sqrt(E))."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    dropout_p = float(dropout_p)
+    if type(dropout_p) is not float:  # (the common case skips the abstract Real test)
+        if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+            raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+        dropout_p = float(dropout_p)
     if not (0.0 <= dropout_p <= 1.0):
         raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if scale is None:
+        return dropout_p, 1.0 / math.sqrt(E)
     if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype != torch.bool \
             and not scale.is_complex():
         scale = scale.item()  # a 0-d tensor, as PyTorch's takes (a host sync)
-    if scale is None:
-        scale = 1.0 / math.sqrt(E)
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, a 0-d tensor of one, or None, got {scale!r}")
     return dropout_p, scale
 
@@ -389,6 +401,10 @@ def _to_4d(query, key, value, enable_gqa):
     broadcasting leading dims requires). Heads are dim -3. A key/value with
     one head serves every query head (Hkv = 1) and, with ``enable_gqa``, Hq
     may be any multiple of Hkv, both without expanding key/value."""
+    if query.dim() == key.dim() == value.dim() == 4:
+        (qB, hq), (kB, hk), (vB, hv) = query.shape[:2], key.shape[:2], value.shape[:2]
+        if qB == kB == vB and hk == hv and (hq == hk or hk == 1 or (enable_gqa and hq % hk == 0)):
+            return query, key, value, (qB,), hq  # already [B, heads, seq, dim]: the common case
     nd = max(query.dim(), key.dim(), value.dim(), 3)
     qb, kb, vb = ((1,) * (nd - t.dim()) + tuple(t.shape[:-2]) for t in (query, key, value))
     hq, hk, hv = qb[-1], kb[-1], vb[-1]
@@ -408,9 +424,6 @@ def _to_4d(query, key, value, enable_gqa):
         raise ValueError(
             f"query has {hq} heads but key/value have {hk}; pass enable_gqa=True for grouped-query attention"
         )
-    if (query.dim() == key.dim() == value.dim() == 4 and qb[0] == kb[0] == vb[0]
-            and (qb[1], kb[1], vb[1]) == (Hq, Hkv, Hkv)):
-        return query, key, value, qb[:1], Hq  # already [B, heads, seq, dim]: the common case, no reshapes
     try:
         batch = tuple(torch.broadcast_shapes(qb[:-1], kb[:-1], vb[:-1]))
     except RuntimeError:
@@ -442,11 +455,11 @@ def _mask_4d(attn_mask, query, batch, Hq, L, S):
         )
     full = (*batch, Hq, L, S)
     shape = tuple(attn_mask.shape)
-    if len(shape) > len(full) or any(
-        s not in (1, f) for s, f in zip(shape[::-1], full[::-1])
+    if len(shape) > len(full) or not all(
+        s == 1 or s == f for s, f in zip(shape, full[len(full) - len(shape):])
     ):
         raise ValueError(f"attn_mask of shape {list(shape)} does not broadcast to {list(full)}")
-    m = attn_mask.reshape((1,) * (len(full) - len(shape)) + shape)
+    m = attn_mask if len(shape) == len(full) else attn_mask.reshape((1,) * (len(full) - len(shape)) + shape)
     nb = len(batch)
     if nb == 0:
         return m.unsqueeze(0)

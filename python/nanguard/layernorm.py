@@ -281,6 +281,8 @@ for _op in (*_FWD.values(), *_BACKWARDS):
 
 
 def _shape_tuple(normalized_shape) -> tuple[int, ...]:
+    if type(normalized_shape) is tuple and all(type(s) is int for s in normalized_shape):
+        return normalized_shape  # as nn.LayerNorm / nn.RMSNorm keep it
     if isinstance(normalized_shape, numbers.Integral):
         return (int(normalized_shape),)
     if isinstance(normalized_shape, (str, bytes)):
@@ -359,13 +361,13 @@ def _norm(input, normalized_shape, weight, bias, eps, rms: bool, eps_floor):
     else:
         x = input.reshape(*input.shape[: input.dim() - k], math.prod(shape))
     if w is not None and b is not None:
-        y = _ops.stable_layernorm.weight_bias(x, w, b, eps, rms)[0]
+        y = _checks.call_op(_ops.stable_layernorm.weight_bias, x, w, b, eps, rms)[0]
     elif w is not None:
-        y = _ops.stable_layernorm.weight(x, w, eps, rms)[0]
+        y = _checks.call_op(_ops.stable_layernorm.weight, x, w, eps, rms)[0]
     elif b is not None:
-        y = _ops.stable_layernorm.bias(x, b, eps, rms)[0]
+        y = _checks.call_op(_ops.stable_layernorm.bias, x, b, eps, rms)[0]
     else:
-        y = _ops.stable_layernorm(x, eps, rms)[0]
+        y = _checks.call_op(_ops.stable_layernorm, x, eps, rms)[0]
     return y if k == 1 else y.view(input.shape)
 
 

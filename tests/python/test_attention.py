@@ -969,3 +969,53 @@ def test_deliberate_refusals_say_so():
     with pytest.raises(ValueError, match=r"head dims must be in \[1, 256\].*nanguard's attention kernels stop at 256"):
         safe_sdpa(big, big, big)
 
+
+
+class _CountingGuard:
+    """Stands in for torch._C._AutoDispatchBelowAutograd, counting entries."""
+
+    def __init__(self, real):
+        self.real, self.entered = real, 0
+
+    def __call__(self):
+        self.entered += 1
+        return self.real()
+
+
+def test_calls_without_gradients_skip_the_autograd_layer(monkeypatch):
+    """Where no gradient can be recorded (no_grad, or no input requiring
+    grad) safe_sdpa and the norms call their op below the autograd layer
+    (_checks.call_op), with the same bits as a recorded call and outputs
+    that record nothing; a call that records (an input, or only a module's
+    weight, requires grad) still goes through autograd and backpropagates."""
+    from nanguard import _checks
+    from nanguard.nn import StableLayerNorm
+
+    guard = _CountingGuard(_checks._BELOW_AUTOGRAD)
+    monkeypatch.setattr(_checks, "_BELOW_AUTOGRAD", guard)
+    q = rand((2, 4, 3, 16), torch.float32, 1).requires_grad_()
+    k, v = (rand((2, 2, 40, 16), torch.float32, s).requires_grad_() for s in (2, 3))
+    mask = torch.rand(2, 1, 3, 40, generator=torch.Generator().manual_seed(4)) > 0.3
+    for m in (None, mask):
+        recorded = safe_sdpa(q, k, v, attn_mask=m, enable_gqa=True)
+        assert recorded.grad_fn is not None and guard.entered == 0
+        with torch.no_grad():
+            y0 = safe_sdpa(q, k, v, attn_mask=m, enable_gqa=True)
+        y1 = safe_sdpa(q.detach(), k.detach(), v.detach(), attn_mask=m, enable_gqa=True)
+        assert guard.entered == 2
+        guard.entered = 0
+        for y in (y0, y1):
+            assert y.grad_fn is None and not y.requires_grad
+            assert torch.equal(y, recorded.detach())
+        recorded.sum().backward()
+        assert all(t.grad is not None for t in (q, k, v))
+
+    ln = StableLayerNorm(16)
+    x = rand((3, 16), torch.float32, 5)
+    z = ln(x)  # eval-style call with grad mode on: the weight requires grad
+    assert z.grad_fn is not None and guard.entered == 0
+    z.sum().backward()
+    assert ln.weight.grad is not None
+    with torch.no_grad():
+        z0 = ln(x)
+    assert guard.entered == 1 and z0.grad_fn is None and torch.equal(z0, z.detach())

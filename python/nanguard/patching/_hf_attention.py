@@ -53,7 +53,9 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
             raise NotImplementedError(f"nanguard attention: {ATTENTION_KWARGS_UNSUPPORTED[k]}")
     if position_bias is not None and position_bias.requires_grad:
         raise NotImplementedError(f"nanguard attention: {ATTENTION_KWARGS_UNSUPPORTED['position_bias']}")
-    opts = getattr(module, _OPTS_ATTR, None) or {}
+    # read from the instance dict, where patch sets it: a getattr that
+    # misses goes through nn.Module.__getattr__, a few microseconds a call
+    opts = getattr(module, "__dict__", {}).get(_OPTS_ATTR) or {}
     max_score = opts.get("max_score")
     if softcap is None:
         softcap = opts.get("softcap")
