@@ -33,6 +33,16 @@ bench/results/attention_<device>_decode.{json,md}; NANGUARD_CPU_ISA=avx2
 (the AVX2 kernels on an AVX-512 machine) adds _avx2 to the name, --threads N
 adds _tN.
 
+--calls: the cost of one small call, where the host's work is most of it:
+a decode step of one sequence, q [1, 8, 1, 64] against S in {16, 256} keys
+of 2 kv heads (GQA) with a bool padding mask, fp32 and bf16, under
+torch.no_grad, as a generation loop calls attention. safe_sdpa against
+F.scaled_dot_product_attention, and (with transformers installed) the
+attention function `nanguard.patch` gives a Hugging Face model against
+transformers' own sdpa one, each called as a model calls it. Reports
+microseconds per call (medians of 200-call runs) and the ratios. Results:
+bench/results/attention_<device>_calls.{json,md}.
+
 --forward: forward only under torch.inference_mode, [4, 8, L, 64] with L = S
 in 512..4096, no mask, fp32 and bf16, against F.scaled_dot_product_attention.
 Results: bench/results/attention_<device>_fwd.{json,md}.
@@ -265,6 +275,59 @@ def decode_compare(dev: str, repeats: int, hkv_list=(8, 32), dtypes=("float32", 
             "nanguard_pct_copy", "nanguard_attended_GBs"]
     _common.write_results(f"attention_{dev}_decode{suffix}", rows, cols,
                           {**DECODE, "mask": "bool padding [B,1,1,S]", "copy_GBs": copy_gbs, "repeats": repeats})
+
+
+def calls_compare(dev: str, repeats: int, suffix: str = "") -> None:
+    """Microseconds per small decode call: safe_sdpa against F.sdpa, and the
+    Hugging Face attention functions (nanguard's, transformers' sdpa)."""
+    try:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        from nanguard.patching._hf_attention import _hf_attention
+    except ImportError:
+        sdpa_attention_forward = _hf_attention = None
+    n_calls, hq, hkv, d = 200, 8, 2, 64
+
+    class Attn(torch.nn.Module):  # what the HF functions read from a model's attention module
+        num_key_value_groups, is_causal = hq // hkv, True
+
+    module = Attn()
+    rows = []
+    for dtype_name in ("float32", "bfloat16"):
+        for S in (16, 256):
+            g = torch.Generator().manual_seed(0)
+            q = torch.randn(1, hq, 1, d, generator=g).to(dev, getattr(torch, dtype_name))
+            k, v = (torch.randn(1, hkv, S, d, generator=g).to(dev, q.dtype) for _ in range(2))
+            mask = torch.ones(1, 1, 1, S, dtype=torch.bool, device=dev)
+            calls = {
+                "nanguard": lambda: safe_sdpa(q, k, v, attn_mask=mask, enable_gqa=True),
+                "torch": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+            }
+            if _hf_attention is not None:
+                calls["hf_nanguard"] = lambda: _hf_attention(module, q, k, v, mask, dropout=0.0, scaling=d**-0.5)
+                calls["hf_sdpa"] = lambda: sdpa_attention_forward(module, q, k, v, mask, dropout=0.0,
+                                                                  scaling=d**-0.5)
+
+            def mk(f):
+                def run():
+                    with torch.no_grad():
+                        for _ in range(n_calls):
+                            f()
+                return run
+
+            t = _common.time_fns({n: mk(f) for n, f in calls.items()}, repeats=repeats, warmup=2, device=dev)
+            us = {n: t[n] / n_calls * 1e6 for n in t}
+            row = {"dtype": dtype_name, "S": S, "nanguard_us": us["nanguard"], "torch_us": us["torch"],
+                   "vs_torch": us["torch"] / us["nanguard"]}
+            if "hf_nanguard" in us:
+                row.update(hf_nanguard_us=us["hf_nanguard"], hf_sdpa_us=us["hf_sdpa"],
+                           hf_vs_sdpa=us["hf_sdpa"] / us["hf_nanguard"])
+            rows.append(row)
+            print(row, flush=True)
+    cols = ["dtype", "S", "nanguard_us", "torch_us", "vs_torch", "hf_nanguard_us", "hf_sdpa_us", "hf_vs_sdpa"]
+    _common.write_results(f"attention_{dev}_calls{suffix}", rows, cols,
+                          {"q": [1, hq, 1, d], "kv_heads": hkv, "mask": "bool [1,1,1,S]",
+                           "calls_per_run": n_calls, "repeats": repeats})
 
 
 def forward_compare(dev: str, repeats: int, lengths=(512, 1024, 2048, 4096), suffix="") -> None:
@@ -547,6 +610,7 @@ def main():
     p.add_argument("--flash", action="store_true", help="CUDA: bf16 D=128 L=4096 TFLOP/s against flash")
     p.add_argument("--decode", action="store_true", help="decode steps: time and KV-read bandwidth")
     p.add_argument("--forward", action="store_true", help="forward only under inference_mode, no mask")
+    p.add_argument("--calls", action="store_true", help="microseconds per small decode call (host cost)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch.set_num_threads(N) first; results get a _tN suffix")
     p.add_argument("--table", action="store_true",
@@ -587,6 +651,9 @@ def main():
     tag = (f"_{isa}" if isa and args.device == "cpu" else "") + (f"_t{args.threads}" if args.threads else "")
     if args.decode:
         decode_compare(args.device, max(args.repeats, 3 if _common.quick() else 15), suffix=tag)
+        return
+    if args.calls:
+        calls_compare(args.device, max(args.repeats, 3 if _common.quick() else 21), suffix=tag)
         return
     if args.forward:
         lengths = (512, 1024, 2048, 4096) if args.lengths == ",".join(map(str, LENGTHS)) else \
