@@ -24,7 +24,7 @@
  *   and writes dq.
  * With dropout p, P is multiplied by keep / (1 - p) from the Philox stream of
  *   attention_math.h, in the forward and again in the backward.
- * Decode (forward, L <= NG_ATTN_DEC_MAX_L against any S >= 1 keys): a
+ * Decode (forward, L <= NG_ATTN_CPU_DEC_MAX_L against any S >= 1 keys): a
  *   64-row query block would be mostly padding and every query head would
  *   re-read (and transpose) its kv head. (With few keys that padding is
  *   most of the flash path's cost: one row against 16 keys took 30x the
@@ -638,7 +638,7 @@ ng_status ng_attention_fwd(const ng_attention_args *args, ng_parallel_fn par) {
     NG_TRY(ng_attention_check(args, 0));
     if (args->B == 0 || args->L == 0) return NG_OK;
     ng_attention_args a = ng_attn_normalize(args);
-    if (a.L <= NG_ATTN_DEC_MAX_L && a.S >= 1) return ng_attn_decode(&a, par);
+    if (a.L <= NG_ATTN_CPU_DEC_MAX_L && a.S >= 1) return ng_attn_decode(&a, par);
     ng_attn_variant v = ng_attn_pick(a.dtype);
     ng_attn_ctx c = {.a = &a};
     atomic_init(&c.failed, 0);

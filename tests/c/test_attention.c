@@ -451,6 +451,9 @@ static const acase g_cases[] = {
     /* L <= 16 against fewer keys than a tile: the forward's decode path */
     {"short_S_gqa_cau",2, 8, 2, 12,  24,  32,  32,  LAY_BSHD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 1, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
     {"short_S_guards", 1, 4, 4, 3,   17,  40,  24,  LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_FULL, 1, 0, 3.0, 2.0, 0.3, 4, 0, SP_NONE, 42, 0},
+    /* 17-20 rows also take it, 21 the tiled path */
+    {"L17_gqa_causal", 1, 8, 2, 17,  300, 32,  32,  LAY_BHSD, LAY_BHSD, AM_LOWEST,  MS_PAD,  1, 1, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"L21_gqa_pad",    1, 8, 2, 21,  300, 32,  32,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
     {"L7_S129_E40",    1, 2, 2, 7,   129, 40,  40,  LAY_BSHD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
     {"L129_E80",       1, 1, 1, 129, 70,  80,  80,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
     {"E256",           1, 1, 1, 65,  66,  256, 256, LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
@@ -479,7 +482,7 @@ static const acase g_cases[] = {
 /* clang-format on */
 
 /* The decode path (ng_attention_fwd_decode, which ng_attention_fwd takes for
- * L <= 16 and S >= 1): short query blocks, GQA / MQA groups sharing each
+ * L <= 20 and S >= 1): short query blocks, GQA / MQA groups sharing each
  * K / V read, key ranges split across tasks (nsplit > 1 from about 512 keys
  * when there are few (batch, kv head) pairs), splits that see only masked
  * keys, E not a multiple of 8 (K converted, not read in place). Each case
@@ -501,6 +504,7 @@ static const acase g_dec_cases[] = {
     {"dec_L7_bshd_E128",    2, 4,  4, 7,  129,  128, 128, LAY_BSHD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
     {"dec_L4_split_tail",   1, 2,  1, 4,  3000, 64,  64,  LAY_BHSD, LAY_BHSD, AM_LOWEST,  MS_PAD,  0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 1000},
     {"dec_L9_drop_causal",  1, 4,  1, 9,  40,   16,  16,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_FULL, 1, 1, 0,   0,   0.5, 1, 0, SP_NONE, 42, 0},
+    {"dec_L20_gqa_pad",     2, 8,  2, 20, 700,  64,  64,  LAY_BSHD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
     {"dec_L1_E256",         1, 2,  1, 1,  600,  256, 256, LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
     {"dec_L12_E8_Ev24",     3, 4,  4, 12, 70,   8,   24,  LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_LS,   1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
 };
