@@ -20,14 +20,17 @@ def check_tensor(name: str, t, *, float_only: bool = True) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-    dtype, device = t.dtype, t.device.type  # (each attribute read builds a new object)
+    dtype = t.dtype
     if float_only and dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name} must be float16, bfloat16, float32 or float64, got {dtype}"
         )
-    if device == "cuda" and dtype == torch.float64:
-        raise TypeError(f"{name}: float64 is supported on the CPU only")
-    if device not in ("cpu", "cuda", "meta"):
+    # the is_* flags, not t.device.type: this runs on every call of every op,
+    # and each read of t.device builds a new object
+    if t.is_cuda:
+        if dtype == torch.float64:
+            raise TypeError(f"{name}: float64 is supported on the CPU only")
+    elif not (t.is_cpu or t.is_meta):
         raise ValueError(f"{name} is on {t.device}; nanguard supports cpu and cuda tensors")
 
 
