@@ -354,12 +354,10 @@ def _check_qkv(query, key, value):
         _checks.check_tensor(name, t)
         if t.dim() < 2:
             raise ValueError(f"{name} must have at least 2 dims (..., seq, head_dim), got shape {list(t.shape)}")
-    device, dtype = query.device, query.dtype
     for name, t in (("key", key), ("value", value)):
-        if t.device != device:
-            _checks.check_same_device(name, t, "query", query)
-        if t.dtype != dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but query has {dtype}; they must match")
+        _checks.check_same_device(name, t, "query", query)
+        if t.dtype != query.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but query has {query.dtype}; they must match")
     qs, ks, vs = query.shape, key.shape, value.shape
     E, L, S, Ev = qs[-1], qs[-2], ks[-2], vs[-1]
     if ks[-1] != E:
@@ -401,12 +399,12 @@ def _to_4d(query, key, value, enable_gqa):
     broadcasting leading dims requires). Heads are dim -3. A key/value with
     one head serves every query head (Hkv = 1) and, with ``enable_gqa``, Hq
     may be any multiple of Hkv, both without expanding key/value."""
-    if query.dim() == key.dim() == value.dim() == 4:
-        (qB, hq), (kB, hk), (vB, hv) = query.shape[:2], key.shape[:2], value.shape[:2]
-        if qB == kB == vB and hk == hv and (hq == hk or hk == 1 or (enable_gqa and hq % hk == 0)):
-            return query, key, value, (qB,), hq  # already [B, heads, seq, dim]: the common case
-    nd = max(query.dim(), key.dim(), value.dim(), 3)
-    qb, kb, vb = ((1,) * (nd - t.dim()) + tuple(t.shape[:-2]) for t in (query, key, value))
+    four_d = query.dim() == key.dim() == value.dim() == 4
+    if four_d:  # the common case: the leading dims as they are, no tuples built
+        qb, kb, vb = query.shape[:2], key.shape[:2], value.shape[:2]
+    else:
+        nd = max(query.dim(), key.dim(), value.dim(), 3)
+        qb, kb, vb = ((1,) * (nd - t.dim()) + tuple(t.shape[:-2]) for t in (query, key, value))
     hq, hk, hv = qb[-1], kb[-1], vb[-1]
     if hk != hv:
         if 1 not in (hk, hv):
@@ -424,6 +422,8 @@ def _to_4d(query, key, value, enable_gqa):
         raise ValueError(
             f"query has {hq} heads but key/value have {hk}; pass enable_gqa=True for grouped-query attention"
         )
+    if four_d and qb[0] == kb[0] == vb[0] and (qb[1], kb[1], vb[1]) == (Hq, Hkv, Hkv):
+        return query, key, value, (qb[0],), Hq  # already [B, heads, seq, dim]: no reshapes
     try:
         batch = tuple(torch.broadcast_shapes(qb[:-1], kb[:-1], vb[:-1]))
     except RuntimeError:

@@ -970,7 +970,6 @@ def test_deliberate_refusals_say_so():
         safe_sdpa(big, big, big)
 
 
-
 class _CountingGuard:
     """Stands in for torch._C._AutoDispatchBelowAutograd, counting entries."""
 
