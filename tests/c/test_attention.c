@@ -635,6 +635,35 @@ static void test_decode_group_rows(void) {
     }
 }
 
+/* ng_attention_fwd takes the decode path for L <= NG_ATTN_CPU_DEC_MAX_L
+ * against any S >= 1: its output and lse are ng_attention_fwd_decode's bits
+ * (the tiled path sums in another order). Fewer keys than a tile, 17-20
+ * rows, and the bound itself. */
+static void test_decode_routing(void) {
+    const int64_t shapes[][2] = {{1, 5}, {12, 24}, {17, 300}, {NG_ATTN_CPU_DEC_MAX_L, 300}};
+    enum { Hq = 4, Hkv = 2, E = 32, Lmax = NG_ATTN_CPU_DEC_MAX_L, Smax = 300 };
+    float *q = malloc(sizeof(float) * Hq * Lmax * E), *k = malloc(sizeof(float) * Hkv * Smax * E);
+    float *v = malloc(sizeof(float) * Hkv * Smax * E), *o = malloc(sizeof(float) * Hq * Lmax * E);
+    float *o1 = malloc(sizeof(float) * Hq * Lmax * E), lse[Hq * Lmax], lse1[Hq * Lmax];
+    g_rng.s = 31;
+    for (int x = 0; x < Hq * Lmax * E; x++) q[x] = (float)(2 * urand());
+    for (int x = 0; x < Hkv * Smax * E; x++) k[x] = (float)(2 * urand()), v[x] = (float)urand();
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t L = shapes[si][0], S = shapes[si][1];
+        ng_attention_args a = bhsd_args(NG_F32, 1, Hq, Hkv, L, S, E, E, q, k, v, o, lse, 0.2);
+        ng_attention_args d = a;
+        d.out = o1;
+        d.lse = lse1;
+        CHECK(ng_attention_fwd(&a, NULL) == NG_OK && ng_attention_fwd_decode(&d, NULL) == NG_OK,
+              "routing L %ld S %ld", (long)L, (long)S);
+        CHECK(memcmp(o, o1, sizeof(float) * (size_t)(Hq * L * E)) == 0 &&
+                  memcmp(lse, lse1, sizeof(float) * (size_t)(Hq * L)) == 0,
+              "L %ld against S %ld: ng_attention_fwd does not give the decode path's bits", (long)L,
+              (long)S);
+    }
+    free(q), free(k), free(v), free(o), free(o1);
+}
+
 /* fp16 inputs whose q.k exceeds 65504: the output stays finite and matches. */
 static void test_fp16_overflow(void) {
     acase c = {"fp16_overflow", 1, 1, 1, 8, 16, 64,  64, LAY_BHSD, LAY_BHSD, AM_NONE,
@@ -963,6 +992,7 @@ int main(void) {
                          ng_attention_fwd_decode);
         test_decode_nan();
         test_decode_group_rows();
+        test_decode_routing();
         test_fp16_overflow();
         test_nan_propagates();
         printf("path %s: %s\n", ng_cpu_isa_name((ng_cpu_isa)isa),
