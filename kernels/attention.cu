@@ -21,7 +21,8 @@
  *         keys, lane j owns key j's score: guarded, masked, folded into
  *         (m, l) with one warp max and one warp sum, then p_j is broadcast
  *         lane by lane into the [Ev] accumulator.
- *   bwd:  FlashAttention-2's split, no atomics:
+ *   bwd:  two kernels (key blocks, query blocks), no atomics; the dq one
+ *         computes the scores again (docs/cuda.md says why):
  *         dot:  D = rowsum(dout . out) of every query row, once, into the
  *               caller's workspace (ng_attention_bwd_cuda_ws): fp32
  *               [B, Hq, L] contiguous, row (b, h, i) at (b Hq + h) L + i (the
@@ -32,6 +33,10 @@
  *               (dkdv) or per block (dq). Every backward kernel takes the
  *               source of D as a template flag (WsD), so that neither
  *               instantiation carries the other's registers.
+ *         live: with a padding mask and the workspace, one int per 64-key
+ *               block of each kv head after D: whether any query head of
+ *               the group sees a key of it; both dkdv kernels write
+ *               dk = dv = 0 for a block that none does, computing nothing.
  *         dkdv: nblk = ceil(S/16) per (b, kv head), 8 warps x 2 keys; loops over the
  *               query heads of the group and all query tiles (16 rows staged
  *               with their lse and D).
@@ -62,6 +67,8 @@ constexpr int kBK = 32;                     /* keys per shared tile, one per lan
 constexpr int kBwdPer = 2;                  /* keys (dkdv) or rows (dq) per warp */
 constexpr int kBwdBlock = kWarps * kBwdPer; /* 16 keys or rows per block */
 constexpr int kBwdBQ = 16;                  /* query rows per shared tile in dkdv */
+constexpr int kLiveKeys = 64;               /* keys per block of the backward's live flags */
+static_assert(kLiveKeys % kBwdBlock == 0, "a SIMT dk / dv block inside one flag's keys");
 constexpr unsigned kFull = 0xffffffffu;
 /* Resident blocks per SM the SIMT backward kernels are compiled for: a
  * ceiling of 65536 / (2 x 256) = 128 registers a thread. Left to itself
@@ -733,10 +740,44 @@ static __global__ void __launch_bounds__(kThreads)
     if ((threadIdx.x & 31) == 0) dsum[row] = d;
 }
 
+/* The second pre-kernel, with a padding mask (one that does not depend on
+ * the query: mask_stride[2] == 0): live[(b Hkv + hk) nkb + kb], nkb =
+ * ceil(S / 64), says whether any of the keys [64 kb, 64 kb + 64) is
+ * unmasked for any query head of kv head hk's group. A key that no query
+ * sees has p = 0 and dS = 0 for every query, so the dk / dv kernels (SIMT
+ * and tensor-core) give a block of such keys dk = dv = 0 without staging a
+ * query tile. These are the 64-key blocks the CPU backward skips for every
+ * query tile (rows_masked), so a NaN in dout reaches neither side's dk / dv
+ * at those keys. One warp per entry, kWarps entries a block. */
+static __global__ void __launch_bounds__(kThreads)
+    attention_bwd_live_kernel(ng_attention_args a, int *live) {
+    const int64_t nkb = NG_CEIL_DIV(a.S, (int64_t)kLiveKeys);
+    const int64_t e = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
+    if (e >= a.B * a.Hkv * nkb) return; /* the last block's spare warps */
+    const int64_t kb = e % nkb, bh = e / nkb, hk = bh % a.Hkv, b = bh / a.Hkv;
+    const int64_t grp = a.Hq / a.Hkv;
+    const int64_t heads = a.mask_stride[1] == 0 ? 1 : grp; /* [B, 1, 1, S]: one row for all */
+    const int lane = threadIdx.x & 31;
+    int any = 0;
+    for (int64_t g = 0; g < heads && !any; g++) { /* any is the warp's: a uniform loop */
+        const int64_t row = b * a.mask_stride[0] + (hk * grp + g) * a.mask_stride[1];
+        /* unrolled: as a loop over j (to min(S, 64 kb + 64)) it spilled 8 B on sm_90 */
+#pragma unroll
+        for (int x = 0; x < kLiveKeys; x += 32) {
+            const int64_t j = kb * kLiveKeys + x + lane;
+            if (j < a.S)
+                any |= ng_attn_mask_value(a.mask, a.mask_kind, a.mask_dtype,
+                                          row + j * a.mask_stride[3]) != -INFINITY;
+        }
+        any = __any_sync(kFull, any);
+    }
+    if (lane == 0) live[e] = any;
+}
+
 /* WsD: D from the pre-kernel's dsum; otherwise computed here (dsum unused). */
 template <ng_dtype T, int NT, bool WsD>
 static __global__ void __launch_bounds__(kThreads, NT > 4 ? 1 : kSimtMinBlocks)
-    attention_bwd_dkdv_kernel(ng_attention_args a, const float *dsum) {
+    attention_bwd_dkdv_kernel(ng_attention_args a, const float *dsum, const int *live) {
     NG_DYNAMIC_SMEM(float, smem);
     float *qs = smem, *gs = qs + kBwdBQ * a.E, *lses = gs + kBwdBQ * a.Ev, *Ds = lses + kBwdBQ;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -756,9 +797,14 @@ static __global__ void __launch_bounds__(kThreads, NT > 4 ? 1 : kSimtMinBlocks)
             dv[c][t] = 0.0f;
         }
 
-    /* causal: query tiles that end before this block's first key see none of it */
+    /* causal: query tiles that end before this block's first key see none
+     * of it; live: a padding mask hides the 64 keys around this block from
+     * every query of the group (dk = dv = 0) */
     const int64_t istart = a.is_causal ? (jblk / kBwdBQ) * kBwdBQ : 0;
-    for (int64_t h = hk * grp; h < (hk + 1) * grp; h++) {
+    const bool dead =
+        WsD && live &&
+        !live[(b * a.Hkv + hk) * NG_CEIL_DIV(a.S, (int64_t)kLiveKeys) + jblk / kLiveKeys];
+    for (int64_t h = dead ? (hk + 1) * grp : hk * grp; h < (hk + 1) * grp; h++) {
         const void *qb = slice<T>(a.q, b * a.q_stride[0] + h * a.q_stride[1]);
         const void *gb = slice<T>(a.dout, b * a.dout_stride[0] + h * a.dout_stride[1]);
         const void *ob = slice<T>(a.out, b * a.out_stride[0] + h * a.out_stride[1]);
@@ -927,6 +973,7 @@ constexpr int kMmaWarps = 4;
 constexpr int kMmaThreads = kMmaWarps * 32;
 constexpr int kMmaRows = 64;         /* rows per block and per staged tile */
 constexpr int kMmaNT = kMmaRows / 8; /* n-tiles of 8 across a staged tile */
+static_assert(kMmaRows == kLiveKeys, "a tensor-core dk / dv block is one flag's keys");
 
 template <ng_dtype T>
 __device__ __forceinline__ uint32_t pack_f32x2(float lo, float hi) {
@@ -1740,7 +1787,8 @@ __device__ __forceinline__ void mma_dkdv_issue(uint16_t *qs, uint16_t *gs, float
  * pre-kernel's dsum; otherwise computed per query tile (dsum unused). */
 template <ng_dtype T, int D, int NStage, bool WsD>
 static __global__ void __launch_bounds__(kMmaThreads)
-    attention_bwd_dkdv_mma_kernel(ng_attention_args a, const float *dsum, int vec) {
+    attention_bwd_dkdv_mma_kernel(ng_attention_args a, const float *dsum, const int *live,
+                                  int vec) {
     constexpr int kTile = kMmaRows * (D + 8);
     NG_DYNAMIC_SMEM(uint4, mma_smem);
     /* K, V, then stage st's (Q, dO) tiles at (2 + 2 st) kTile; after the
@@ -1757,10 +1805,12 @@ static __global__ void __launch_bounds__(kMmaThreads)
     float dk[D / 8][4] = {}, dv[D / 8][4] = {};
     int ex[2] = {0, 0};
     /* The query tiles, head by head of the group. causal: query tiles that
-     * end before this block's first key see none of it. */
+     * end before this block's first key see none of it; live: a padding
+     * mask hides its keys from every query of the group. */
     const int64_t istart = a.is_causal ? j0 : 0, hend = (hk + 1) * grp;
     int64_t h = hk * grp, i0 = istart;
-    if (istart >= a.L) {
+    /* (the flags' blocks are this grid's: flag blockIdx.x is this block's) */
+    if (istart >= a.L || (WsD && live && !live[blockIdx.x])) {
         h = hend; /* no query sees these keys: dk = dv = 0 */
     } else {      /* group: K, V and query tile 0 */
         mma_stage_async<D>(ks, kb, a.k_stride[2], j0, a.S - j0, vec);
@@ -1988,12 +2038,26 @@ ng_status launch_fwd(const ng_attention_args *a, cudaStream_t st) {
     return cuda_check();
 }
 
-/* The pre-kernel: D of every query row into dsum (B Hq L floats). */
+/* The backward's workspace after D: the live flags, with a padding mask
+ * (NULL without one). */
+const int *bwd_live(const ng_attention_args *a, const float *ws) {
+    if (!ws || a->mask_kind == NG_MASK_NONE || a->mask_stride[2] != 0) return nullptr;
+    return (const int *)(ws + a->B * a->Hq * a->L);
+}
+
+/* The pre-kernels: D of every query row into dsum (B Hq L floats), then
+ * with a padding mask the key blocks' live flags after it. */
 template <ng_dtype T>
-ng_status launch_bwd_dot(const ng_attention_args *a, cudaStream_t st, float *dsum) {
-    const int64_t nb = NG_CEIL_DIV(a->B * a->Hq * a->L, (int64_t)kWarps);
+ng_status launch_bwd_pre(const ng_attention_args *a, cudaStream_t st, float *dsum) {
+    int64_t nb = NG_CEIL_DIV(a->B * a->Hq * a->L, (int64_t)kWarps);
     if (nb > 2147483647LL) return NG_ERR_UNSUPPORTED; /* gridDim.x */
     NG_LAUNCH((attention_bwd_dot_kernel<T>), dim3((unsigned)nb), kThreads, 0, st, *a, dsum);
+    NG_TRY(cuda_check());
+    int *live = (int *)bwd_live(a, dsum); /* the caller's workspace, written here */
+    if (!live || a->S == 0) return NG_OK;
+    nb = NG_CEIL_DIV(a->B * a->Hkv * NG_CEIL_DIV(a->S, (int64_t)kLiveKeys), (int64_t)kWarps);
+    if (nb > 2147483647LL) return NG_ERR_UNSUPPORTED;
+    NG_LAUNCH((attention_bwd_live_kernel), dim3((unsigned)nb), kThreads, 0, st, *a, live);
     return cuda_check();
 }
 
@@ -2005,7 +2069,8 @@ ng_status launch_bwd_d(const ng_attention_args *a, cudaStream_t st, const float 
         NG_TRY(fold_grid(NG_CEIL_DIV(a->S, (int64_t)kBwdBlock), a->Hkv, a->B, &grid));
         size_t sm = sizeof(float) * (size_t)(kBwdBQ * (a->E + a->Ev) + 2 * kBwdBQ);
         NG_TRY(allow_smem(attention_bwd_dkdv_kernel<T, NT, WsD>, sm, allowed_dkdv));
-        NG_LAUNCH((attention_bwd_dkdv_kernel<T, NT, WsD>), grid, kThreads, sm, st, *a, dsum);
+        NG_LAUNCH((attention_bwd_dkdv_kernel<T, NT, WsD>), grid, kThreads, sm, st, *a, dsum,
+                  bwd_live(a, dsum));
         NG_TRY(cuda_check());
     }
     if (a->L == 0) return NG_OK;
@@ -2042,7 +2107,7 @@ ng_status launch_mma_bwd_d(const ng_attention_args *a, cudaStream_t st, int vec,
         NG_TRY(fold_grid(NG_CEIL_DIV(a->S, (int64_t)kMmaRows), a->Hkv, a->B, &grid));
         NG_TRY(allow_smem(attention_bwd_dkdv_mma_kernel<T, D, NStage, WsD>, sm, allowed_dkdv));
         NG_LAUNCH((attention_bwd_dkdv_mma_kernel<T, D, NStage, WsD>), grid, kMmaThreads, sm, st, *a,
-                  dsum, vec);
+                  dsum, bwd_live(a, dsum), vec);
         NG_TRY(cuda_check());
     }
     if (a->L == 0) return NG_OK;
@@ -2191,7 +2256,7 @@ ng_status launch_decode_mma(const ng_attention_args *a, cudaStream_t st, float *
  * first); NULL without one. */
 template <ng_dtype T>
 ng_status dispatch_nt(const ng_attention_args *a, cudaStream_t st, int backward, float *ws) {
-    if (backward && ws) NG_TRY(launch_bwd_dot<T>(a, st, ws));
+    if (backward && ws) NG_TRY(launch_bwd_pre<T>(a, st, ws));
     if (!backward && decode_shape(a)) {
         if constexpr (T != NG_F32)
             if (dec_mma(a))
@@ -2229,11 +2294,16 @@ int64_t fwd_workspace_bytes(const ng_attention_args *a) {
     return p.nsplit > 1 ? (int64_t)sizeof(float) * p.nsplit * dec_rows(*a) * (a->Ev + 2) : 0;
 }
 
-/* The backward's D: one fp32 per query row, [B, Hq, L]; 0 where there is
- * no row (or fp64, which has no CUDA path). Shape only. */
+/* The backward's D: one fp32 per query row, [B, Hq, L], then with a
+ * padding mask one int per 64-key block of each kv head, [B, Hkv,
+ * ceil(S / 64)] (bwd_live); 0 where there is no row (or fp64, which has no
+ * CUDA path). Shape and mask only: the args need not be checked yet. */
 int64_t bwd_workspace_bytes(const ng_attention_args *a) {
     if (a->dtype == NG_F64 || a->B <= 0 || a->Hq <= 0 || a->L <= 0) return 0;
-    return (int64_t)sizeof(float) * a->B * a->Hq * a->L;
+    const int64_t d = (int64_t)sizeof(float) * a->B * a->Hq * a->L;
+    if (a->mask_kind == NG_MASK_NONE || a->mask_stride[2] != 0 || a->Hkv <= 0 || a->S <= 0)
+        return d;
+    return d + (int64_t)sizeof(int) * a->B * a->Hkv * NG_CEIL_DIV(a->S, (int64_t)kLiveKeys);
 }
 
 ng_status dispatch(const ng_attention_args *a, void *stream, int backward, void *ws,

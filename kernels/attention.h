@@ -115,16 +115,24 @@ ng_status ng_attention_fwd_cuda_ws(const ng_attention_args *a, void *workspace,
 /* 0 unless the shape is a decode shape with keys to split. */
 int64_t ng_attention_fwd_cuda_workspace_bytes(const ng_attention_args *a);
 /* The backward with a device workspace (4-byte aligned) of at least
- * ng_attention_bwd_cuda_workspace_bytes(a) = 4 B Hq L bytes: a pre-kernel
- * computes D = rowsum(dout . out) of every query row once, in fp32, into it
+ * ng_attention_bwd_cuda_workspace_bytes(a) bytes: a pre-kernel computes
+ * D = rowsum(dout . out) of every query row once, in fp32, into it
  * ([B, Hq, L], the layout of lse), and the dk/dv and dq kernels read it.
- * Without one (NULL, as ng_attention_bwd_cuda passes) the kernels compute D
- * themselves for each query tile they stage; the two forms differ at most
- * in fp32 summation order. A smaller or misaligned workspace is
+ * With a padding mask (one that does not depend on the query, mask_stride[2]
+ * == 0) a second pre-kernel marks, per kv head, the 64-key blocks that the
+ * mask hides from every query head of the group ([B, Hkv, ceil(S / 64)]
+ * ints after D), and the dk/dv kernels give those keys dk = dv = 0 without
+ * computing them, as the CPU backward does. Without a workspace (NULL, as
+ * ng_attention_bwd_cuda passes) the kernels compute D themselves for each
+ * query tile they stage and compute every key block. The two forms differ
+ * in fp32 summation order, and at the keys of such blocks when q or dout
+ * holds a NaN: 0 with the workspace, NaN (0 * NaN inside the tile
+ * products) without. A smaller or misaligned workspace is
  * NG_ERR_INVALID_ARG. */
 ng_status ng_attention_bwd_cuda_ws(const ng_attention_args *a, void *workspace,
                                    int64_t workspace_bytes, void *stream);
-/* 4 B Hq L (0 without query rows, and for fp64). */
+/* 4 B Hq L, plus 4 B Hkv ceil(S / 64) with a padding mask (0 without query
+ * rows, and for fp64). */
 int64_t ng_attention_bwd_cuda_workspace_bytes(const ng_attention_args *a);
 
 #ifdef __cplusplus

@@ -281,7 +281,9 @@ static void sdpa_backward(StableIValue *stack, uint64_t na, uint64_t no, const c
     }
     a.lse = (void *)(uintptr_t)lse.data;
 #ifdef NG_BUILD_CUDA
-    /* D = rowsum(dout . out) per query row, computed once by a pre-kernel */
+    /* D = rowsum(dout . out) per query row, computed once by a pre-kernel,
+     * and with a padding mask the key blocks it hides from every query (the
+     * dk / dv kernels skip them) */
     const int64_t wsb = ng_attention_bwd_cuda_workspace_bytes(&a);
     NG_KERNEL_CHECK(&f, ng_attention_bwd_cuda_ws(&a, ng_scratch(&f, wsb, &q), wsb,
                                                  ng_cuda_current_stream(&f, q.device_index)));

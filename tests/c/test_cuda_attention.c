@@ -113,6 +113,12 @@ static const acase ATTN_CASES[] = {
     {"nan_in_q_causal_mask_E64", 1, 2, 2, 129, 129, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_FULL, 0, 1, 0,   0,   0,   1,   0, SP_NAN, 42, 0},
     {"nan_in_dout_pad_mask_E128", 2, 2, 2, 64, 129, 128, 128, LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_PAD,  1, 0, 0,   0,   0,   1,   0, SP_NAN_DOUT, 42, 0},
     {"nan_in_dout_causal_E40",  1, 2, 2,  64,  64,  40,  40,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 1, 0,   0,   0,   1,   0, SP_NAN_DOUT, 42, 0},
+    /* a NaN in dout with the keys past S / 2 padded in every row (whole
+     * 64-key blocks, and one block partly): the blocks' dk / dv are 0 on
+     * both sides, the live flags' skip (without it the NaN row meets their
+     * zero p and dS inside the tile products); with GQA, and at E 128 */
+    {"nan_in_dout_pad_tail_E64_gqa", 2, 4, 2, 129, 300, 64, 64, LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  0, 0, 0,   0,   0,   1,   0, SP_NAN_DOUT, 42, 150},
+    {"nan_in_q_pad_tail_E128",  1, 2, 2,  64,  200, 128, 128, LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_PAD,  0, 0, 0,   0,   0,   1,   0, SP_NAN, 42, 100},
     /* decode shapes (L <= 16, S >= 32: the CPU kernel's split-KV decode path) */
     {"decode_L1_S300_pad_gqa",  2, 8, 2,  1,   300, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1,   0, SP_NONE, 42, 0},
     {"decode_L5_S129_causal_E40", 1, 4, 1, 5,  129, 40,  40,  LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_FULL, 1, 1, 0,   0,   0,   1,   0, SP_NONE, 42, 0},
@@ -196,21 +202,17 @@ static void at_check_gaps(const char *what, const atensor *x, const void *buf) {
 }
 
 /* Download x's device buffer, compare with the CPU's over rows of D, check
- * the padding; returns the downloaded buffer. */
-/* leak_row >= 0: a dk / dv of a causal case with a NaN in query row
- * leak_row of (b 0, kv head 0). The pairs that causality masks for that row
- * add exactly nothing on both sides, but the row's NaN q / dout values still
- * meet their zero coefficients inside the dense tile products (0 * NaN), so
- * keys j > leak_row that share a tile with the row may come out NaN, and
- * which ones depends on the tile sizes (CPU and CUDA differ): there, NaN on
- * one side only is accepted. Every other element compares as usual. */
-static void *at_compare_leak(const char *what, const atensor *x, ng_dtype t, tol tl,
-                             int64_t leak_row) {
+ * the padding; returns the downloaded buffer. forgive (NULL, or one flag
+ * per row of [B, H, N]): rows where a NaN on one side only is accepted
+ * (attn_forgive says which and why). Every other element compares as
+ * usual. */
+static void *at_compare_forgive(const char *what, const atensor *x, ng_dtype t, tol tl,
+                                const uint8_t *forgive) {
     void *g = ddownload(x->d, at_bytes(x));
     double *r = at_dense(x, t, x->h), *d = at_dense(x, t, g);
-    for (int64_t j = leak_row + 1; leak_row >= 0 && j < x->N; j++)
-        for (int64_t e = 0; e < x->D; e++) {
-            const int64_t at = j * x->D + e; /* b 0, head 0 */
+    for (int64_t row = 0; forgive && row < x->B * x->H * x->N; row++)
+        for (int64_t e = 0; forgive[row] && e < x->D; e++) {
+            const int64_t at = row * x->D + e;
             if (isnan(r[at]) != isnan(d[at])) r[at] = d[at] = 0.0;
         }
     close_rows(what, d, r, x->B * x->H * x->N, x->D, tl, NULL);
@@ -221,7 +223,7 @@ static void *at_compare_leak(const char *what, const atensor *x, ng_dtype t, tol
 }
 
 static void *at_compare(const char *what, const atensor *x, ng_dtype t, tol tl) {
-    return at_compare_leak(what, x, t, tl, -1);
+    return at_compare_forgive(what, x, t, tl, NULL);
 }
 
 /* Elements of the fully masked rows (empty_row[(b * H + h) * N + i]) of a
@@ -312,7 +314,50 @@ typedef struct adev {
     size_t lse_bytes;
     uint8_t *empty_row; /* rows the CPU left fully masked (lse -inf) */
     int64_t n_empty;
+    uint8_t *dead_key; /* [B, Hkv, S]: keys of the 64-key blocks that a padding
+                          mask hides from every query head of their group */
 } adev;
+
+/* dead_key of a case with a padding mask ([B or 1, Hq or 1, 1, S]; NULL
+ * otherwise): the blocks the backward's live flags mark dead. */
+static uint8_t *attn_dead_keys(const acase *c, const amask *m) {
+    if (!m->p || (c->mshape != MS_PAD && c->mshape != MS_PAD_H)) return NULL;
+    const int64_t grp = c->Hq / c->Hkv, S = c->S;
+    uint8_t *dead = calloc((size_t)(c->B * c->Hkv * S) + 1, 1);
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t hk = 0; hk < c->Hkv; hk++)
+            for (int64_t j0 = 0; j0 < S; j0 += 64) {
+                int all = 1;
+                for (int64_t h = hk * grp; all && h < (hk + 1) * grp; h++)
+                    for (int64_t j = j0; all && j < NG_MIN(S, j0 + 64); j++)
+                        all = m->flag[b * m->st[0] + h * m->st[1] + j];
+                for (int64_t j = j0; all && j < NG_MIN(S, j0 + 64); j++)
+                    dead[(b * c->Hkv + hk) * S + j] = 1;
+            }
+    return dead;
+}
+
+/* The dk / dv rows ([B, Hkv, S]) of a NaN case (SP_NAN, SP_NAN_DOUT: a NaN
+ * in q or dout, row NG_MIN(2, L - 1) of (b 0, head 0)) where a NaN on one
+ * side only is accepted, or NULL where there are none. The pairs masked for
+ * the NaN row add exactly nothing on both sides, but its NaN values still
+ * meet their zero coefficients inside the dense tile products (0 * NaN), so
+ * a key that shares a computed tile with the row may come out NaN, and
+ * which ones depends on which tiles a side computes:
+ * - causal: keys j > the row (CPU and CUDA tile sizes differ);
+ * - without the workspace (ws 0): the keys of blocks a padding mask hides
+ *   from the whole group (dead_key), which the CPU and the CUDA backward
+ *   with its workspace skip (0) and the CUDA backward without one computes.
+ * With the workspace those keys compare as usual: both sides give 0. */
+static uint8_t *attn_forgive(const acase *c, const adev *dv, int ws) {
+    if ((c->special != SP_NAN && c->special != SP_NAN_DOUT) || c->L == 0) return NULL;
+    const int64_t leak_row = NG_MIN(2, c->L - 1), S = c->S;
+    if (!c->causal && (ws || !dv->dead_key)) return NULL;
+    uint8_t *f = calloc((size_t)(c->B * c->Hkv * S) + 1, 1);
+    for (int64_t j = leak_row + 1; c->causal && j < S; j++) f[j] = 1; /* b 0, kv head 0 */
+    for (int64_t r = 0; !ws && dv->dead_key && r < c->B * c->Hkv * S; r++) f[r] |= dv->dead_key[r];
+    return f;
+}
 
 /* The forward as the op calls it (with the split-KV workspace of a decode
  * shape), then, for a decode shape, without a workspace: one block over all
@@ -363,11 +408,10 @@ static void attn_check_bwd_form(const acase *c, ng_dtype t, aio *io, const ng_at
     const int64_t nonzero = empty_row_nonzeros(g, t, &io->dq, dv->empty_row);
     CHECK(nonzero == 0, "%lld dq values of fully masked rows are not 0", (long long)nonzero);
     free(g);
-    const int64_t leak = c->causal && (c->special == SP_NAN || c->special == SP_NAN_DOUT) && L > 0
-                             ? NG_MIN(2, L - 1)
-                             : -1;
-    free(at_compare_leak("dk", &io->dk, t, attn_tol(t, 2, c->mag, L * grp), leak));
-    free(at_compare_leak("dv", &io->dv, t, attn_tol(t, 2, c->mag, L * grp), leak));
+    uint8_t *forgive = attn_forgive(c, dv, ws != NULL);
+    free(at_compare_forgive("dk", &io->dk, t, attn_tol(t, 2, c->mag, L * grp), forgive));
+    free(at_compare_forgive("dv", &io->dv, t, attn_tol(t, 2, c->mag, L * grp), forgive));
+    free(forgive);
     /* the backward only reads out and lse */
     void *og = ddownload(io->o.d, at_bytes(&io->o));
     void *lg = ddownload(dv->lse_d, L ? dv->lse_bytes : 0);
@@ -385,8 +429,13 @@ static void attn_check_bwd_form(const acase *c, ng_dtype t, aio *io, const ng_at
 static void attn_check_bwd(const acase *c, ng_dtype t, aio *io, const ng_attention_args *ad,
                            adev *dv) {
     const int64_t wsb = ng_attention_bwd_cuda_workspace_bytes(ad);
-    CHECK(wsb == (int64_t)sizeof(float) * c->B * c->Hq * c->L, "backward workspace: %lld bytes",
-          (long long)wsb);
+    /* D, then with a padding mask one int per 64-key block of each kv head */
+    const int pad = c->mask != AM_NONE && (c->mshape == MS_PAD || c->mshape == MS_PAD_H);
+    const int64_t want =
+        c->L ? (int64_t)sizeof(float) * c->B * c->Hq * c->L +
+                   (pad ? (int64_t)sizeof(int) * c->B * c->Hkv * NG_CEIL_DIV(c->S, (int64_t)64) : 0)
+             : 0;
+    CHECK(wsb == want, "backward workspace: %lld bytes, not %lld", (long long)wsb, (long long)want);
     void *ws_d = wsb ? dmalloc((size_t)wsb) : NULL;
     const int no_ws = (c->L * 7 + c->S * 3 + c->E + c->Ev + c->causal + (int64_t)t) % 3 == 0;
     const size_t case_len = strlen(g_case);
@@ -413,7 +462,7 @@ static void attn_case(const acase *c, ng_dtype t) {
               at_new_dev(t, B, Hkv, S, E, c->out_lay), at_new_dev(t, B, Hkv, S, Ev, c->out_lay)};
     attn_inputs(c, t, &io, &rng);
     amask m = amask_new(c, c->mask_f32 ? NG_F32 : t, &rng);
-    adev dv = {NULL, NULL, NULL, (size_t)(B * Hq * L) * sizeof(float), NULL, 0};
+    adev dv = {NULL, NULL, NULL, (size_t)(B * Hq * L) * sizeof(float), NULL, 0, NULL};
     dv.lse = L ? calloc((size_t)(B * Hq * L), sizeof(float)) : NULL;
 
     /* clamp cases: q, k on a 1/8 grid and scale 1/8 make every raw score
@@ -442,6 +491,7 @@ static void attn_case(const acase *c, ng_dtype t) {
     dv.empty_row = calloc((size_t)(B * Hq * L) + 1, 1);
     for (int64_t r = 0; r < B * Hq * L; r++)
         if (dv.lse[r] == -INFINITY) dv.empty_row[r] = 1, dv.n_empty++;
+    dv.dead_key = attn_dead_keys(c, &m);
 
     if (st == NG_OK) attn_check_fwd(c, t, &io, &ad, &dv);
     if (st == NG_OK && do_bwd) attn_check_bwd(c, t, &io, &ad, &dv);
@@ -452,7 +502,7 @@ static void attn_case(const acase *c, ng_dtype t) {
     atensor *all[8] = {&io.q, &io.k, &io.v, &io.dout, &io.o, &io.dq, &io.dk, &io.dv};
     for (int i = 0; i < 8; i++) at_free(all[i]);
     dfree(dv.mask_d), dfree(dv.lse_d);
-    amask_free(&m), free(dv.lse), free(dv.empty_row);
+    amask_free(&m), free(dv.lse), free(dv.empty_row), free(dv.dead_key);
     case_end();
 }
 
