@@ -213,6 +213,43 @@ def test_nan_inputs_propagate(where):
         assert torch.isnan(out[..., 3]).all()
 
 
+@pytest.mark.parametrize("device", conftest.DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("where", ["grad_out", "query"])
+def test_nan_row_stays_off_keys_padded_for_every_query(device, dtype, where):
+    """A NaN in one row of grad_out (or query) reaches dq of that row and dk /
+    dv of every key the row attends; the keys of 64-key blocks that a padding
+    mask hides from every query of their kv group get exactly 0 (the kernels
+    skip those blocks, CPU and CUDA alike); every other batch and kv head
+    stays finite."""
+    B, Hq, Hkv, L, S, E = 2, 4, 2, 70, 200, 64
+    q = rand((B, Hq, L, E), torch.float32, 1).to(device, dtype).requires_grad_()
+    k = rand((B, Hkv, S, E), torch.float32, 2).to(device, dtype).requires_grad_()
+    v = rand((B, Hkv, S, E), torch.float32, 3).to(device, dtype).requires_grad_()
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    mask[0, ..., 100:] = False  # batch 0: keys 128-199 are whole padded blocks, 100-127 part of one
+    gy = rand((B, Hq, L, E), torch.float32, 4).to(device, dtype)
+    if where == "grad_out":
+        gy[0, 0, 5, 3] = float("nan")
+    out = safe_sdpa(q, k, v, attn_mask=mask.to(device), enable_gqa=True)
+    if where == "query":
+        with torch.no_grad():
+            q[0, 0, 5, 3] = float("nan")
+        out = safe_sdpa(q, k, v, attn_mask=mask.to(device), enable_gqa=True)
+    out.backward(gy)
+    dq, dk, dv = (t.grad.float().cpu() for t in (q, k, v))
+    assert torch.isnan(dq[0, 0, 5]).any() and torch.isfinite(dq[0, 0, :5]).all()
+    assert torch.isfinite(dq[1]).all() and torch.isfinite(dq[0, 1:]).all()
+    # kv head 0 of batch 0 (query heads 0 and 1): NaN at the attended keys,
+    # 0 at the wholly padded blocks
+    assert torch.isnan(dk[0, 0, :100]).any(dim=-1).all()
+    assert (dk[0, 0, 128:] == 0).all() and (dv[0, 0, 128:] == 0).all()
+    if where == "grad_out":
+        assert torch.isnan(dv[0, 0, :100, 3]).all()
+    for t in (dk, dv):
+        assert torch.isfinite(t[1]).all() and torch.isfinite(t[0, 1]).all()
+
+
 def test_default_matches_pytorch_sdpa():
     q, k, v = (rand((2, 3, 50, 32), torch.float32, s) for s in (1, 2, 3))
     m = torch.rand(2, 1, 50, 50, generator=torch.Generator().manual_seed(4)) > 0.2
