@@ -17,9 +17,11 @@ beyond the inputs).
     python bench/bench_attention.py --forward    # forward only, inference mode
 
 --flash (a CUDA device only) is the GPU headline: bf16, B=4, H=16, D=128,
-L = S = 4096, no mask and causal, forward and forward+backward, safe_sdpa
-(the tensor-core kernels) against F.scaled_dot_product_attention restricted
-to PyTorch's flash backend; it reports TFLOP/s of both and their ratio.
+L = S = 4096, no mask, causal and a bool padding mask, forward and
+forward+backward, safe_sdpa (the tensor-core kernels) against
+F.scaled_dot_product_attention restricted to PyTorch's flash backend (which
+takes no mask: unmasked in the padding rows) and, with the mask, to its
+memory-efficient one; it reports TFLOP/s and the ratios.
 --decode: one decode step, q [8, 32, 1, 128] against a KV cache of 2048 with
 a boolean padding mask (the last quarter of the keys padded in half the
 batch), 32 query heads over 8 kv heads (GQA, enable_gqa=True) and over 32,
@@ -188,20 +190,41 @@ def peak_memory(name, L, dtype, variant, device):
 
 
 def flash_compare(repeats: int) -> None:
-    """safe_sdpa vs PyTorch's flash backend, bf16, D=128, L=4096, on CUDA."""
+    """safe_sdpa vs PyTorch's flash backend, bf16, D=128, L=4096, on CUDA.
+
+    Variants: no mask, causal, and a bool padding mask [B, 1, 1, S] (the last
+    quarter of the keys padded in half the batch, as --decode pads). Flash
+    takes no mask: in the padding rows it runs unmasked over every key (what
+    a padded batch costs a user of flash who does not unpad it), and
+    PyTorch's memory-efficient backend, which takes the mask, runs it too
+    (nanguard_vs_efficient). TFLOP/s count every key of every row, masked or
+    not (4 B H L S D a forward, 3.5x that forward + backward, half with
+    causal), so they compare times; nanguard computes no key block that the
+    mask pads for every query (1/8 of them here).
+    """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     Bf, Hf, Lf, Df = 4, 16, 4096, 128
     g = torch.Generator().manual_seed(0)
     q, k, v, gy = (torch.randn(Bf, Hf, Lf, Df, generator=g).to("cuda", torch.bfloat16) for _ in range(4))
+    pad = torch.ones(Bf, 1, 1, Lf, dtype=torch.bool)
+    pad[::2, ..., Lf - Lf // 4:] = False
+    pad = pad.to("cuda")
 
-    def flash(q, k, v, causal):
+    def flash(q, k, v, causal, mask):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    cands = {"nanguard": lambda q, k, v, c: safe_sdpa(q, k, v, is_causal=c), "flash": flash}
+    def efficient(q, k, v, causal, mask):
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
     rows = []
-    for causal in (False, True):
+    for variant in ("none", "causal", "padding"):
+        causal, mask = variant == "causal", pad if variant == "padding" else None
+        cands = {"nanguard": lambda q, k, v, c, m: safe_sdpa(q, k, v, attn_mask=m, is_causal=c), "flash": flash}
+        if mask is not None:
+            cands["efficient"] = efficient
         for mode in ("fwd", "fwd+bwd"):
             qg, kg, vg = (t.detach().requires_grad_(mode != "fwd") for t in (q, k, v))
 
@@ -209,22 +232,25 @@ def flash_compare(repeats: int) -> None:
                 def run():
                     if mode == "fwd":
                         with torch.no_grad():
-                            f(qg, kg, vg, causal)
+                            f(qg, kg, vg, causal, mask)
                     else:
-                        f(qg, kg, vg, causal).backward(gy)
+                        f(qg, kg, vg, causal, mask).backward(gy)
                         qg.grad = kg.grad = vg.grad = None
                 return run
 
             t = _common.time_fns({n: mk(f) for n, f in cands.items()}, repeats=repeats, warmup=3, device="cuda")
             fl = 4.0 * Bf * Hf * Lf * Lf * Df * (0.5 if causal else 1.0) * (3.5 if mode != "fwd" else 1.0)
-            row = {"causal": causal, "mode": mode, "nanguard_ms": t["nanguard"] * 1e3, "flash_ms": t["flash"] * 1e3,
+            row = {"variant": variant, "mode": mode, "nanguard_ms": t["nanguard"] * 1e3, "flash_ms": t["flash"] * 1e3,
                    "nanguard_TFLOPs": fl / t["nanguard"] / 1e12, "flash_TFLOPs": fl / t["flash"] / 1e12,
-                   "nanguard_vs_flash": t["flash"] / t["nanguard"]}
+                   "nanguard_vs_flash": t["flash"] / t["nanguard"],
+                   "nanguard_vs_efficient": t["efficient"] / t["nanguard"] if "efficient" in t else None}
             rows.append(row)
             print(row, flush=True)
-    cols = ["causal", "mode", "nanguard_ms", "flash_ms", "nanguard_TFLOPs", "flash_TFLOPs", "nanguard_vs_flash"]
+    cols = ["variant", "mode", "nanguard_ms", "flash_ms", "nanguard_TFLOPs", "flash_TFLOPs", "nanguard_vs_flash",
+            "nanguard_vs_efficient"]
     _common.write_results("attention_cuda_flash", rows, cols,
                           {"B": Bf, "H": Hf, "L": Lf, "D": Df, "dtype": "bfloat16",
+                           "mask": "padding: bool [B,1,1,S], the last quarter of the keys padded in half the batch",
                            "gpu": torch.cuda.get_device_name()})
 
 
