@@ -3,7 +3,7 @@
  * softmax, fp32 accumulation, the per-score math of attention_math.h.
  *
  * Two implementations of the same three kernels (forward, dk/dv, dq) and
- * of the decode forward (L <= 16 rows against S >= 32 keys, with its
+ * of the decode forward (L <= 16 rows against S >= 1 keys, with its
  * split-KV combine):
  * - tensor cores (mma.sync m16n8k16) for fp16 / bf16 with E == Ev in
  *   {64, 128} on sm_80+, described at their sections below;
@@ -258,7 +258,7 @@ static __global__ void __launch_bounds__(kThreads, NT > 4 ? 4 : 0)
 }
 
 /* ---- decode: a few query rows against a long key sequence ---------------
- * A generation step has L <= NG_ATTN_DEC_MAX_L query rows against S >= NG_ATTN_DEC_MIN_S
+ * A generation step has L <= NG_ATTN_DEC_MAX_L query rows against S >= 1
  * cached keys. The query-block kernels would leave most of a 32- or 64-row
  * block empty and read each kv head once per query head. Here a block takes
  * one kv head hk, up to kDecRows rows of the query heads that share it
@@ -2204,7 +2204,7 @@ ng_status launch_decode(const ng_attention_args *a, cudaStream_t st, float *ws) 
 
 /* A forward the decode kernel takes. */
 int decode_shape(const ng_attention_args *a) {
-    return a->L >= 1 && a->L <= NG_ATTN_DEC_MAX_L && a->S >= NG_ATTN_DEC_MIN_S;
+    return a->L >= 1 && a->L <= NG_ATTN_DEC_MAX_L && a->S >= 1;
 }
 
 /* NANGUARD_CUDA_DECODE=simt: the SIMT decode even where the tensor-core one

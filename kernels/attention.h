@@ -29,14 +29,13 @@ extern "C" {
 
 /* The forward takes its decode path (CPU) for L <= NG_ATTN_CPU_DEC_MAX_L
  * query rows against any S >= 1 keys, its decode kernel (CUDA) for
- * L <= NG_ATTN_DEC_MAX_L rows against S >= NG_ATTN_DEC_MIN_S keys. On the
+ * L <= NG_ATTN_DEC_MAX_L rows against any S >= 1 keys. On the
  * CPU the tiled path pads a block's queries to 32 columns of the score GEMM
  * from 17 rows on, and the row loops stay ahead of it up to about 22 rows
  * (B 1, S 1024-2048, head dim 128, one Zen 3 thread: 1.1-1.75x at 17-20
  * rows, GQA and MHA, fp32 and bf16; level at 24). */
 #define NG_ATTN_CPU_DEC_MAX_L 20
 #define NG_ATTN_DEC_MAX_L 16
-#define NG_ATTN_DEC_MIN_S 32
 
 typedef struct ng_attention_args {
     ng_dtype dtype; /* of q, k, v, out, dout, dq, dk, dv */

@@ -11,7 +11,7 @@
  * rows; clamp and soft-cap; dropout with fixed seed / offset (also above
  * 2^32); [B,S,H,D] strides, padded rows and a base off 16 bytes (the tensor
  * cores' unaligned staging); scores beyond fp16's range; a NaN in q; L or
- * S = 0; decode shapes (L <= 16, S >= 32: the tensor-core decode for fp16 /
+ * S = 0; decode shapes (L <= 16, any S: the tensor-core decode for fp16 /
  * bf16 at head dims 64 and 128, the SIMT one otherwise) with and without
  * the split-KV workspace; every backward with D from the pre-kernel's workspace, a third
  * of them also without one (D in the kernels); fp64, Hq % Hkv != 0 and a
@@ -119,7 +119,11 @@ static const acase ATTN_CASES[] = {
      * zero p and dS inside the tile products); with GQA, and at E 128 */
     {"nan_in_dout_pad_tail_E64_gqa", 2, 4, 2, 129, 300, 64, 64, LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  0, 0, 0,   0,   0,   1,   0, SP_NAN_DOUT, 42, 150},
     {"nan_in_q_pad_tail_E128",  1, 2, 2,  64,  200, 128, 128, LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_PAD,  0, 0, 0,   0,   0,   1,   0, SP_NAN, 42, 100},
-    /* decode shapes (L <= 16, S >= 32: the CPU kernel's split-KV decode path) */
+    /* decode shapes (L <= 16 against any S: the CPU kernel's split-KV decode path) */
+    /* fewer keys than one tile (32 SIMT, 64 tensor-core): one partial tile */
+    {"decode_L1_S5_gqa_pad",    2, 8, 2,  1,   5,   64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1,   0, SP_NONE, 42, 0},
+    {"decode_L16_S20_causal_E128", 1, 4, 2, 16, 20, 128, 128, LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_FULL, 0, 1, 0,   0,   0,   1,   0, SP_NONE, 42, 0},
+    {"decode_L3_S1_E40_dropout", 1, 4, 1, 3,   1,   40,  40,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0.3, 1,   0, SP_NONE, 42, 0},
     {"decode_L1_S300_pad_gqa",  2, 8, 2,  1,   300, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1,   0, SP_NONE, 42, 0},
     {"decode_L5_S129_causal_E40", 1, 4, 1, 5,  129, 40,  40,  LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_FULL, 1, 1, 0,   0,   0,   1,   0, SP_NONE, 42, 0},
     {"decode_L16_S1000_softcap", 1, 2, 2, 16, 1000, 128, 128, LAY_BSHD, LAY_BHSD, AM_LOWEST,  MS_PAD,  0, 0, 0,   3.0, 0,   3,   0, SP_NONE, 42, 0},
@@ -367,7 +371,7 @@ static void attn_check_fwd(const acase *c, ng_dtype t, aio *io, const ng_attenti
     const int64_t rows = c->B * c->Hq * c->L;
     const int64_t wsb = ng_attention_fwd_cuda_workspace_bytes(ad);
     void *ws_d = wsb ? dmalloc((size_t)wsb) : NULL;
-    const int decode = c->L >= 1 && c->L <= 16 && c->S >= 32;
+    const int decode = c->L >= 1 && c->L <= NG_ATTN_DEC_MAX_L && c->S >= 1;
     const size_t case_len = strlen(g_case);
     for (int form = 0; form < (decode ? 2 : 1); form++) {
         if (form == 1)

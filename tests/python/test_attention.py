@@ -352,7 +352,7 @@ def test_gqa_matches_pytorch():
 
 
 # ---- decode shapes: a few query rows against a long key sequence -------------------
-# The CPU forward takes its decode path for L <= 16 and S >= 32 (one read of
+# The forward takes its decode path for L <= 20 (CPU) or 16 (CUDA) rows against any S (one read of
 # each kv head for all the query heads of its group, long key ranges split
 # across tasks and combined in a fixed order); the backward is the usual one,
 # fed that forward's out and lse.
