@@ -615,7 +615,31 @@ static void attn_bwd_workspace_contract(void) {
     CHECK(s == NG_ERR_INVALID_ARG, "a misaligned workspace: %s", ng_status_str(s));
     s = ng_attention_bwd_cuda_ws(&a, ws, 0, g_stream);
     CHECK(s == NG_ERR_INVALID_ARG, "an empty workspace: %s", ng_status_str(s));
+
+    /* a padding mask ([B, 1, 1, S], every key attended): the live flags
+     * after D, one int per 64-key block of each kv head; D's bytes alone
+     * are short. A mask that depends on the query asks for D only. */
+    uint8_t *mask = dmalloc((size_t)(B * S));
+    CU(cudaMemsetAsync(mask, 1, (size_t)(B * S), g_stream));
+    ng_attention_args m = a;
+    m.mask = mask, m.mask_kind = NG_MASK_BOOL, m.mask_dtype = NG_F16;
+    m.mask_stride[0] = S, m.mask_stride[1] = 0, m.mask_stride[2] = 0, m.mask_stride[3] = 1;
+    const int64_t need_pad = ng_attention_bwd_cuda_workspace_bytes(&m);
+    CHECK(need_pad == need + (int64_t)sizeof(int) * B * H * 1,
+          "workspace of B 2, Hkv 3, S 7 with a padding mask: %lld bytes", (long long)need_pad);
+    s = ng_attention_bwd_cuda_ws(&m, ws, need, g_stream);
+    CHECK(s == NG_ERR_INVALID_ARG, "a padding mask's workspace without its flags: %s",
+          ng_status_str(s));
+    char *ws_pad = dmalloc((size_t)need_pad);
+    s = ng_attention_bwd_cuda_ws(&m, ws_pad, need_pad, g_stream);
+    CHECK(s == NG_OK, "a padding mask's workspace of exactly the size asked for: %s",
+          ng_status_str(s));
+    t = m;
+    t.mask_stride[2] = S; /* a [B, 1, L, S] mask's strides: sized only, never launched */
+    CHECK(ng_attention_bwd_cuda_workspace_bytes(&t) == need,
+          "a mask that depends on the query asks for the live flags");
     CU(cudaStreamSynchronize(g_stream));
+    dfree(ws_pad), dfree(mask);
     dfree(ws), dfree(in), dfree(dq), dfree(dk), dfree(dv), dfree(lse);
     case_end();
 }
