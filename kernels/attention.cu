@@ -2038,11 +2038,18 @@ ng_status launch_fwd(const ng_attention_args *a, cudaStream_t st) {
     return cuda_check();
 }
 
-/* The backward's workspace after D: the live flags, with a padding mask
- * (NULL without one). */
+/* How many live flags the backward takes: one per 64-key block of each kv
+ * head with a padding mask (a mask that does not depend on the query), [B,
+ * Hkv, ceil(S / 64)]; 0 without one. Shape and mask only. */
+int64_t bwd_live_count(const ng_attention_args *a) {
+    if (a->mask_kind == NG_MASK_NONE || a->mask_stride[2] != 0 || a->Hkv <= 0 || a->S <= 0)
+        return 0;
+    return a->B * a->Hkv * NG_CEIL_DIV(a->S, (int64_t)kLiveKeys);
+}
+
+/* The backward's workspace after D: the live flags (NULL without them). */
 const int *bwd_live(const ng_attention_args *a, const float *ws) {
-    if (!ws || a->mask_kind == NG_MASK_NONE || a->mask_stride[2] != 0) return nullptr;
-    return (const int *)(ws + a->B * a->Hq * a->L);
+    return ws && bwd_live_count(a) > 0 ? (const int *)(ws + a->B * a->Hq * a->L) : nullptr;
 }
 
 /* The pre-kernels: D of every query row into dsum (B Hq L floats), then
@@ -2054,8 +2061,8 @@ ng_status launch_bwd_pre(const ng_attention_args *a, cudaStream_t st, float *dsu
     NG_LAUNCH((attention_bwd_dot_kernel<T>), dim3((unsigned)nb), kThreads, 0, st, *a, dsum);
     NG_TRY(cuda_check());
     int *live = (int *)bwd_live(a, dsum); /* the caller's workspace, written here */
-    if (!live || a->S == 0) return NG_OK;
-    nb = NG_CEIL_DIV(a->B * a->Hkv * NG_CEIL_DIV(a->S, (int64_t)kLiveKeys), (int64_t)kWarps);
+    if (!live) return NG_OK;
+    nb = NG_CEIL_DIV(bwd_live_count(a), (int64_t)kWarps);
     if (nb > 2147483647LL) return NG_ERR_UNSUPPORTED;
     NG_LAUNCH((attention_bwd_live_kernel), dim3((unsigned)nb), kThreads, 0, st, *a, live);
     return cuda_check();
@@ -2296,14 +2303,11 @@ int64_t fwd_workspace_bytes(const ng_attention_args *a) {
 
 /* The backward's D: one fp32 per query row, [B, Hq, L], then with a
  * padding mask one int per 64-key block of each kv head, [B, Hkv,
- * ceil(S / 64)] (bwd_live); 0 where there is no row (or fp64, which has no
+ * ceil(S / 64)] (bwd_live_count); 0 where there is no row (or fp64, which has no
  * CUDA path). Shape and mask only: the args need not be checked yet. */
 int64_t bwd_workspace_bytes(const ng_attention_args *a) {
     if (a->dtype == NG_F64 || a->B <= 0 || a->Hq <= 0 || a->L <= 0) return 0;
-    const int64_t d = (int64_t)sizeof(float) * a->B * a->Hq * a->L;
-    if (a->mask_kind == NG_MASK_NONE || a->mask_stride[2] != 0 || a->Hkv <= 0 || a->S <= 0)
-        return d;
-    return d + (int64_t)sizeof(int) * a->B * a->Hkv * NG_CEIL_DIV(a->S, (int64_t)kLiveKeys);
+    return (int64_t)sizeof(float) * a->B * a->Hq * a->L + (int64_t)sizeof(int) * bwd_live_count(a);
 }
 
 ng_status dispatch(const ng_attention_args *a, void *stream, int backward, void *ws,

@@ -434,7 +434,7 @@ static void attn_check_bwd(const acase *c, ng_dtype t, aio *io, const ng_attenti
                            adev *dv) {
     const int64_t wsb = ng_attention_bwd_cuda_workspace_bytes(ad);
     /* D, then with a padding mask one int per 64-key block of each kv head */
-    const int pad = c->mask != AM_NONE && (c->mshape == MS_PAD || c->mshape == MS_PAD_H);
+    const int pad = dv->dead_key != NULL; /* attn_dead_keys: a padding mask */
     const int64_t want =
         c->L ? (int64_t)sizeof(float) * c->B * c->Hq * c->L +
                    (pad ? (int64_t)sizeof(int) * c->B * c->Hkv * NG_CEIL_DIV(c->S, (int64_t)64) : 0)
