@@ -34,7 +34,19 @@ def check_tensor(name: str, t, *, float_only: bool = True) -> None:
         raise ValueError(f"{name} is on {t.device}; nanguard supports cpu and cuda tensors")
 
 
+def device_type(t) -> str | None:
+    """``t.device.type`` of a tensor, without building the device object for
+    the CPU and CUDA ones (each read of ``t.device`` makes a new object, and
+    the wrappers ask on every call); None for anything that is not a
+    tensor."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    return "cpu" if t.is_cpu else "cuda" if t.is_cuda else t.device.type
+
+
 def check_same_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.is_cpu and ref.is_cpu:  # the common case, without two device objects
+        return
     if t.device != ref.device:
         raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
 

@@ -165,13 +165,17 @@ def _failures(rows, f) -> List[Tuple[str, str]]:
     return [(arg, why) for arg, test, why in rows if not test(f)]
 
 
-def choose(q, k, v, attn_mask, dropout_p, is_causal, scale, max_score, softcap, backend) -> Optional[str]:
+def choose(q, k, v, attn_mask, dropout_p, is_causal, scale, max_score, softcap, backend,
+           device_type: Optional[str] = None) -> Optional[str]:
     """The fused kernel to run (``"cpu_flash"``, ``"flash"``, ``"efficient"``)
     or None for nanguard's own. ``q``, ``k``, ``v`` are safe_sdpa's 4-d
-    ``[B, H, L, E]`` views; ``max_score`` / ``softcap`` 0.0 means off.
+    ``[B, H, L, E]`` views; ``max_score`` / ``softcap`` 0.0 means off;
+    ``device_type`` is ``q.device.type`` where the caller has it.
     ``backend="fused"`` raises ValueError naming the first argument that
     rules the fused kernels out."""
-    if backend == "nanguard" or (backend == "auto" and not PREFER_FUSED.get(q.device.type, False)):
+    if device_type is None:
+        device_type = q.device.type
+    if backend == "nanguard" or (backend == "auto" and not PREFER_FUSED.get(device_type, False)):
         return None  # decided by the device alone: no facts gathered on this per-call path
     f = _facts(q, k, v, attn_mask, dropout_p, is_causal, scale, max_score, softcap)
     fails = _failures(_COMMON, f)

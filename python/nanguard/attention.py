@@ -310,12 +310,12 @@ def safe_sdpa(
     environment variable at import (``auto`` unless set).
     """
     backend = _delegate.check_backend(backend)
-    if isinstance(query, torch.Tensor) and _checks.autocast_active(
-        "scaled_dot_product_attention", query.device.type
-    ):
-        dt = torch.get_autocast_dtype(query.device.type)
+    dev = _checks.device_type(query)
+    if _checks.autocast_active("scaled_dot_product_attention", dev):
+        dt = torch.get_autocast_dtype(dev)
         query, key, value, attn_mask = (_checks.autocast_to(t, dt) for t in (query, key, value, attn_mask))
-    E, L, S, Ev = _check_qkv(query, key, value)
+    qs, ks, vs = _check_qkv(query, key, value)
+    E, L, S, Ev = qs[-1], qs[-2], ks[-2], vs[-1]
     dropout_p, scale = _check_scalars(dropout_p, is_causal, scale, E)
     if dropout_p == 1.0:
         # Every weight dropped: PyTorch returns zeros (and zero gradients).
@@ -328,38 +328,42 @@ def safe_sdpa(
     softcap = _check_guard("softcap", softcap)
 
     rng = _draw_rng(dropout_p)
-    if _dist.is_dtensor(query):  # tensor / sequence parallel activations
+    # (a plain tensor, the common case, is no DTensor: one type test)
+    if type(query) is not torch.Tensor and _dist.is_dtensor(query):  # tensor / sequence parallel
         attn_mask, rng = _dtensor_args(query, key, value, attn_mask, dropout_p, rng)
-    q4, k4, v4, batch, Hq = _to_4d(query, key, value, enable_gqa)
-    params = (dropout_p, is_causal, float(scale), max_score, softcap, rng)
-    kernel = _delegate.choose(q4, k4, v4, attn_mask, dropout_p, is_causal, float(scale), max_score,
-                              softcap, backend)
+    q4, k4, v4, batch, Hq = _to_4d(query, key, value, enable_gqa, qs, ks, vs)
+    scale = float(scale)
+    params = (dropout_p, is_causal, scale, max_score, softcap, rng)
+    kernel = _delegate.choose(q4, k4, v4, attn_mask, dropout_p, is_causal, scale, max_score, softcap,
+                              backend, dev)
     if kernel is not None:
-        out = _delegate.fused_attention(kernel, q4, k4, v4, is_causal, float(scale))
+        out = _delegate.fused_attention(kernel, q4, k4, v4, is_causal, scale)
     elif attn_mask is None:
         out, _ = _checks.call_op(_ops.safe_sdpa, q4, k4, v4, *params)
     else:
         m = _mask_4d(attn_mask, query, batch, Hq, L, S)
         out, _ = _checks.call_op(_ops.safe_sdpa.masked, q4, k4, v4, m, *params)
-    if out.dim() == query.dim() == key.dim() == value.dim():
+    if len(qs) == len(ks) == len(vs) == 4:
         return out  # 4-d inputs, the [B, Hq, L, Ev] result as it is
-    nd = max(query.dim(), key.dim(), value.dim()) - 2  # leading dims of the result
+    nd = max(len(qs), len(ks), len(vs)) - 2  # leading dims of the result
     lead = (*batch, Hq)[-nd:] if nd > 0 else ()
     return out.reshape(*lead, L, Ev)
 
 
 def _check_qkv(query, key, value):
-    """Dtypes, devices and shapes of query / key / value; returns (E, L, S, Ev)."""
+    """Dtypes, devices and shapes of query / key / value; returns their
+    shapes (each read once: every read of ``.shape`` builds a new object)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         _checks.check_tensor(name, t)
-        if t.dim() < 2:
-            raise ValueError(f"{name} must have at least 2 dims (..., seq, head_dim), got shape {list(t.shape)}")
+    qs, ks, vs = query.shape, key.shape, value.shape
+    for name, shape in (("query", qs), ("key", ks), ("value", vs)):
+        if len(shape) < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., seq, head_dim), got shape {list(shape)}")
     for name, t in (("key", key), ("value", value)):
         _checks.check_same_device(name, t, "query", query)
         if t.dtype != query.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but query has {query.dtype}; they must match")
-    qs, ks, vs = query.shape, key.shape, value.shape
-    E, L, S, Ev = qs[-1], qs[-2], ks[-2], vs[-1]
+    E, S, Ev = qs[-1], ks[-2], vs[-1]
     if ks[-1] != E:
         raise ValueError(f"key's head dim ({ks[-1]}) must equal query's ({E})")
     if vs[-2] != S:
@@ -370,7 +374,7 @@ def _check_qkv(query, key, value):
             f"(nanguard's attention kernels stop at {_MAX_HEAD_DIM}, unlike "
             "torch.nn.functional.scaled_dot_product_attention)"
         )
-    return E, L, S, Ev
+    return qs, ks, vs
 
 
 def _check_scalars(dropout_p, is_causal, scale, E):
@@ -394,18 +398,19 @@ def _check_scalars(dropout_p, is_causal, scale, E):
     return dropout_p, scale
 
 
-def _to_4d(query, key, value, enable_gqa):
+def _to_4d(query, key, value, enable_gqa, qs, ks, vs):
     """[B, Hq, L, E], [B, Hkv, S, E], [B, Hkv, S, Ev] views (copies only where
-    broadcasting leading dims requires). Heads are dim -3. A key/value with
-    one head serves every query head (Hkv = 1) and, with ``enable_gqa``, Hq
-    may be any multiple of Hkv, both without expanding key/value."""
-    four_d = query.dim() == key.dim() == value.dim() == 4
+    broadcasting leading dims requires) of tensors of shapes ``qs``, ``ks``,
+    ``vs``. Heads are dim -3. A key/value with one head serves every query
+    head (Hkv = 1) and, with ``enable_gqa``, Hq may be any multiple of Hkv,
+    both without expanding key/value."""
+    four_d = len(qs) == len(ks) == len(vs) == 4
     if four_d:  # the common case: the leading dims as they are, no tuples built
-        qb, kb, vb = query.shape[:2], key.shape[:2], value.shape[:2]
+        hq, hk, hv = qs[1], ks[1], vs[1]
     else:
-        nd = max(query.dim(), key.dim(), value.dim(), 3)
-        qb, kb, vb = ((1,) * (nd - t.dim()) + tuple(t.shape[:-2]) for t in (query, key, value))
-    hq, hk, hv = qb[-1], kb[-1], vb[-1]
+        nd = max(len(qs), len(ks), len(vs), 3)
+        qb, kb, vb = ((1,) * (nd - len(t)) + tuple(t[:-2]) for t in (qs, ks, vs))
+        hq, hk, hv = qb[-1], kb[-1], vb[-1]
     if hk != hv:
         if 1 not in (hk, hv):
             raise ValueError(f"key and value must have the same number of heads (dim -3), got {hk} and {hv}")
@@ -422,8 +427,10 @@ def _to_4d(query, key, value, enable_gqa):
         raise ValueError(
             f"query has {hq} heads but key/value have {hk}; pass enable_gqa=True for grouped-query attention"
         )
-    if four_d and qb[0] == kb[0] == vb[0] and (qb[1], kb[1], vb[1]) == (Hq, Hkv, Hkv):
-        return query, key, value, (qb[0],), Hq  # already [B, heads, seq, dim]: no reshapes
+    if four_d:
+        if qs[0] == ks[0] == vs[0] and (qs[1], ks[1], vs[1]) == (Hq, Hkv, Hkv):
+            return query, key, value, (qs[0],), Hq  # already [B, heads, seq, dim]: no reshapes
+        qb, kb, vb = qs[:2], ks[:2], vs[:2]
     try:
         batch = tuple(torch.broadcast_shapes(qb[:-1], kb[:-1], vb[:-1]))
     except RuntimeError:
@@ -440,6 +447,15 @@ def _to_4d(query, key, value, enable_gqa):
     return four(query, qb, Hq), four(key, kb, Hkv), four(value, vb, Hkv), batch, Hq
 
 
+def _any_mismatch(shape, full) -> bool:
+    """Does a dim of ``shape`` differ from ``full``'s and from 1? (A loop:
+    ``all()`` over a generator costs a microsecond on every masked call.)"""
+    for s, f in zip(shape, full):
+        if s != 1 and s != f:
+            return True
+    return False
+
+
 def _mask_4d(attn_mask, query, batch, Hq, L, S):
     """attn_mask as a 4-d tensor whose dims are [B, Hq, L, S]'s or 1 (no copy
     unless several leading batch dims must be merged)."""
@@ -454,12 +470,11 @@ def _mask_4d(attn_mask, query, batch, Hq, L, S):
             "supported (pass attn_mask.detach())"
         )
     full = (*batch, Hq, L, S)
-    shape = tuple(attn_mask.shape)
-    if len(shape) > len(full) or not all(
-        s == 1 or s == f for s, f in zip(shape, full[len(full) - len(shape):])
-    ):
+    shape = attn_mask.shape
+    lead = len(full) - len(shape)  # dims the mask leaves out, in front
+    if lead < 0 or _any_mismatch(shape, full[lead:]):
         raise ValueError(f"attn_mask of shape {list(shape)} does not broadcast to {list(full)}")
-    m = attn_mask if len(shape) == len(full) else attn_mask.reshape((1,) * (len(full) - len(shape)) + shape)
+    m = attn_mask if lead == 0 else attn_mask.reshape((1,) * lead + tuple(shape))
     nb = len(batch)
     if nb == 0:
         return m.unsqueeze(0)

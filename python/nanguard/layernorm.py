@@ -307,59 +307,66 @@ def _effective_eps(eps: float, eps_floor, dtype: torch.dtype) -> float:
     return max(eps, floor)
 
 
+def _check_param(name: str, p, shape: tuple, input: torch.Tensor):
+    """weight / bias: None, or a tensor of ``shape`` on input's device;
+    returned flat (the op takes the normalized dims as one)."""
+    if p is None:
+        return None
+    _checks.check_tensor(name, p)
+    _checks.check_same_device(name, p, "input", input)
+    if p.shape != shape:
+        raise ValueError(f"{name} must have shape {list(shape)} (normalized_shape), got {list(p.shape)}")
+    return p if len(shape) == 1 else p.reshape(-1)
+
+
 def _norm(input, normalized_shape, weight, bias, eps, rms: bool, eps_floor):
     _checks.check_tensor("input", input)
-    if _dist.is_dtensor(input):  # tensor / sequence parallel activations
+    # (a plain tensor, the common case, is no DTensor: one type test)
+    if type(input) is not torch.Tensor and _dist.is_dtensor(input):  # tensor / sequence parallel
         _dist.register_sharding_strategies()
     shape = _shape_tuple(normalized_shape)
     k = len(shape)
     if k == 0:
         raise ValueError("normalized_shape must have at least one dimension")
-    if input.dim() < k or tuple(input.shape[input.dim() - k :]) != shape:
+    in_shape = input.shape
+    if len(in_shape) < k or in_shape[len(in_shape) - k :] != shape:
         raise ValueError(
             f"normalized_shape {list(shape)} does not match the trailing dimensions of input "
-            f"with shape {list(input.shape)}"
+            f"with shape {list(in_shape)}"
         )
     # Under autocast, the casts PyTorch's own layer_norm / rms_norm get: on
     # CUDA they run in float32 with float32 parameters and return float32; on
     # the CPU autocast leaves them alone. Mirrored so that a drop-in module
     # returns the dtype the module it replaces returns.
     compute = input.dtype
-    if _checks.autocast_active("rms_norm" if rms else "layer_norm", input.device.type):
+    if _checks.autocast_active("rms_norm" if rms else "layer_norm", _checks.device_type(input)):
         input = _checks.autocast_to(input, torch.float32)
         compute = input.dtype
     if eps is None:
         eps = torch.finfo(input.dtype).eps  # rms_norm's default, as in PyTorch
     eps = _effective_eps(_checks.check_eps("eps", eps), eps_floor, input.dtype)
-    params = []
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is None:
-            params.append(None)
-            continue
-        _checks.check_tensor(name, p)
-        _checks.check_same_device(name, p, "input", input)
-        if tuple(p.shape) != shape:
-            raise ValueError(
-                f"{name} must have shape {list(shape)} (normalized_shape), got {list(p.shape)}"
-            )
-        params.append(p if k == 1 else p.reshape(-1))
+    w = _check_param("weight", weight, shape, input)
+    b = _check_param("bias", bias, shape, input)
     # Parameters follow the input's dtype (differentiably), as autocast would,
     # except fp32 parameters of fp16 / bf16 input: those are applied in fp32
     # (PyTorch's mixed-dtype layer_norm / rms_norm; the output keeps the input
     # dtype), and a 16-bit one beside an fp32 one is widened to fp32 (exact).
     # The no-op conversions are skipped (each is a dispatcher call).
     pdt = compute
-    if compute in (torch.float16, torch.bfloat16) and any(
-        p is not None and p.dtype == torch.float32 for p in params
+    if compute in (torch.float16, torch.bfloat16) and (
+        (w is not None and w.dtype == torch.float32) or (b is not None and b.dtype == torch.float32)
     ):
         pdt = torch.float32
-    w, b = (p if p is None or p.dtype == pdt else p.to(pdt) for p in params)
+    if w is not None and w.dtype != pdt:
+        w = w.to(pdt)
+    if b is not None and b.dtype != pdt:
+        b = b.to(pdt)
     if k == 1:
         # Already [..., n]: the op normalizes the last dimension and returns
         # the input's shape.
         x = input
     else:
-        x = input.reshape(*input.shape[: input.dim() - k], math.prod(shape))
+        x = input.reshape(*in_shape[: len(in_shape) - k], math.prod(shape))
     if w is not None and b is not None:
         y = _checks.call_op(_ops.stable_layernorm.weight_bias, x, w, b, eps, rms)[0]
     elif w is not None:
@@ -368,7 +375,7 @@ def _norm(input, normalized_shape, weight, bias, eps, rms: bool, eps_floor):
         y = _checks.call_op(_ops.stable_layernorm.bias, x, b, eps, rms)[0]
     else:
         y = _checks.call_op(_ops.stable_layernorm, x, eps, rms)[0]
-    return y if k == 1 else y.view(input.shape)
+    return y if k == 1 else y.view(in_shape)
 
 
 def layer_norm(

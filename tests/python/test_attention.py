@@ -730,6 +730,27 @@ def test_bad_inputs_raise_clear_errors():
         safe_sdpa(q, k, k, attn_mask=torch.zeros(5, 6, requires_grad=True))
     with pytest.raises(ValueError, match="device|key"):
         safe_sdpa(q, k.to("meta"), k)
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        safe_sdpa(q, k, torch.randn(8))
+    with pytest.raises(ValueError, match="same number of heads"):
+        safe_sdpa(q, k, torch.randn(2, 2, 6, 8))
+    with pytest.raises(ValueError, match="do not broadcast"):
+        safe_sdpa(q, torch.randn(3, 3, 6, 8), torch.randn(3, 3, 6, 8))
+    with pytest.raises(ValueError, match="attn_mask of shape"):
+        safe_sdpa(q, k, k, attn_mask=torch.ones(2, 2, 5, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask of shape"):
+        safe_sdpa(q, k, k, attn_mask=torch.ones(1, 2, 3, 5, 6, dtype=torch.bool))
+
+
+def test_one_head_key_beside_many_head_value_is_broadcast():
+    """4-d key with one head, value with all of query's: the one key head
+    serves every query head (as broadcasting gives), not just the first."""
+    q, v = rand((2, 3, 5, 8), torch.float64, 1), rand((2, 3, 6, 8), torch.float64, 3)
+    k = rand((2, 1, 6, 8), torch.float64, 2)
+    want = F.scaled_dot_product_attention(q, k.expand(2, 3, 6, 8), v)
+    torch.testing.assert_close(safe_sdpa(q, k, v), want)
+    torch.testing.assert_close(safe_sdpa(q, v, k), F.scaled_dot_product_attention(
+        q, v, k.expand(2, 3, 6, 8)))
 
 
 def test_direct_op_calls_raise_not_crash():

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .. import _checks
 from ..attention import safe_sdpa
 from ._wrappers import _hf_pretrained_base
 
@@ -59,8 +60,8 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     max_score = opts.get("max_score")
     if softcap is None:
         softcap = opts.get("softcap")
-    dev = query.device.type
-    if torch.is_autocast_enabled(dev):
+    dev = _checks.device_type(query)
+    if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
         # autocast casts F.scaled_dot_product_attention's inputs; do the same
         dt = torch.get_autocast_dtype(dev)
         query, key, value = query.to(dt), key.to(dt), value.to(dt)
