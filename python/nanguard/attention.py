@@ -353,16 +353,20 @@ def safe_sdpa(
 def _check_qkv(query, key, value):
     """Dtypes, devices and shapes of query / key / value; returns their
     shapes (each read once: every read of ``.shape`` builds a new object)."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        _checks.check_tensor(name, t)
+    # written out, not looped over (name, tensor) pairs: this runs on every call
+    _checks.check_tensor("query", query)
+    _checks.check_tensor("key", key)
+    _checks.check_tensor("value", value)
     qs, ks, vs = query.shape, key.shape, value.shape
-    for name, shape in (("query", qs), ("key", ks), ("value", vs)):
-        if len(shape) < 2:
-            raise ValueError(f"{name} must have at least 2 dims (..., seq, head_dim), got shape {list(shape)}")
-    for name, t in (("key", key), ("value", value)):
-        _checks.check_same_device(name, t, "query", query)
-        if t.dtype != query.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but query has {query.dtype}; they must match")
+    if len(qs) < 2 or len(ks) < 2 or len(vs) < 2:
+        name, shape = next(p for p in (("query", qs), ("key", ks), ("value", vs)) if len(p[1]) < 2)
+        raise ValueError(f"{name} must have at least 2 dims (..., seq, head_dim), got shape {list(shape)}")
+    _checks.check_same_device("key", key, "query", query)
+    _checks.check_same_device("value", value, "query", query)
+    dt = query.dtype
+    if key.dtype != dt or value.dtype != dt:
+        name, t = ("key", key) if key.dtype != dt else ("value", value)
+        raise TypeError(f"{name} has dtype {t.dtype} but query has {dt}; they must match")
     E, S, Ev = qs[-1], ks[-2], vs[-1]
     if ks[-1] != E:
         raise ValueError(f"key's head dim ({ks[-1]}) must equal query's ({E})")
