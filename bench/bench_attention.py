@@ -41,9 +41,11 @@ of 2 kv heads (GQA) with a bool padding mask, fp32 and bf16, under
 torch.no_grad, as a generation loop calls attention. safe_sdpa against
 F.scaled_dot_product_attention, and (with transformers installed) the
 attention function `nanguard.patch` gives a Hugging Face model against
-transformers' own sdpa one, each called as a model calls it. Reports
-microseconds per call (medians of 200-call runs) and the ratios. Results:
-bench/results/attention_<device>_calls.{json,md}.
+transformers' own sdpa one, each called as a model calls it; and a small
+training call (16 query rows against the same keys, inputs that require
+grad, forward and backward of the output's sum; columns train_*). Reports
+microseconds per call (medians of 200-call runs, 50 for training) and the
+ratios. Results: bench/results/attention_<device>_calls.{json,md}.
 
 --forward: forward only under torch.inference_mode, [4, 8, L, 64] with L = S
 in 512..4096, no mask, fp32 and bf16, against F.scaled_dot_product_attention.
@@ -342,18 +344,37 @@ def calls_compare(dev: str, repeats: int, suffix: str = "") -> None:
                 return run
 
             t = _common.time_fns({n: mk(f) for n, f in calls.items()}, repeats=repeats, warmup=2, device=dev)
-            us = {n: t[n] / n_calls * 1e6 for n in t}
+            # a training call: 16 query rows, inputs that require grad,
+            # forward and backward (of the output's sum) on both sides
+            qt, kt, vt = (t_.detach().expand(*t_.shape[:2], 16 if t_ is q else S, d).clone().requires_grad_()
+                          for t_ in (q, k, v))
+            mt = torch.ones(1, 1, 16, S, dtype=torch.bool, device=dev)
+
+            def train(f):
+                def run():
+                    for _ in range(n_calls // 4):
+                        f(qt, kt, vt, attn_mask=mt, enable_gqa=True).sum().backward()
+                return run
+
+            t.update(_common.time_fns({"nanguard_train": train(safe_sdpa),
+                                       "torch_train": train(F.scaled_dot_product_attention)},
+                                      repeats=repeats, warmup=2, device=dev))
+            us = {n: t[n] / (n_calls // 4 if n.endswith("_train") else n_calls) * 1e6 for n in t}
             row = {"dtype": dtype_name, "S": S, "nanguard_us": us["nanguard"], "torch_us": us["torch"],
                    "vs_torch": us["torch"] / us["nanguard"]}
             if "hf_nanguard" in us:
                 row.update(hf_nanguard_us=us["hf_nanguard"], hf_sdpa_us=us["hf_sdpa"],
                            hf_vs_sdpa=us["hf_sdpa"] / us["hf_nanguard"])
+            row.update(train_nanguard_us=us["nanguard_train"], train_torch_us=us["torch_train"],
+                       train_vs_torch=us["torch_train"] / us["nanguard_train"])
             rows.append(row)
             print(row, flush=True)
-    cols = ["dtype", "S", "nanguard_us", "torch_us", "vs_torch", "hf_nanguard_us", "hf_sdpa_us", "hf_vs_sdpa"]
+    cols = ["dtype", "S", "nanguard_us", "torch_us", "vs_torch", "hf_nanguard_us", "hf_sdpa_us", "hf_vs_sdpa",
+            "train_nanguard_us", "train_torch_us", "train_vs_torch"]
     _common.write_results(f"attention_{dev}_calls{suffix}", rows, cols,
                           {"q": [1, hq, 1, d], "kv_heads": hkv, "mask": "bool [1,1,1,S]",
-                           "calls_per_run": n_calls, "repeats": repeats})
+                           "train": "q [1, 8, 16, 64], mask [1, 1, 16, S], forward + backward of the sum",
+                           "calls_per_run": n_calls, "train_calls_per_run": n_calls // 4, "repeats": repeats})
 
 
 def forward_compare(dev: str, repeats: int, lengths=(512, 1024, 2048, 4096), suffix="") -> None:

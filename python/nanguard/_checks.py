@@ -153,25 +153,92 @@ def register_inplace(qualname: str, mutated: dict = None) -> None:
 
 _BELOW_AUTOGRAD = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
 _ANY_REQUIRES_GRAD = getattr(torch._C, "_any_requires_grad", None)
+_FUNCTORCH_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+#: op (an OpOverload) -> its autograd formula as a ``torch.autograd.Function``,
+#: for eager calls that record a gradient (``register_autograd``)
+_EAGER_FUNCTION: dict = {}
+
+#: tensor types an eager Function call takes as they are; anything else (a
+#: DTensor, a FakeTensor, another subclass) goes through the dispatcher
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def register_autograd(op, backward, setup_context=None) -> None:
+    """``torch.library.register_autograd(op, backward, setup_context=...)``,
+    and the same formula as a ``torch.autograd.Function`` for
+    :func:`call_op`'s eager calls that record a gradient.
+
+    The dispatcher's autograd kernel for a formula registered from Python
+    (``torch/_library/autograd.py``) rebuilds the op's argument list from its
+    schema on every call (``fill_defaults``, which asks the schema for its
+    argument list once per argument) before it calls ``setup_context``:
+    with the generated ``autograd.Function`` around it, about 55 us of
+    Python on each recorded call of ``safe_sdpa``, twice the op itself on a
+    small input. The Function runs the same
+    ``setup_context`` and ``backward`` on the same positional arguments
+    (``call_op`` passes every argument of the schema), with the op below the
+    autograd layer as its forward, as that kernel's forward does."""
+    torch.library.register_autograd(op, backward, setup_context=setup_context)
+    if setup_context is None:
+        return
+
+    # forward(ctx, *args), with setup_context called from it: a Function with
+    # a setup_context staticmethod has apply() bind its arguments through
+    # inspect.signature on every call, which costs what is saved here
+    def forward(ctx, *args):
+        with _BELOW_AUTOGRAD():
+            output = op(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    name = "".join(w.capitalize() for w in op._schema.name.split("::")[1].split("_"))
+    overload = op._schema.overload_name
+    _EAGER_FUNCTION[op] = type(
+        f"{name}{overload.capitalize()}Function",
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+    )
+
+
+def _plain_args(args) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
+            return False
+    return True
 
 
 def call_op(op, *args):
-    """``op(*args)`` for an op whose autograd formula is registered from
-    Python (``torch.library.register_autograd``). Where no gradient can be
-    recorded (grad mode off, or no argument requires grad), an eager call
-    runs the op below the autograd layer, as that Python autograd kernel
-    itself would (``torch/_library/autograd.py``, with the same test), minus
-    the kernel's Python: about 8 us a call, as much as a small op's whole
-    kernel. Traced calls (``torch.compile``, ``torch.export``) go through
-    the dispatcher unchanged."""
+    """``op(*args)`` (``op`` an ``OpOverload`` whose autograd formula is
+    registered with :func:`register_autograd`, ``args`` every argument of
+    its schema, positionally) by the shortest eager path.
+
+    Where no gradient can be recorded (grad mode off, or no argument
+    requires grad), the op runs below the autograd layer, as the autograd
+    kernel itself would (``torch/_library/autograd.py``, with the same
+    test), minus that kernel's Python: about 8 us a call, as much as a small
+    op's whole kernel. Where one is recorded, on plain tensors and outside
+    functorch transforms, the op's formula runs as its
+    ``torch.autograd.Function`` (``register_autograd``). Traced calls
+    (``torch.compile``, ``torch.export``), tensor subclasses and functorch
+    transforms go through the dispatcher unchanged."""
     if (
-        not torch.compiler.is_compiling()  # first: the tracer cannot call the test below
-        and _BELOW_AUTOGRAD is not None
-        and _ANY_REQUIRES_GRAD is not None
-        and not (torch.is_grad_enabled() and _ANY_REQUIRES_GRAD(*args))
+        torch.compiler.is_compiling()  # first: the tracer cannot call the tests below
+        or _BELOW_AUTOGRAD is None
+        or _ANY_REQUIRES_GRAD is None
     ):
+        return op(*args)
+    if not (torch.is_grad_enabled() and _ANY_REQUIRES_GRAD(*args)):
         with _BELOW_AUTOGRAD():
             return op(*args)
+    fn = _EAGER_FUNCTION.get(op)
+    if (
+        fn is not None
+        and _FUNCTORCH_ACTIVE is not None
+        and not _FUNCTORCH_ACTIVE()
+        and _plain_args(args)
+    ):
+        return fn.apply(*args)
     return op(*args)
 
 

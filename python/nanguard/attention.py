@@ -126,14 +126,14 @@ def _make_backward(op):
     def backward(ctx, grad_out, _grad_lse):
         values = dict(zip(tensors + ("out", "lse"), ctx.saved_tensors), **ctx.scalars)
         values["grad_out"] = grad_out.contiguous()
-        dq, dk, dv = bwd(*_checks.call_args(bwd, values))
+        dq, dk, dv = _checks.call_op(bwd, *_checks.call_args(bwd, values))
         return _checks.per_arg(op, {"query": dq, "key": dk, "value": dv})
 
     return backward
 
 
 for _fwd in _FORWARDS:
-    torch.library.register_autograd(_fwd, _make_backward(_fwd), setup_context=_make_setup(_fwd))
+    _checks.register_autograd(_fwd, _make_backward(_fwd), setup_context=_make_setup(_fwd))
 
 
 def _no_double_backward(ctx, *grads):
@@ -339,7 +339,7 @@ def safe_sdpa(
     if kernel is not None:
         out = _delegate.fused_attention(kernel, q4, k4, v4, is_causal, scale)
     elif attn_mask is None:
-        out, _ = _checks.call_op(_ops.safe_sdpa, q4, k4, v4, *params)
+        out, _ = _checks.call_op(_ops.safe_sdpa.default, q4, k4, v4, *params)
     else:
         m = _mask_4d(attn_mask, query, batch, Hq, L, S)
         out, _ = _checks.call_op(_ops.safe_sdpa.masked, q4, k4, v4, m, *params)

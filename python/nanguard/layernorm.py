@@ -140,7 +140,7 @@ def _make_backward(op):
         input, weight, mean, rstd = ctx.saved_tensors
         values = {"grad_out": grad_out.contiguous(), "input": input, "weight": weight, "mean": mean,
                   "rstd": rstd, "rms": ctx.rms, "with_bias": ctx.has_b and not ctx.bias_f32}
-        out = bwd(*_checks.call_args(bwd, values))
+        out = _checks.call_op(bwd, *_checks.call_args(bwd, values))
         gx, gw, gb = out if len(out) == 3 else (out[0], None, out[1])
         if ctx.bias_f32:
             gb = grad_out.sum(tuple(range(grad_out.dim() - 1)), dtype=torch.float32)
@@ -150,7 +150,7 @@ def _make_backward(op):
 
 
 for _op in _FWD.values():
-    torch.library.register_autograd(_op, _make_backward(_op), setup_context=_make_setup(_op))
+    _checks.register_autograd(_op, _make_backward(_op), setup_context=_make_setup(_op))
 
 
 # ---- double backward ----------------------------------------------------------
@@ -378,7 +378,7 @@ def _norm(input, normalized_shape, weight, bias, eps, rms: bool, eps_floor):
     elif b is not None:
         y = _checks.call_op(_ops.stable_layernorm.bias, x, b, eps, rms)[0]
     else:
-        y = _checks.call_op(_ops.stable_layernorm, x, eps, rms)[0]
+        y = _checks.call_op(_ops.stable_layernorm.default, x, eps, rms)[0]
     return y if k == 1 else y.view(in_shape)
 
 

@@ -293,7 +293,7 @@ def test_torch_compile_fullgraph_fused(backend):
     # the traced graph holds the fused op; a call the table refuses (auto on
     # the CPU) traces to nanguard's op, also without a graph break
     for attn_backend, want in (("fused", "aten._scaled_dot_product_flash_attention_for_cpu"),
-                               ("auto", "nanguard.safe_sdpa")):
+                               ("auto", "nanguard.safe_sdpa.default")):
         m.attn.backend = attn_backend
         torch._dynamo.reset()
         assert want in _traced_ops(m, x)

@@ -754,3 +754,31 @@ def test_cuda_edge_cases():
         layer_norm(x, (33,), torch.ones(33))
     with pytest.raises(TypeError, match="float64"):
         layer_norm(x.double(), (33,))
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("overload", ["default", "weight", "bias", "weight_bias"])
+def test_eager_function_matches_the_dispatcher_autograd_kernel(overload, rms):
+    """A recorded eager call runs the op's formula as a torch.autograd.Function
+    (_checks.register_autograd); through the dispatcher instead (torch.ops,
+    torch.library's autograd kernel) the same formula must give the same
+    output and gradient bits."""
+    from nanguard import _checks
+
+    if rms and overload in ("bias", "weight_bias"):
+        pytest.skip("RMSNorm has no bias")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 24, generator=g)
+    params = {"weight": torch.randn(24, generator=g), "bias": torch.randn(24, generator=g)}
+    names = [n for n in ("weight", "bias") if n in overload]
+    op = getattr(torch.ops.nanguard.stable_layernorm, overload)
+    results = []
+    for path in ("function", "dispatcher"):
+        leaves = [x.clone().requires_grad_(), *(params[n].clone().requires_grad_() for n in names)]
+        call = (lambda *a: _checks.call_op(op, *a)) if path == "function" else op
+        y, mean, rstd = call(*leaves, 1e-5, rms)
+        assert type(y.grad_fn).__name__.startswith("StableLayernorm") == (path == "function")
+        gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(4))
+        results.append((y.detach(), mean, rstd, *torch.autograd.grad(y, leaves, gy)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
