@@ -601,22 +601,29 @@ static void test_decode_nan(void) {
  * kv head: 7 heads of one group (the kernels' 4-, 2- and 1-row blocks)
  * give each head's bits from a decode of that head alone (1-row blocks),
  * for every KV element type. E 40 and Ev 24 leave tails after the vector
- * blocks, 301 keys a tail after the 4-key blocks; one split either way. */
+ * blocks, E 64 and Ev 48 none; 301 keys leave a tail after the 4-key
+ * blocks; one split either way. With mild scores each lse sums hundreds of
+ * comparable terms, which can round away a last-bit difference in a score;
+ * sharp ones (a large scale) let the row's largest scores decide its lse,
+ * so that the dots' bits are compared more closely. */
 static void test_decode_group_rows(void) {
-    enum { Hq = 7, S = 301, E = 40, Ev = 24 };
+    enum { Hq = 7, S = 301 };
     const ng_dtype types[3] = {NG_F32, NG_BF16, NG_F16};
-    for (int ti = 0; ti < 3; ti++) {
-        const ng_dtype t = types[ti];
+    const int64_t dims[2][2] = {{40, 24}, {64, 48}};
+    for (int ci = 0; ci < 12; ci++) {
+        const ng_dtype t = types[ci % 3];
+        const int64_t E = dims[ci / 3 % 2][0], Ev = dims[ci / 3 % 2][1];
+        const int sharp = ci >= 6;
         const size_t es = ng_dtype_size(t);
         char *q = malloc(Hq * E * es), *k = malloc(S * E * es), *v = malloc(S * Ev * es);
         char *o = malloc(Hq * Ev * es), *o1 = malloc(Ev * es);
         float lse[Hq], lse1;
-        g_rng.s = 5 + ti;
-        for (int x = 0; x < Hq * E; x++) ng_store_f64(q, t, x, 2 * urand());
-        for (int x = 0; x < S * E; x++) ng_store_f64(k, t, x, 2 * urand());
+        g_rng.s = 5 + ci;
+        for (int x = 0; x < Hq * E; x++) ng_store_f64(q, t, x, 2 * urand() - sharp);
+        for (int x = 0; x < S * E; x++) ng_store_f64(k, t, x, 2 * urand() - sharp);
         for (int x = 0; x < S * Ev; x++) ng_store_f64(v, t, x, urand());
-        ng_attention_args a =
-            bhsd_args(t, 1, Hq, 1, 1, S, E, Ev, q, k, v, o, lse, 1.0 / sqrt((double)E));
+        ng_attention_args a = bhsd_args(t, 1, Hq, 1, 1, S, E, Ev, q, k, v, o, lse,
+                                        sharp ? 16.0 : 1.0 / sqrt((double)E));
         CHECK(ng_attention_fwd_decode(&a, NULL) == NG_OK, "decode group rows %s", ng_dtype_name(t));
         int differ = 0;
         for (int h = 0; h < Hq; h++) {
@@ -629,8 +636,10 @@ static void test_decode_group_rows(void) {
                   ng_dtype_name(t));
             differ += memcmp(o1, o + (size_t)h * Ev * es, Ev * es) != 0 || lse1 != lse[h];
         }
-        CHECK(differ == 0, "decode %s [%s]: %d of %d heads differ alone from in their group",
-              ng_dtype_name(t), ng_cpu_isa_name(ng_cpu_isa_active()), differ, Hq);
+        CHECK(differ == 0,
+              "decode %s E %ld Ev %ld%s [%s]: %d of %d heads differ alone from in their group",
+              ng_dtype_name(t), (long)E, (long)Ev, sharp ? " sharp" : "",
+              ng_cpu_isa_name(ng_cpu_isa_active()), differ, Hq);
         free(q), free(k), free(v), free(o), free(o1);
     }
 }
