@@ -453,6 +453,263 @@ ng_gemm_bf16_dot(int64_t M, int64_t N, int64_t P, const uint16_t *A, int64_t lda
 }
 #undef NG_BDOT_TILE
 #undef NG_BDOT_STEP
+
+#if NG_AMX
+/* ---- AMX tiles: the bf16 forward's S^T = K Q^T and O^T += V^T P^T --------
+ * (cpu_isa.h ng_cpu_amx). Eight tile registers of 16 rows x 64 bytes;
+ * tdpbf16ps adds to a 16 x 16 fp32 tile the product of a 16 x 32 bf16 tile
+ * (A, rows as stored) and a 32 x 16 one given as 16 rows of pairs (B: row p
+ * holds, for each column n, the operand's rows 2p and 2p + 1 at n). Each
+ * product of two bf16 values is exact in fp32 and each lane adds its two
+ * with one rounding each, as vdpbf16ps does; subnormal inputs read as zero
+ * and subnormal sums are flushed (the unit ignores MXCSR), which moves a
+ * score by less than 2^-126 per term. A task loads the configuration once
+ * (ng_amx_begin) and releases the tile state when it ends (ng_amx_end). */
+typedef struct ng_amx_cfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} ng_amx_cfg;
+
+/* Palette 1, tiles 0-7 of 16 rows x 64 bytes. A constant in memory: GCC's
+ * _tile_loadconfig tells the compiler it reads only the first 8 bytes, so
+ * the stores that would build it on the stack may be dropped. */
+static const ng_amx_cfg ng_amx_cfg16 = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
+};
+
+NG_TARGET_AMX __attribute__((noinline)) static void ng_amx_begin(void) {
+    _tile_loadconfig(&ng_amx_cfg16);
+}
+
+NG_TARGET_AMX __attribute__((noinline)) static void ng_amx_end(void) { _tile_release(); }
+
+/* One block of up to 2 x 2 output tiles (M2 / N2: two tile rows / columns),
+ * tiles 0-3 the accumulators, 4-5 A, 6-7 B. */
+#define NG_AMX_BLOCK(M2, N2)                                                                       \
+    {                                                                                              \
+        const char *a0 = (const char *)A + i * lda, *b0 = (const char *)B + n * 4;                 \
+        char *c0 = (char *)C + i * ldc + n * 4;                                                    \
+        if (accumulate) {                                                                          \
+            _tile_loadd(0, c0, ldc);                                                               \
+            if (N2) _tile_loadd(1, c0 + 64, ldc);                                                  \
+            if (M2) _tile_loadd(2, c0 + 16 * ldc, ldc);                                            \
+            if (M2 && N2) _tile_loadd(3, c0 + 16 * ldc + 64, ldc);                                 \
+        } else {                                                                                   \
+            _tile_zero(0);                                                                         \
+            if (N2) _tile_zero(1);                                                                 \
+            if (M2) _tile_zero(2);                                                                 \
+            if (M2 && N2) _tile_zero(3);                                                           \
+        }                                                                                          \
+        for (int64_t k = 0; k < K; k += 32) {                                                      \
+            _tile_loadd(4, a0 + 2 * k, lda);                                                       \
+            _tile_loadd(6, b0 + (k / 2) * ldb, ldb);                                               \
+            if (N2) _tile_loadd(7, b0 + (k / 2) * ldb + 64, ldb);                                  \
+            _tile_dpbf16ps(0, 4, 6);                                                               \
+            if (N2) _tile_dpbf16ps(1, 4, 7);                                                       \
+            if (M2) {                                                                              \
+                _tile_loadd(5, a0 + 16 * lda + 2 * k, lda);                                        \
+                _tile_dpbf16ps(2, 5, 6);                                                           \
+                if (N2) _tile_dpbf16ps(3, 5, 7);                                                   \
+            }                                                                                      \
+        }                                                                                          \
+        _tile_stored(0, c0, ldc);                                                                  \
+        if (N2) _tile_stored(1, c0 + 64, ldc);                                                     \
+        if (M2) _tile_stored(2, c0 + 16 * ldc, ldc);                                               \
+        if (M2 && N2) _tile_stored(3, c0 + 16 * ldc + 64, ldc);                                    \
+    }
+
+/* C[M][N] (+= with accumulate, else =) A[M][K] B: A bf16 rows lda bytes
+ * apart, B as K / 2 rows of pairs (row p: for each column n, the operand's
+ * elements (2p, n) and (2p + 1, n)) ldb bytes apart, C fp32 rows ldc bytes
+ * apart. M % 16 == 0, N % 16 == 0, K % 32 == 0. */
+NG_TARGET_AMX __attribute__((noinline)) static void
+ng_amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda, const uint16_t *B,
+            int64_t ldb, float *C, int64_t ldc, int accumulate) {
+    for (int64_t i = 0; i < M; i += 32) {
+        const int m2 = i + 32 <= M;
+        for (int64_t n = 0; n < N; n += 32) {
+            const int n2 = n + 32 <= N;
+            if (m2 && n2)
+                NG_AMX_BLOCK(1, 1)
+            else if (m2)
+                NG_AMX_BLOCK(1, 0)
+            else if (n2)
+                NG_AMX_BLOCK(0, 1)
+            else
+                NG_AMX_BLOCK(0, 0)
+        }
+    }
+}
+#undef NG_AMX_BLOCK
+
+/* 16 x 16 32-bit transpose in registers: r[i] lane j -> r[j] lane i. */
+NG_TARGET_AMX static inline void ng_tr16x16_epi32(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    /* u[4b + c], 128-bit block L: rows 4b..4b+3 of column 4L + c */
+    for (int b = 0; b < 16; b += 4) {
+        u[b] = _mm512_unpacklo_epi64(t[b], t[b + 2]);
+        u[b + 1] = _mm512_unpackhi_epi64(t[b], t[b + 2]);
+        u[b + 2] = _mm512_unpacklo_epi64(t[b + 1], t[b + 3]);
+        u[b + 3] = _mm512_unpackhi_epi64(t[b + 1], t[b + 3]);
+    }
+    /* column 4L + c: block b from u[4b + c]'s block L */
+    for (int c = 0; c < 4; c++) {
+        const __m512i p0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+        const __m512i p1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+        const __m512i q0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+        const __m512i q1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(p0, q0, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(p0, q0, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(p1, q1, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(p1, q1, 0xDD);
+    }
+}
+
+/* V^T of a key tile as tdpbf16ps's A: dst[e][j] = V row j, element e, for
+ * j < nk and e < Ev (rows rs elements apart), 0 for j in [nk, nkp) and for
+ * e in [Ev, Evp); dst rows ldd elements apart. nkp % 32 == 0, Evp % 16 == 0.
+ * Keys are taken in pairs, a pair of one dim being one 32-bit unit, and 16
+ * pairs x 16 dims transposed in registers. */
+NG_TARGET_AMX __attribute__((noinline)) static void ng_amx_pack_vt(uint16_t *dst, int64_t ldd,
+                                                                   const uint16_t *v, int64_t rs,
+                                                                   int64_t nk, int64_t nkp,
+                                                                   int64_t Ev, int64_t Evp) {
+    for (int64_t e0 = 0; e0 < Evp; e0 += 16) {
+        const __mmask16 em =
+            e0 >= Ev ? 0 : (__mmask16)(Ev - e0 >= 16 ? 0xFFFF : (1u << (Ev - e0)) - 1);
+        for (int64_t j0 = 0; j0 < nkp; j0 += 32) {
+            __m512i r[16];
+            for (int p = 0; p < 16; p++) {
+                const int64_t j = j0 + 2 * p;
+                const __m256i lo =
+                    j < nk ? _mm256_maskz_loadu_epi16(em, v + j * rs + e0) : _mm256_setzero_si256();
+                const __m256i hi = j + 1 < nk ? _mm256_maskz_loadu_epi16(em, v + (j + 1) * rs + e0)
+                                              : _mm256_setzero_si256();
+                r[p] = _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
+                                       _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+            }
+            ng_tr16x16_epi32(r); /* r[e]: the 16 pairs of dim e0 + e */
+            for (int e = 0; e < 16; e++) _mm512_storeu_si512(dst + (e0 + e) * ldd + j0, r[e]);
+        }
+    }
+}
+
+/* P^T of a score tile as tdpbf16ps's B: pairs of key rows of s (fp32, ld
+ * apart), rounded to bf16 (to nearest even): dst[p][x] = (s[2p][x],
+ * s[2p + 1][x]) for x < ncols (a multiple of 16), rows past nk read as 0,
+ * pairs p < nkp / 2; dst rows ld pairs apart. */
+NG_TARGET_AMX __attribute__((noinline)) static void
+ng_amx_pack_pt(uint16_t *dst, const float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t ncols) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
+                                         8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t j = 0; j < nkp; j += 2) {
+        uint16_t *d = dst + j * ld;
+        for (int64_t x = 0; x < ncols; x += 16) {
+            const __m512 lo = j < nk ? _mm512_loadu_ps(s + j * ld + x) : _mm512_setzero_ps();
+            const __m512 hi =
+                j + 1 < nk ? _mm512_loadu_ps(s + (j + 1) * ld + x) : _mm512_setzero_ps();
+            const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* lo in 0-15, hi in 16-31 */
+            _mm512_storeu_si512(d + 2 * x, _mm512_permutexvar_epi16(idx, h));
+        }
+    }
+}
+
+/* The forward's online-softmax step down the query columns of a
+ * transposed score tile (s, rows ld apart), for the AMX path: the operations
+ * of ng_cols_softmax_f32_avx512 lane by lane, with two differences. The
+ * running max moves only when a tile's max exceeds it by more than
+ * NG_AMX_LAZY_MAX, so that most tiles leave alpha at 1 and the accumulator
+ * as it is (the softmax does not depend on which max is subtracted; P then
+ * stays below e^8, exact to bf16's rounding and far inside fp32's range).
+ * And with pp, P goes there as bf16 pairs (as ng_amx_pack_pt writes them,
+ * rows nk..nkp-1 zero) instead of back into s. */
+#define NG_AMX_LAZY_MAX 8.0f
+NG_TARGET_AMX __attribute__((noinline)) static void
+ng_amx_cols_softmax(float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t ncols, float scale,
+                    float *m, float *l, float *alpha, uint16_t *pp) {
+    const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 zero = _mm512_setzero_ps(), qnan = _mm512_set1_ps(NAN);
+    const __m512 lazy = _mm512_set1_ps(NG_AMX_LAZY_MAX),
+                 log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
+                                         8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+#define NG_NAN16(x) _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q)
+    for (int64_t c = 0; c < ncols; c += 16) {
+        float *col = s + c;
+        __m512 mx = ninf, mx1 = ninf;
+        __mmask16 nan = 0;
+        int64_t j = 0;
+        for (; j + 2 <= nk; j += 2) {
+            const __m512 x = _mm512_loadu_ps(col + j * ld), y = _mm512_loadu_ps(col + (j + 1) * ld);
+            nan |= NG_NAN16(x) | NG_NAN16(y);
+            mx = _mm512_max_ps(x, mx);
+            mx1 = _mm512_max_ps(y, mx1);
+        }
+        if (j < nk) {
+            const __m512 x = _mm512_loadu_ps(col + j * ld);
+            nan |= NG_NAN16(x);
+            mx = _mm512_max_ps(x, mx);
+        }
+        mx = _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_max_ps(mx1, mx), vs), nan, qnan);
+        const __m512 mo = _mm512_loadu_ps(m + c);
+        const __mmask16 up =
+            NG_NAN16(mx) | _mm512_cmp_ps_mask(mx, _mm512_add_ps(mo, lazy), _CMP_GT_OQ);
+        __m512 mn = _mm512_mask_mov_ps(mo, up, mx);
+        mn = _mm512_mask_mov_ps(mn, NG_NAN16(mo), mo);
+        __m512 al = ng_exp2_16(_mm512_mul_ps(_mm512_sub_ps(mo, mn), log2e));
+        al = _mm512_mask_mov_ps(al, _mm512_cmp_ps_mask(mo, ninf, _CMP_EQ_OQ),
+                                _mm512_mask_mov_ps(zero, NG_NAN16(mn), mn));
+        const __m512 negm = _mm512_mask_mov_ps(_mm512_sub_ps(zero, mn),
+                                               _mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ), ninf);
+        __m512 sum = zero;
+        if (pp) {
+            for (j = 0; j < nkp; j += 2) {
+                __m512 p0 = zero, p1 = zero;
+                if (j < nk)
+                    p0 = ng_exp2_16(_mm512_mul_ps(
+                        _mm512_fmadd_ps(_mm512_loadu_ps(col + j * ld), vs, negm), log2e));
+                if (j + 1 < nk)
+                    p1 = ng_exp2_16(_mm512_mul_ps(
+                        _mm512_fmadd_ps(_mm512_loadu_ps(col + (j + 1) * ld), vs, negm), log2e));
+                sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
+                const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+                _mm512_storeu_si512(pp + j * ld + 2 * c, _mm512_permutexvar_epi16(idx, h));
+            }
+        } else {
+            for (j = 0; j < nk; j++) {
+                const __m512 p = ng_exp2_16(
+                    _mm512_mul_ps(_mm512_fmadd_ps(_mm512_loadu_ps(col + j * ld), vs, negm), log2e));
+                _mm512_storeu_ps(col + j * ld, p);
+                sum = _mm512_add_ps(sum, p);
+            }
+        }
+        _mm512_storeu_ps(l + c, _mm512_fmadd_ps(_mm512_loadu_ps(l + c), al, sum));
+        _mm512_storeu_ps(m + c, mn);
+        _mm512_storeu_ps(alpha + c, al);
+    }
+#undef NG_NAN16
+}
+
+/* acc^T[e][x] *= alpha[x] for e < M, x < ncols (a multiple of 16); rows ld
+ * apart. */
+NG_TARGET_AMX __attribute__((noinline)) static void
+ng_amx_rescale_t(float *acc, int64_t ld, int64_t M, const float *alpha, int64_t ncols) {
+    for (int64_t x = 0; x < ncols; x += 16) {
+        const __m512 al = _mm512_loadu_ps(alpha + x);
+        if (_mm512_cmpneq_ps_mask(al, _mm512_set1_ps(1.0f)) == 0) continue;
+        for (int64_t e = 0; e < M; e++)
+            _mm512_storeu_ps(acc + e * ld + x,
+                             _mm512_mul_ps(_mm512_loadu_ps(acc + e * ld + x), al));
+    }
+}
+#endif
 #endif
 
 /* ---- the tile kernels, once per variant --------------------------------- */
@@ -499,6 +756,7 @@ static inline int64_t ng_pad16(int64_t n) { return NG_CEIL_DIV(n, 16) * 16; }
 #define NG_DOTS_ALIGN 16
 #define NG_DEC_16 1
 #define NG_BF16_DOT 1
+#define NG_AMX_FWD NG_AMX
 #include "kernels/attention_cpu.inc"
 
 /* fp64 on AVX2: the micro-kernel only; dots, P V and the row exp are the

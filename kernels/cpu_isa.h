@@ -25,11 +25,20 @@ typedef enum ng_cpu_isa {
 #define NG_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 #define NG_TARGET_AVX512_BF16                                                                      \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define NG_AMX 1 /* the compiler has the AMX intrinsics */
+#define NG_TARGET_AMX                                                                              \
+    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+#endif
 #else
 #define NG_X86 0
 #define NG_TARGET_AVX2
 #define NG_TARGET_AVX512
 #define NG_TARGET_AVX512_BF16
+#endif
+#ifndef NG_AMX
+#define NG_AMX 0
+#define NG_TARGET_AMX
 #endif
 
 /* Widest path this CPU supports. */
@@ -55,5 +64,18 @@ int ng_cpu_bf16_dot(void);
 /* Turn it on or off (tests). NG_ERR_UNSUPPORTED when on is asked of a CPU
  * without it. */
 ng_status ng_cpu_bf16_dot_set(int on);
+
+/* The forward's bf16 score tiles and P V on AMX tiles (tdpbf16ps): the CPU
+ * has AMX-TILE and AMX-BF16, the OS has enabled the tile state (XCR0) and
+ * granted this process its use (Linux arch_prctl ARCH_REQ_XCOMP_PERM), and
+ * the compiler has the intrinsics. Used by default where supported, before
+ * vdpbf16ps; NANGUARD_CPU_AMX=0 turns it off. */
+int ng_cpu_amx_supported(void);
+/* 1 when the kernels use it now: supported, the AVX-512 path active, not
+ * turned off. */
+int ng_cpu_amx(void);
+/* Turn it on or off (tests). NG_ERR_UNSUPPORTED when on is asked of a CPU
+ * without it. */
+ng_status ng_cpu_amx_set(int on);
 
 #endif /* NG_KERNELS_CPU_ISA_H */

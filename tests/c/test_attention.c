@@ -478,6 +478,9 @@ static const acase g_cases[] = {
     {"many_heads",     4, 8, 4, 300, 70,  8,   8,   LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
     {"many_causal",    4, 8, 8, 260, 260, 8,   8,   LAY_BSHD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 1, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
     {"nsub2_drop",     2, 8, 8, 400, 40,  8,   8,   LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0.2, 1, 0, SP_NONE, 42, 0},
+    /* head dims of a whole number of AMX tiles (bf16 there), several key tiles, Ev != E */
+    {"E128_gqa_pad",   1, 4, 2, 150, 200, 128, 64,  LAY_BSHD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"E64_causal_drop",1, 2, 2, 130, 130, 64,  64,  LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 1, 0,   2.0, 0.1, 2, 0, SP_NONE, 42, 0},
 };
 /* clang-format on */
 
@@ -1007,23 +1010,34 @@ int main(void) {
         printf("path %s: %s\n", ng_cpu_isa_name((ng_cpu_isa)isa),
                ng_test_failures == before ? "ok" : "FAILED");
     }
-    /* bf16 on AVX-512 the other way too: scores by vdpbf16ps or by widening
-     * to fp32, where the CPU has the instruction (the loop above ran its
-     * default) */
-    if (ng_cpu_bf16_dot_supported() && ng_cpu_isa_set(NG_ISA_AVX512) == NG_OK) {
-        const int dflt = ng_cpu_bf16_dot();
-        int before = ng_test_failures;
-        NG_EXPECT(ng_cpu_bf16_dot_set(!dflt) == NG_OK && ng_cpu_bf16_dot() == !dflt);
-        for (size_t ci = 0; ci < sizeof g_cases / sizeof g_cases[0]; ci++)
-            run_case(&g_cases[ci], NG_BF16, (ci % 2) ? chunky_par : NULL, ng_attention_fwd);
-        test_nan_propagates();
-        paths++;
-        printf("path avx512, bf16 scores %s vdpbf16ps: %s\n", dflt ? "without" : "by",
-               ng_test_failures == before ? "ok" : "FAILED");
-        ng_cpu_bf16_dot_set(dflt);
-    } else {
-        NG_EXPECT(ng_cpu_bf16_dot_set(1) == NG_ERR_UNSUPPORTED && !ng_cpu_bf16_dot());
+    /* bf16 on AVX-512 every other way this CPU has (the loop above ran its
+     * default): scores and P V on AMX tiles, scores by vdpbf16ps, or
+     * widened to fp32 */
+    if (ng_cpu_isa_set(NG_ISA_AVX512) == NG_OK) {
+        const int amx0 = ng_cpu_amx(), dot0 = ng_cpu_bf16_dot();
+        const int way0 = amx0 ? 0 : dot0 ? 1 : 2;
+        static const char *const ways[3] = {"AMX tiles", "scores by vdpbf16ps", "widened"};
+        for (int way = 0; way < 3; way++) {
+            if (way == way0 || (way == 0 && !ng_cpu_amx_supported()) ||
+                (way == 1 && !ng_cpu_bf16_dot_supported()))
+                continue;
+            int before = ng_test_failures;
+            NG_EXPECT(ng_cpu_amx_set(way == 0) == NG_OK && ng_cpu_amx() == (way == 0));
+            if (way > 0) NG_EXPECT(ng_cpu_bf16_dot_set(way == 1) == NG_OK);
+            for (size_t ci = 0; ci < sizeof g_cases / sizeof g_cases[0]; ci++)
+                run_case(&g_cases[ci], NG_BF16, (ci % 2) ? chunky_par : NULL, ng_attention_fwd);
+            test_nan_propagates();
+            paths++;
+            printf("path avx512, bf16 %s: %s\n", ways[way],
+                   ng_test_failures == before ? "ok" : "FAILED");
+        }
+        ng_cpu_amx_set(amx0);
+        if (ng_cpu_bf16_dot_supported()) ng_cpu_bf16_dot_set(dot0);
     }
+    if (!ng_cpu_amx_supported())
+        NG_EXPECT(ng_cpu_amx_set(1) == NG_ERR_UNSUPPORTED && !ng_cpu_amx());
+    if (!ng_cpu_bf16_dot_supported())
+        NG_EXPECT(ng_cpu_bf16_dot_set(1) == NG_ERR_UNSUPPORTED && !ng_cpu_bf16_dot());
     printf("test_attention: %d CPU paths, worst err/tol %.3f\n", paths, g_worst);
     return ng_test_finish("test_attention");
 }
