@@ -601,6 +601,42 @@ NG_TARGET_AMX __attribute__((noinline)) static void ng_amx_pack_vt(uint16_t *dst
     }
 }
 
+/* Rows [0, n) of a bf16 tensor (rs elements apart) as tdpbf16ps's B: pairs
+ * of rows, dst[p][e] = (row 2p, row 2p + 1) at element e, for e < dim,
+ * 0 for the rows n..np-1 and the elements dim..dimp-1; dst rows ld pairs
+ * apart. np % 2 == 0, dimp % 16 == 0. */
+NG_TARGET_AMX __attribute__((noinline)) static void
+ng_amx_pack_rows(uint16_t *dst, int64_t ld, const uint16_t *src, int64_t rs, int64_t n, int64_t np,
+                 int64_t dim, int64_t dimp) {
+    for (int64_t e0 = 0; e0 < dimp; e0 += 16) {
+        const __mmask16 em =
+            e0 >= dim ? 0 : (__mmask16)(dim - e0 >= 16 ? 0xFFFF : (1u << (dim - e0)) - 1);
+        for (int64_t j = 0; j < np; j += 2) {
+            const __m256i lo =
+                j < n ? _mm256_maskz_loadu_epi16(em, src + j * rs + e0) : _mm256_setzero_si256();
+            const __m256i hi = j + 1 < n ? _mm256_maskz_loadu_epi16(em, src + (j + 1) * rs + e0)
+                                         : _mm256_setzero_si256();
+            _mm512_storeu_si512(dst + (j / 2 * ld + e0) * 2,
+                                _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
+                                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
+        }
+    }
+}
+
+/* dst[r][x] = bf16(src[r][x]) (to nearest even) for r < n, x < ncols (a
+ * multiple of 16), 0 for the rows n..np-1 and the columns ncols..ncolsp-1;
+ * both ld elements apart. */
+NG_TARGET_AMX __attribute__((noinline)) static void
+ng_amx_bf16_rows(uint16_t *dst, const float *src, int64_t ld, int64_t n, int64_t np, int64_t ncols,
+                 int64_t ncolsp) {
+    for (int64_t r = 0; r < np; r++)
+        for (int64_t x = 0; x < ncolsp; x += 16) {
+            const __m512 v =
+                r < n && x < ncols ? _mm512_loadu_ps(src + r * ld + x) : _mm512_setzero_ps();
+            _mm256_storeu_si256((__m256i *)(dst + r * ld + x), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+}
+
 /* P^T of a score tile as tdpbf16ps's B: pairs of key rows of s (fp32, ld
  * apart), rounded to bf16 (to nearest even): dst[p][x] = (s[2p][x],
  * s[2p + 1][x]) for x < ncols (a multiple of 16), rows past nk read as 0,
