@@ -6,8 +6,9 @@
  *     at most AVX2 (no AVX-512 variant); fp16 / bf16 widened to fp32 tiles on
  *     load, then the fp32 path, but for the decode path on AVX2 / AVX-512,
  *     which reads a 16-bit KV cache in place (ng_dots_bf16 / ng_pv_bf16, and
- *     the fp16 pair: NG_DEC_16); bf16 forward scores by vdpbf16ps where
- *     ng_cpu_bf16_dot() (NG_BF16_DOT).
+ *     the fp16 pair: NG_DEC_16); bf16 forward and backward products on AMX
+ *     tiles where ng_cpu_amx() (NG_AMX_FWD), else forward scores by
+ *     vdpbf16ps where ng_cpu_bf16_dot() (NG_BF16_DOT).
  *   layernorm (layernorm.c pick_path): fp32 / fp16 / bf16 rows in fp32 on
  *     AVX2 when active >= avx2; fp64 in scalar fp64 loops.
  *   grad_guard (grad_guard.c gg_pick): every dtype on AVX2 when active >= avx2.
@@ -31,11 +32,16 @@ __attribute__((visibility("default"))) const char *ng_cpu_info(void) {
     const ng_cpu_isa sup = ng_cpu_isa_supported(), act = ng_cpu_isa_active();
     const char *env = getenv("NANGUARD_CPU_ISA");
     const char *a = ng_cpu_isa_name(act), *ln = act >= NG_ISA_AVX2 ? "avx2" : "baseline";
-    char tiles[96], widened[112], bf16[176];
+    char tiles[96], widened[112], bf16[192];
     snprintf(tiles, sizeof tiles, "widened to fp32 tiles%s",
              act >= NG_ISA_AVX2 ? " (the decode forward reads the KV cache in place)" : "");
     snprintf(widened, sizeof widened, "%s, %s", a, tiles);
-    if (ng_cpu_bf16_dot())
+    if (ng_cpu_amx())
+        snprintf(bf16, sizeof bf16,
+                 "%s, forward and backward products on AMX tiles (amx_bf16; P and dS rounded to "
+                 "bf16, fp32 sums and statistics)",
+                 a);
+    else if (ng_cpu_bf16_dot())
         snprintf(bf16, sizeof bf16, "%s, forward scores by vdpbf16ps (avx512_bf16), the rest %s", a,
                  tiles);
     else

@@ -122,11 +122,33 @@ def test_cli_info_names_the_bf16_dot_scores_when_asked(cpu_info_lib, want):
     env = dict(os.environ)
     env.pop("NANGUARD_CPU_ISA", None)
     env["NANGUARD_CPU_BF16_DOT"] = want
+    env["NANGUARD_CPU_AMX"] = "0"  # AMX, where the CPU has it, comes first
+    sdpa = _sdpa_line(env)
+    has = _supported() == "avx512" and "avx512_bf16" in _info.cpu_model()["flags"]
+    named = "forward scores by vdpbf16ps (avx512_bf16)" in sdpa
+    assert named == (has and want == "1"), sdpa
+
+
+@pytest.mark.parametrize("want", ["0", "1"])
+def test_cli_info_names_the_amx_tiles_when_used(cpu_info_lib, want):
+    """bf16 attention runs on AMX tiles where the CPU has AMX-TILE and
+    AMX-BF16 (Linux grants the tile state) on the AVX-512 path, unless
+    NANGUARD_CPU_AMX=0; safe_sdpa's bf16 line says so."""
+    env = dict(os.environ)
+    env.pop("NANGUARD_CPU_ISA", None)
+    env["NANGUARD_CPU_AMX"] = want
+    sdpa = _sdpa_line(env)
+    flags = _info.cpu_model()["flags"]
+    has = (_supported() == "avx512" and "amx_bf16" in flags and "amx_tile" in flags
+           and sys.platform == "linux")
+    named = "products on AMX tiles (amx_bf16" in sdpa
+    assert named == (has and want == "1"), sdpa
+
+
+def _sdpa_line(env):
     out = subprocess.run([sys.executable, "-m", "nanguard", "info"], capture_output=True, text=True,
                          timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     sdpa = re.search(r"^  nanguard::safe_sdpa +cpu +\[(.*)\]$", out.stdout, re.M)
     assert sdpa, out.stdout
-    has = _supported() == "avx512" and "avx512_bf16" in _info.cpu_model()["flags"]
-    named = "forward scores by vdpbf16ps (avx512_bf16)" in sdpa.group(1)
-    assert named == (has and want == "1"), sdpa.group(1)
+    return sdpa.group(1)
