@@ -679,9 +679,47 @@ ng_amx_cols_softmax(float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t ncols
 #define NG_NAN16(x) _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q)
     for (int64_t c = 0; c < ncols; c += 16) {
         float *col = s + c;
+        const __m512 mo = _mm512_loadu_ps(m + c);
         __m512 mx = ninf, mx1 = ninf;
         __mmask16 nan = 0;
         int64_t j = 0;
+        if (pp && _mm512_cmp_ps_mask(_mm512_sub_ps(mo, mo), zero, _CMP_EQ_OQ) == 0xFFFF) {
+            /* Every running max finite: one pass that takes it as the new
+             * max and tracks the tile's. Where the tile's stays within the
+             * lazy margin (the usual case), that is what the two passes below
+             * compute, bit for bit (alpha 1, l + sum); else they run. */
+            const __m512 negm = _mm512_sub_ps(zero, mo);
+            __m512 sum = zero;
+            for (j = 0; j < nkp; j += 2) {
+                __m512 p0 = zero, p1 = zero;
+                if (j < nk) {
+                    const __m512 x = _mm512_loadu_ps(col + j * ld);
+                    nan |= NG_NAN16(x);
+                    mx = _mm512_max_ps(x, mx);
+                    p0 = ng_exp2_16(_mm512_mul_ps(_mm512_fmadd_ps(x, vs, negm), log2e));
+                }
+                if (j + 1 < nk) {
+                    const __m512 y = _mm512_loadu_ps(col + (j + 1) * ld);
+                    nan |= NG_NAN16(y);
+                    mx1 = _mm512_max_ps(y, mx1);
+                    p1 = ng_exp2_16(_mm512_mul_ps(_mm512_fmadd_ps(y, vs, negm), log2e));
+                }
+                sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
+                const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+                _mm512_storeu_si512(pp + j * ld + 2 * c, _mm512_permutexvar_epi16(idx, h));
+            }
+            const __m512 t =
+                _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_max_ps(mx1, mx), vs), nan, qnan);
+            if ((NG_NAN16(t) | _mm512_cmp_ps_mask(t, _mm512_add_ps(mo, lazy), _CMP_GT_OQ)) == 0) {
+                _mm512_storeu_ps(
+                    l + c, _mm512_fmadd_ps(_mm512_loadu_ps(l + c), _mm512_set1_ps(1.0f), sum));
+                _mm512_storeu_ps(alpha + c, _mm512_set1_ps(1.0f));
+                continue;
+            }
+            mx = mx1 = ninf;
+            nan = 0;
+            j = 0;
+        }
         for (; j + 2 <= nk; j += 2) {
             const __m512 x = _mm512_loadu_ps(col + j * ld), y = _mm512_loadu_ps(col + (j + 1) * ld);
             nan |= NG_NAN16(x) | NG_NAN16(y);
@@ -694,7 +732,6 @@ ng_amx_cols_softmax(float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t ncols
             mx = _mm512_max_ps(x, mx);
         }
         mx = _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_max_ps(mx1, mx), vs), nan, qnan);
-        const __m512 mo = _mm512_loadu_ps(m + c);
         const __mmask16 up =
             NG_NAN16(mx) | _mm512_cmp_ps_mask(mx, _mm512_add_ps(mo, lazy), _CMP_GT_OQ);
         __m512 mn = _mm512_mask_mov_ps(mo, up, mx);
