@@ -572,6 +572,32 @@ NG_TARGET_AMX static inline void ng_tr16x16_epi32(__m512i r[16]) {
     }
 }
 
+/* Lanes e0..e0+15 below dim: the mask of the elements a row has there. */
+static inline __mmask16 ng_amx_lanes(int64_t e0, int64_t dim) {
+    return e0 >= dim ? 0 : (__mmask16)(dim - e0 >= 16 ? 0xFFFF : (1u << (dim - e0)) - 1);
+}
+
+/* Elements e0..e0+15 (those in em) of bf16 rows j and j + 1 (rs elements
+ * apart, rows n.. read as 0) as 16 32-bit pairs: lane e holds (row j,
+ * row j + 1) at e0 + e. */
+NG_TARGET_AMX static inline __m512i ng_amx_row_pairs(const uint16_t *src, int64_t rs, int64_t j,
+                                                     int64_t n, int64_t e0, __mmask16 em) {
+    const __m256i lo =
+        j < n ? _mm256_maskz_loadu_epi16(em, src + j * rs + e0) : _mm256_setzero_si256();
+    const __m256i hi =
+        j + 1 < n ? _mm256_maskz_loadu_epi16(em, src + (j + 1) * rs + e0) : _mm256_setzero_si256();
+    return _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
+                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+}
+
+/* Two fp32 vectors rounded to bf16 (to nearest even) and interleaved: the
+ * 16 pairs (lo[x], hi[x]), as tdpbf16ps's B takes a pair of rows. */
+NG_TARGET_AMX static inline __m512i ng_amx_pair_bf16(__m512 lo, __m512 hi) {
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
+                                         8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
 /* V^T of a key tile as tdpbf16ps's A: dst[e][j] = V row j, element e, for
  * j < nk and e < Ev (rows rs elements apart), 0 for j in [nk, nkp) and for
  * e in [Ev, Evp); dst rows ldd elements apart. nkp % 32 == 0, Evp % 16 == 0.
@@ -582,19 +608,10 @@ NG_TARGET_AMX __attribute__((noinline)) static void ng_amx_pack_vt(uint16_t *dst
                                                                    int64_t nk, int64_t nkp,
                                                                    int64_t Ev, int64_t Evp) {
     for (int64_t e0 = 0; e0 < Evp; e0 += 16) {
-        const __mmask16 em =
-            e0 >= Ev ? 0 : (__mmask16)(Ev - e0 >= 16 ? 0xFFFF : (1u << (Ev - e0)) - 1);
+        const __mmask16 em = ng_amx_lanes(e0, Ev);
         for (int64_t j0 = 0; j0 < nkp; j0 += 32) {
             __m512i r[16];
-            for (int p = 0; p < 16; p++) {
-                const int64_t j = j0 + 2 * p;
-                const __m256i lo =
-                    j < nk ? _mm256_maskz_loadu_epi16(em, v + j * rs + e0) : _mm256_setzero_si256();
-                const __m256i hi = j + 1 < nk ? _mm256_maskz_loadu_epi16(em, v + (j + 1) * rs + e0)
-                                              : _mm256_setzero_si256();
-                r[p] = _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
-                                       _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-            }
+            for (int p = 0; p < 16; p++) r[p] = ng_amx_row_pairs(v, rs, j0 + 2 * p, nk, e0, em);
             ng_tr16x16_epi32(r); /* r[e]: the 16 pairs of dim e0 + e */
             for (int e = 0; e < 16; e++) _mm512_storeu_si512(dst + (e0 + e) * ldd + j0, r[e]);
         }
@@ -609,17 +626,10 @@ NG_TARGET_AMX __attribute__((noinline)) static void
 ng_amx_pack_rows(uint16_t *dst, int64_t ld, const uint16_t *src, int64_t rs, int64_t n, int64_t np,
                  int64_t dim, int64_t dimp) {
     for (int64_t e0 = 0; e0 < dimp; e0 += 16) {
-        const __mmask16 em =
-            e0 >= dim ? 0 : (__mmask16)(dim - e0 >= 16 ? 0xFFFF : (1u << (dim - e0)) - 1);
-        for (int64_t j = 0; j < np; j += 2) {
-            const __m256i lo =
-                j < n ? _mm256_maskz_loadu_epi16(em, src + j * rs + e0) : _mm256_setzero_si256();
-            const __m256i hi = j + 1 < n ? _mm256_maskz_loadu_epi16(em, src + (j + 1) * rs + e0)
-                                         : _mm256_setzero_si256();
+        const __mmask16 em = ng_amx_lanes(e0, dim);
+        for (int64_t j = 0; j < np; j += 2)
             _mm512_storeu_si512(dst + (j / 2 * ld + e0) * 2,
-                                _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
-                                                _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)));
-        }
+                                ng_amx_row_pairs(src, rs, j, n, e0, em));
     }
 }
 
@@ -643,16 +653,13 @@ ng_amx_bf16_rows(uint16_t *dst, const float *src, int64_t ld, int64_t n, int64_t
  * pairs p < nkp / 2; dst rows ld pairs apart. */
 NG_TARGET_AMX __attribute__((noinline)) static void
 ng_amx_pack_pt(uint16_t *dst, const float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t ncols) {
-    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
-                                         8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int64_t j = 0; j < nkp; j += 2) {
         uint16_t *d = dst + j * ld;
         for (int64_t x = 0; x < ncols; x += 16) {
             const __m512 lo = j < nk ? _mm512_loadu_ps(s + j * ld + x) : _mm512_setzero_ps();
             const __m512 hi =
                 j + 1 < nk ? _mm512_loadu_ps(s + (j + 1) * ld + x) : _mm512_setzero_ps();
-            const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* lo in 0-15, hi in 16-31 */
-            _mm512_storeu_si512(d + 2 * x, _mm512_permutexvar_epi16(idx, h));
+            _mm512_storeu_si512(d + 2 * x, ng_amx_pair_bf16(lo, hi));
         }
     }
 }
@@ -667,59 +674,78 @@ ng_amx_pack_pt(uint16_t *dst, const float *s, int64_t ld, int64_t nk, int64_t nk
  * And with pp, P goes there as bf16 pairs (as ng_amx_pack_pt writes them,
  * rows nk..nkp-1 zero) instead of back into s. */
 #define NG_AMX_LAZY_MAX 8.0f
+#define NG_NAN16(x) _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q)
+
+/* P = 2^((s * scale - m) log2 e): the difference in one rounding (FMA), as
+ * ng_cols_softmax_f32_avx512 takes it; negm is -m. */
+NG_TARGET_AMX static inline __m512 ng_amx_p(__m512 x, __m512 vs, __m512 negm) {
+    return ng_exp2_16(
+        _mm512_mul_ps(_mm512_fmadd_ps(x, vs, negm), _mm512_set1_ps(1.44269504088896341f)));
+}
+
+/* P of key rows 0..nk-1 of a column block (col, rows ld apart) into pp as
+ * bf16 pairs (pp's rows ld pairs apart, rows nk..nkp-1 zero); returns the
+ * sum of P, added in key order. With mx, also the raw scores' max (even
+ * keys into *mx, odd into *mx1) and which lanes hold a NaN (*nan). */
+NG_TARGET_AMX static inline __m512 ng_amx_p_pairs(const float *col, int64_t ld, int64_t nk,
+                                                  int64_t nkp, __m512 vs, __m512 negm, uint16_t *pp,
+                                                  __m512 *mx, __m512 *mx1, __mmask16 *nan) {
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 sum = zero;
+    for (int64_t j = 0; j < nkp; j += 2) {
+        __m512 p0 = zero, p1 = zero;
+        if (j < nk) {
+            const __m512 x = _mm512_loadu_ps(col + j * ld);
+            if (mx) {
+                *nan |= NG_NAN16(x);
+                *mx = _mm512_max_ps(x, *mx);
+            }
+            p0 = ng_amx_p(x, vs, negm);
+        }
+        if (j + 1 < nk) {
+            const __m512 y = _mm512_loadu_ps(col + (j + 1) * ld);
+            if (mx) {
+                *nan |= NG_NAN16(y);
+                *mx1 = _mm512_max_ps(y, *mx1);
+            }
+            p1 = ng_amx_p(y, vs, negm);
+        }
+        sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
+        _mm512_storeu_si512(pp + j * ld, ng_amx_pair_bf16(p0, p1));
+    }
+    return sum;
+}
+
 NG_TARGET_AMX __attribute__((noinline)) static void
 ng_amx_cols_softmax(float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t ncols, float scale,
                     float *m, float *l, float *alpha, uint16_t *pp) {
     const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-    const __m512 zero = _mm512_setzero_ps(), qnan = _mm512_set1_ps(NAN);
+    const __m512 zero = _mm512_setzero_ps(), qnan = _mm512_set1_ps(NAN), one = _mm512_set1_ps(1.0f);
     const __m512 lazy = _mm512_set1_ps(NG_AMX_LAZY_MAX),
                  log2e = _mm512_set1_ps(1.44269504088896341f);
-    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
-                                         8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-#define NG_NAN16(x) _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q)
     for (int64_t c = 0; c < ncols; c += 16) {
         float *col = s + c;
         const __m512 mo = _mm512_loadu_ps(m + c);
         __m512 mx = ninf, mx1 = ninf;
         __mmask16 nan = 0;
-        int64_t j = 0;
         if (pp && _mm512_cmp_ps_mask(_mm512_sub_ps(mo, mo), zero, _CMP_EQ_OQ) == 0xFFFF) {
             /* Every running max finite: one pass that takes it as the new
              * max and tracks the tile's. Where the tile's stays within the
              * lazy margin (the usual case), that is what the two passes below
              * compute, bit for bit (alpha 1, l + sum); else they run. */
-            const __m512 negm = _mm512_sub_ps(zero, mo);
-            __m512 sum = zero;
-            for (j = 0; j < nkp; j += 2) {
-                __m512 p0 = zero, p1 = zero;
-                if (j < nk) {
-                    const __m512 x = _mm512_loadu_ps(col + j * ld);
-                    nan |= NG_NAN16(x);
-                    mx = _mm512_max_ps(x, mx);
-                    p0 = ng_exp2_16(_mm512_mul_ps(_mm512_fmadd_ps(x, vs, negm), log2e));
-                }
-                if (j + 1 < nk) {
-                    const __m512 y = _mm512_loadu_ps(col + (j + 1) * ld);
-                    nan |= NG_NAN16(y);
-                    mx1 = _mm512_max_ps(y, mx1);
-                    p1 = ng_exp2_16(_mm512_mul_ps(_mm512_fmadd_ps(y, vs, negm), log2e));
-                }
-                sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
-                const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
-                _mm512_storeu_si512(pp + j * ld + 2 * c, _mm512_permutexvar_epi16(idx, h));
-            }
+            const __m512 sum = ng_amx_p_pairs(col, ld, nk, nkp, vs, _mm512_sub_ps(zero, mo),
+                                              pp + 2 * c, &mx, &mx1, &nan);
             const __m512 t =
                 _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_max_ps(mx1, mx), vs), nan, qnan);
             if ((NG_NAN16(t) | _mm512_cmp_ps_mask(t, _mm512_add_ps(mo, lazy), _CMP_GT_OQ)) == 0) {
-                _mm512_storeu_ps(
-                    l + c, _mm512_fmadd_ps(_mm512_loadu_ps(l + c), _mm512_set1_ps(1.0f), sum));
-                _mm512_storeu_ps(alpha + c, _mm512_set1_ps(1.0f));
+                _mm512_storeu_ps(l + c, _mm512_add_ps(_mm512_loadu_ps(l + c), sum));
+                _mm512_storeu_ps(alpha + c, one);
                 continue;
             }
             mx = mx1 = ninf;
             nan = 0;
-            j = 0;
         }
+        int64_t j = 0;
         for (; j + 2 <= nk; j += 2) {
             const __m512 x = _mm512_loadu_ps(col + j * ld), y = _mm512_loadu_ps(col + (j + 1) * ld);
             nan |= NG_NAN16(x) | NG_NAN16(y);
@@ -743,22 +769,10 @@ ng_amx_cols_softmax(float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t ncols
                                                _mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ), ninf);
         __m512 sum = zero;
         if (pp) {
-            for (j = 0; j < nkp; j += 2) {
-                __m512 p0 = zero, p1 = zero;
-                if (j < nk)
-                    p0 = ng_exp2_16(_mm512_mul_ps(
-                        _mm512_fmadd_ps(_mm512_loadu_ps(col + j * ld), vs, negm), log2e));
-                if (j + 1 < nk)
-                    p1 = ng_exp2_16(_mm512_mul_ps(
-                        _mm512_fmadd_ps(_mm512_loadu_ps(col + (j + 1) * ld), vs, negm), log2e));
-                sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
-                const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
-                _mm512_storeu_si512(pp + j * ld + 2 * c, _mm512_permutexvar_epi16(idx, h));
-            }
+            sum = ng_amx_p_pairs(col, ld, nk, nkp, vs, negm, pp + 2 * c, NULL, NULL, NULL);
         } else {
             for (j = 0; j < nk; j++) {
-                const __m512 p = ng_exp2_16(
-                    _mm512_mul_ps(_mm512_fmadd_ps(_mm512_loadu_ps(col + j * ld), vs, negm), log2e));
+                const __m512 p = ng_amx_p(_mm512_loadu_ps(col + j * ld), vs, negm);
                 _mm512_storeu_ps(col + j * ld, p);
                 sum = _mm512_add_ps(sum, p);
             }
@@ -767,8 +781,8 @@ ng_amx_cols_softmax(float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t ncols
         _mm512_storeu_ps(m + c, mn);
         _mm512_storeu_ps(alpha + c, al);
     }
-#undef NG_NAN16
 }
+#undef NG_NAN16
 
 /* acc^T[e][x] *= alpha[x] for e < M, x < ncols (a multiple of 16); rows ld
  * apart. */
