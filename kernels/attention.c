@@ -815,6 +815,9 @@ static inline char *ng_attn_row(const void *base, const int64_t st[3], size_t es
 /* A head dim or key count padded to the tiles' multiple of 16 columns. */
 static inline int64_t ng_pad16(int64_t n) { return NG_CEIL_DIV(n, 16) * 16; }
 
+/* The same to AMX's tiles: 32 bf16 elements (keys or head dims) per row. */
+static inline int64_t ng_pad32(int64_t n) { return NG_CEIL_DIV(n, 32) * 32; }
+
 #define NG_T f32
 #define NG_ISA base
 #define NG_ATTR
