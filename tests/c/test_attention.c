@@ -478,6 +478,10 @@ static const acase g_cases[] = {
     {"many_heads",     4, 8, 4, 300, 70,  8,   8,   LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
     {"many_causal",    4, 8, 8, 260, 260, 8,   8,   LAY_BSHD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 1, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
     {"nsub2_drop",     2, 8, 8, 400, 40,  8,   8,   LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0.2, 1, 0, SP_NONE, 42, 0},
+    /* an additive padding mask (one value per key for every query) on the tiled path, in the
+     * input's dtype and in fp32 */
+    {"pad_add_tiled",  2, 2, 1, 70,  90,  32,  32,  LAY_BHSD, LAY_BHSD, AM_LOWEST,  MS_PAD,  1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
+    {"pad_add_f32",    1, 2, 2, 40,  70,  16,  16,  LAY_BHSD, LAY_BHSD, AM_NEG_INF, MS_PAD,  0, 1, 0,   0,   0,   1, 1, SP_NONE, 42, 0},
     /* 64 heads x 9 query blocks: 8 blocks share each K / V tile on AMX (bf16), then 1 */
     {"nsub8_pad",      1, 64, 8, 520, 40, 32,  32,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1, 0, SP_NONE, 42, 0},
     /* head dims of a whole number of AMX tiles (bf16 there), several key tiles, Ev != E */
