@@ -28,10 +28,11 @@
  *   NG_F32_VEC_EXP(x)     exp(x) to ~1 ulp (the Cephes polynomial of
  *                         attention.c's ng_expf_poly), exp(-inf) = 0, NaN
  *                         stays NaN; the same value at either width
- *   NG_F32_VEC_EXP2(x)    2^x to ~1 ulp, 0 below -126 (ng_exp2_8 / _16)
+ *   NG_F32_VEC_EXP2(x)    2^x to ~1 ulp, 0 below -126.5 (ng_exp2_8 / _16)
  *   NG_F32_MASK           a lane mask (a vector of all-ones lanes for AVX2,
  *                         a k-register for AVX-512)
  *   NG_F32_MASK_NAN(x)    the lanes of x that are NaN
+ *   NG_F32_MASK_UNORD(a,b) the lanes where a or b is NaN
  *   NG_F32_MASK_EQ(a,b), NG_F32_MASK_GT(a,b)  a == b, a > b (ordered)
  *   NG_F32_MASK_OR(m,n)   either
  *   NG_F32_MASK_NONE()    no lane
@@ -121,11 +122,20 @@ NG_TARGET_AVX512 static inline __m512 ng_exp16(__m512 x) {
 }
 
 /* 2^x on 8 / 16 lanes: x = n + f with n = round(x), f in [-1/2, 1/2], 2^f
- * by Cephes' exp2f polynomial (~1 ulp) and 2^n by the exponent field (8
- * lanes) or vscalefps (16 lanes), which agree for the n in [-126, 127] the
- * clamp leaves, so the two widths give the same values. 0 for x < -126
- * (where 2^x would be subnormal) and for -inf; NaN stays NaN (max / min
- * return their second operand when one is NaN, so it flows through). */
+ * by Cephes' exp2f polynomial (~1 ulp) and 2^n by the exponent field.
+ * 0 below -126.5 (where n would be -127 or less, 2^x subnormal) and for
+ * -inf; NaN stays NaN (max / min return their second operand when one is
+ * NaN, so it flows through). The same value at both widths.
+ *
+ * 8 lanes: n by the round-to-nearest-even of adding 1.5 x 2^23 (whose
+ * unit is 1 there, so the sum's low mantissa bits are n) and the exponent
+ * field from those bits, with no convert and no compare: x is clamped to
+ * [-127, 127] and n = -127 gives the exponent field 0, the factor 0. That
+ * is 14 operations against the 18 of a vroundps / vcvtps2dq form, nearly
+ * all on the ports the multiply-adds use; the forward's softmax takes one
+ * per 8 scores. 16 lanes: vroundscaleps and vscalefps, masked to 0 below
+ * -126.5, equal lane by lane (n and f are the same, and both factors
+ * exact). */
 #define NG_EXP2_POLY(FMA, SET1, f)                                                                 \
     FMA(FMA(FMA(FMA(FMA(FMA(SET1(1.535336188319500e-4f), f, SET1(1.339887440266574e-3f)), f,       \
                         SET1(9.618437357674640e-3f)),                                              \
@@ -135,24 +145,25 @@ NG_TARGET_AVX512 static inline __m512 ng_exp16(__m512 x) {
         f, SET1(1.0f))
 
 NG_TARGET_AVX2 static inline __m256 ng_exp2_8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-126.0f);
-    const __m256 xc = _mm256_min_ps(_mm256_set1_ps(127.0f), _mm256_max_ps(lo, x));
-    const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(xc, n);
+    const __m256 shift = _mm256_set1_ps(12582912.0f); /* 1.5 x 2^23 */
+    const __m256 xc =
+        _mm256_min_ps(_mm256_set1_ps(127.0f), _mm256_max_ps(_mm256_set1_ps(-127.0f), x));
+    const __m256 y = _mm256_add_ps(xc, shift); /* low bits: n, rounded to nearest even */
+    const __m256 f = _mm256_sub_ps(xc, _mm256_sub_ps(y, shift));
     const __m256 p = NG_EXP2_POLY(_mm256_fmadd_ps, _mm256_set1_ps, f);
     const __m256i e =
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ),
-                            _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_castps_si256(y), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 NG_TARGET_AVX512 static inline __m512 ng_exp2_16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-126.0f);
-    const __m512 xc = _mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(lo, x));
+    const __m512 xc =
+        _mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-127.0f), x));
     const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(xc, n);
     const __m512 p = NG_EXP2_POLY(_mm512_fmadd_ps, _mm512_set1_ps, f);
-    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), p, n);
+    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.5f), _CMP_NLT_UQ), p,
+                                  n);
 }
 
 /* 8 lanes: AVX2 + FMA */
@@ -177,6 +188,7 @@ NG_TARGET_AVX512 static inline __m512 ng_exp2_16(__m512 x) {
 #define NG_F32X8_VEC_EXP2(x) ng_exp2_8(x)
 #define NG_F32X8_MASK __m256
 #define NG_F32X8_MASK_NAN(x) _mm256_cmp_ps(x, x, _CMP_UNORD_Q)
+#define NG_F32X8_MASK_UNORD(a, b) _mm256_cmp_ps(a, b, _CMP_UNORD_Q)
 #define NG_F32X8_MASK_EQ(a, b) _mm256_cmp_ps(a, b, _CMP_EQ_OQ)
 #define NG_F32X8_MASK_GT(a, b) _mm256_cmp_ps(a, b, _CMP_GT_OQ)
 #define NG_F32X8_MASK_OR(m, n) _mm256_or_ps(m, n)
@@ -207,6 +219,7 @@ NG_TARGET_AVX512 static inline __m512 ng_exp2_16(__m512 x) {
 #define NG_F32X16_VEC_EXP2(x) ng_exp2_16(x)
 #define NG_F32X16_MASK __mmask16
 #define NG_F32X16_MASK_NAN(x) _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q)
+#define NG_F32X16_MASK_UNORD(a, b) _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q)
 #define NG_F32X16_MASK_EQ(a, b) _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ)
 #define NG_F32X16_MASK_GT(a, b) _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ)
 #define NG_F32X16_MASK_OR(m, n) _kor_mask16(m, n)
@@ -239,6 +252,7 @@ NG_TARGET_AVX512 static inline __m512 ng_exp2_16(__m512 x) {
 #define NG_F32_VEC_EXP2 NG_F32_(VEC_EXP2)
 #define NG_F32_MASK NG_F32_(MASK)
 #define NG_F32_MASK_NAN NG_F32_(MASK_NAN)
+#define NG_F32_MASK_UNORD NG_F32_(MASK_UNORD)
 #define NG_F32_MASK_EQ NG_F32_(MASK_EQ)
 #define NG_F32_MASK_GT NG_F32_(MASK_GT)
 #define NG_F32_MASK_OR NG_F32_(MASK_OR)

@@ -1,0 +1,159 @@
+/*
+ * tests/c/test_simd.c - kernels/simd_f32.h's exps against libm in double,
+ * and its two widths against each other, bit for bit: the attention
+ * kernels rely on both (an fp32 softmax within a few ulp of exact, and the
+ * AVX2 and AVX-512 paths giving the same values).
+ *
+ * Arguments: a sweep of [-140, 140] in steps of 1/4096 (every quarter,
+ * half and whole number among them, where rounding to nearest even picks
+ * n), ten thousand random floats of the same range, and -inf, +inf, NaN,
+ * +-0 and the edges of the clamps. Bounds: 2^x within 2 ulp of exp2 for
+ * x in [-126, 127] (the Cephes polynomial is ~1 ulp; one more for the
+ * product by 2^n); exactly 0 below -126.5 and for -inf; e^x within 3 ulp
+ * for x in [-87, 88] (the argument reduction in two steps adds one).
+ */
+#include <string.h>
+
+#include "kernels/simd_f32.h"
+#include "tests/c/ng_test.h"
+
+#if NG_X86
+
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        ng_test_checks++;                                                                          \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "FAIL " __VA_ARGS__);                                                  \
+            fputc('\n', stderr);                                                                   \
+            ng_test_failures++;                                                                    \
+        }                                                                                          \
+    } while (0)
+
+#define N_SWEEP (280 * 4096 + 1)
+#define N_RAND 10000
+#define N_SPECIAL 16
+
+static int64_t fill_args(float *x) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < N_SWEEP; i++) x[n++] = -140.0f + (float)i / 4096.0f;
+    ng_rng r = {7};
+    for (int i = 0; i < N_RAND; i++) x[n++] = (float)(140.0 * ng_rng_unif(&r));
+    const float sp[N_SPECIAL] = {-INFINITY, INFINITY, NAN,     0.0f,    -0.0f,    -126.5f,
+                                 -126.25f,  -126.0f,  -127.0f, -127.5f, 127.0f,   127.5f,
+                                 128.0f,    -87.0f,   88.0f,   -0.5f};
+    for (int i = 0; i < N_SPECIAL; i++) x[n++] = sp[i];
+    return n;
+}
+
+/* |got - ref| in units of ref's fp32 ulp (2^(exponent - 23), normal refs). */
+static double ulps(float got, double ref) {
+    int e;
+    frexp(ref, &e);
+    return fabs((double)got - ref) / ldexp(1.0, e - 24);
+}
+
+NG_TARGET_AVX2 static void exps_8(const float *x, float *e2, float *e, int64_t n) {
+    for (int64_t i = 0; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        _mm256_storeu_ps(e2 + i, ng_exp2_8(v));
+        _mm256_storeu_ps(e + i, ng_exp8(v));
+    }
+}
+
+NG_TARGET_AVX512 static void exps_16(const float *x, float *e2, float *e, int64_t n) {
+    for (int64_t i = 0; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        _mm512_storeu_ps(e2 + i, ng_exp2_16(v));
+        _mm512_storeu_ps(e + i, ng_exp16(v));
+    }
+}
+
+/* The contract of ng_exp2_* and ng_exp* at one width, value by value. */
+static void check_width(const char *w, const float *x, const float *e2, const float *e, int64_t n) {
+    double worst2 = 0, worst = 0;
+    int bad2 = 0, bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float a = x[i];
+        /* 2^x */
+        int ok;
+        if (isnan(a)) {
+            ok = isnan(e2[i]);
+        } else if (a < -126.5f) {
+            ok = e2[i] == 0.0f;
+        } else if (a < -126.0f) { /* 2^-126 x 2^f or 0 when n rounds to -127 */
+            ok = e2[i] >= 0.0f && e2[i] <= ldexpf(1.0f, -126);
+        } else if (a <= 127.0f) {
+            const double u = ulps(e2[i], exp2((double)a));
+            worst2 = fmax(worst2, u);
+            ok = u <= 2.0;
+        } else { /* clamped to 127 */
+            ok = e2[i] == e2[i] && e2[i] >= ldexpf(1.0f, 126) && !isinf(e2[i]);
+        }
+        if (!ok && bad2++ < 5) printf("  %s ng_exp2(%.9g) = %.9g\n", w, (double)a, (double)e2[i]);
+        /* e^x */
+        if (isnan(a)) {
+            ok = isnan(e[i]);
+        } else if (a < -87.0f) {
+            ok = e[i] == 0.0f;
+        } else if (a <= 88.0f) {
+            const double u = ulps(e[i], exp((double)a));
+            worst = fmax(worst, u);
+            ok = u <= 3.0;
+        } else {
+            ok = !isnan(e[i]) && e[i] >= expf(87.0f);
+        }
+        if (!ok && bad++ < 5) printf("  %s ng_exp(%.9g) = %.9g\n", w, (double)a, (double)e[i]);
+    }
+    CHECK(bad2 == 0, "%s: ng_exp2 broke its contract at %d arguments", w, bad2);
+    CHECK(bad == 0, "%s: ng_exp broke its contract at %d arguments", w, bad);
+    printf("test_simd: %s worst ulp: 2^x %.3f, e^x %.3f\n", w, worst2, worst);
+}
+
+NG_TARGET_AVX2 static int unord_8(float a, float b) {
+    return _mm256_movemask_ps(NG_F32X8_MASK_UNORD(_mm256_set1_ps(a), _mm256_set1_ps(b))) == 0xff;
+}
+
+int main(void) {
+    const ng_cpu_isa isa = ng_cpu_isa_supported();
+    if (isa < NG_ISA_AVX2) {
+        printf("SKIP: no AVX2\n");
+        return 77;
+    }
+    const int64_t cap = N_SWEEP + N_RAND + N_SPECIAL + 16;
+    float *x = calloc((size_t)cap, sizeof(float)), *buf = calloc((size_t)(4 * cap), sizeof(float));
+    if (!x || !buf) return 1;
+    float *e2_8 = buf, *e_8 = buf + cap, *e2_16 = buf + 2 * cap, *e_16 = buf + 3 * cap;
+    int64_t n = fill_args(x);
+    n = (n + 15) / 16 * 16; /* the zero-filled tail is one more argument */
+
+    exps_8(x, e2_8, e_8, n);
+    check_width("avx2", x, e2_8, e_8, n);
+    CHECK(unord_8(NAN, 1.0f) && unord_8(1.0f, NAN) && !unord_8(1.0f, -INFINITY),
+          "NG_F32X8_MASK_UNORD: lanes where either operand is NaN");
+    if (isa >= NG_ISA_AVX512) {
+        exps_16(x, e2_16, e_16, n);
+        check_width("avx512", x, e2_16, e_16, n);
+        int64_t diff2 = 0, diff = 0;
+        for (int64_t i = 0; i < n; i++) {
+            diff2 += memcmp(&e2_8[i], &e2_16[i], sizeof(float)) != 0 &&
+                     !(isnan(e2_8[i]) && isnan(e2_16[i]));
+            diff += memcmp(&e_8[i], &e_16[i], sizeof(float)) != 0 && !(isnan(e_8[i]) && isnan(e_16[i]));
+        }
+        CHECK(diff2 == 0, "ng_exp2_8 and ng_exp2_16 differ at %lld of %lld arguments",
+              (long long)diff2, (long long)n);
+        CHECK(diff == 0, "ng_exp8 and ng_exp16 differ at %lld of %lld arguments", (long long)diff,
+              (long long)n);
+    } else {
+        printf("test_simd: no AVX-512 here, the widths are not compared\n");
+    }
+    free(x);
+    free(buf);
+    return ng_test_finish("test_simd");
+}
+
+#else
+int main(void) {
+    printf("SKIP: not x86-64\n");
+    return 77;
+}
+#endif
