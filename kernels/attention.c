@@ -111,8 +111,22 @@ static void ng_attn_fail(ng_attn_ctx *c) { atomic_store(&c->failed, 1); }
  * 32 KiB of V rows (fp32, head dim 128), all of a Zen 4 core's L1, where
  * the K rows being scored evict them. Rows 4-8 KiB ahead into L1 reached 33-35
  * GB/s on Zen 5 in the same test; in the kernels, 8 KiB ahead read 13-30%
- * faster than the tile-ahead L2 scheme (fp32 and bf16, GQA and MHA). */
+ * faster than the tile-ahead L2 scheme (fp32 and bf16, GQA and MHA).
+ *
+ * On an Intel Xeon (AVX-512 and AMX, one core), 8 KiB ahead made the
+ * prefetches themselves the stall: a bf16 MHA decode step spent 80% of its
+ * cycles on prefetcht0 instructions waiting for a line fill buffer (128
+ * lines in flight per stream against the core's 16 buffers), and read 10.2
+ * GB/s (AVX2) / 13.4 (AVX-512) where a plain sum of the bytes reads 14.
+ * 2 KiB ahead read 15.3 / 16.8 GB/s there, and the same or better in the
+ * other cases (fp32, GQA; medians of three). So 2 KiB on Intel, 8 KiB on
+ * the rest. */
 #define NG_DEC_PF_BYTES 8192
+#define NG_DEC_PF_BYTES_INTEL 2048
+
+static int64_t ng_dec_pf_bytes(void) {
+    return ng_cpu_is_intel() ? NG_DEC_PF_BYTES_INTEL : NG_DEC_PF_BYTES;
+}
 
 typedef struct ng_pf {
     const char *p[2];       /* rows of the phase, then of the next (NULL: none) */

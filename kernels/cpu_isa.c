@@ -95,6 +95,15 @@ ng_status ng_cpu_bf16_dot_set(int on) {
     return NG_OK;
 }
 
+int ng_cpu_is_intel(void) {
+#if NG_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel");
+#else
+    return 0;
+#endif
+}
+
 /* CPUID leaf 7 EDX: AMX-BF16 (bit 22) and AMX-TILE (24); XCR0 bits 17 and 18
  * (XTILECFG, XTILEDATA) say the OS saves the tile state; Linux then hands
  * the 8 KiB of tile data to a process that asks for it (5.16 and later). */

@@ -78,4 +78,8 @@ int ng_cpu_amx(void);
  * without it. */
 ng_status ng_cpu_amx_set(int on);
 
+/* 1 on an Intel CPU: the decode path's prefetch distance is the vendor's
+ * (kernels/attention.c, NG_DEC_PF_BYTES). */
+int ng_cpu_is_intel(void);
+
 #endif /* NG_KERNELS_CPU_ISA_H */

@@ -38,8 +38,8 @@ static int64_t fill_args(float *x) {
     for (int64_t i = 0; i < N_SWEEP; i++) x[n++] = -140.0f + (float)i / 4096.0f;
     ng_rng r = {7};
     for (int i = 0; i < N_RAND; i++) x[n++] = (float)(140.0 * ng_rng_unif(&r));
-    const float sp[N_SPECIAL] = {-INFINITY, INFINITY, NAN,     0.0f,    -0.0f,    -126.5f,
-                                 -126.25f,  -126.0f,  -127.0f, -127.5f, 127.0f,   127.5f,
+    const float sp[N_SPECIAL] = {-INFINITY, INFINITY, NAN,     0.0f,    -0.0f,  -126.5f,
+                                 -126.25f,  -126.0f,  -127.0f, -127.5f, 127.0f, 127.5f,
                                  128.0f,    -87.0f,   88.0f,   -0.5f};
     for (int i = 0; i < N_SPECIAL; i++) x[n++] = sp[i];
     return n;
@@ -137,7 +137,8 @@ int main(void) {
         for (int64_t i = 0; i < n; i++) {
             diff2 += memcmp(&e2_8[i], &e2_16[i], sizeof(float)) != 0 &&
                      !(isnan(e2_8[i]) && isnan(e2_16[i]));
-            diff += memcmp(&e_8[i], &e_16[i], sizeof(float)) != 0 && !(isnan(e_8[i]) && isnan(e_16[i]));
+            diff +=
+                memcmp(&e_8[i], &e_16[i], sizeof(float)) != 0 && !(isnan(e_8[i]) && isnan(e_16[i]));
         }
         CHECK(diff2 == 0, "ng_exp2_8 and ng_exp2_16 differ at %lld of %lld arguments",
               (long long)diff2, (long long)n);
