@@ -118,16 +118,20 @@ static void ng_attn_fail(ng_attn_ctx *c) { atomic_store(&c->failed, 1); }
  * cycles on prefetcht0 instructions waiting for a line fill buffer (128
  * lines in flight per stream against the core's 16 buffers), and read 10.2
  * GB/s (AVX2) / 13.4 (AVX-512) where a plain sum of the bytes reads 14.
- * 2 KiB ahead read 15.3 / 16.8 GB/s there, and 1 KiB as much; with the
- * cache flushed before each step, fp32 GQA read 10-11 GB/s at 2-8 KiB and
- * 11-13 at 1 KiB, bf16 GQA and both MHA cases the same at 1 and 2 KiB
- * (prefetcht1 at 2-8 KiB no better). So 1 KiB on Intel, 8 KiB on the
- * rest. */
+ * 1-2 KiB ahead read 15.3 / 16.8 GB/s there. Grouped-query steps differ
+ * by element size (three alternating runs each, the cache cold or warm):
+ * fp32 read 10-11 GB/s at 2-8 KiB and 11-14 at 1 KiB, bf16 9-13 at 2 KiB
+ * and 8-11 at 1 KiB; MHA read the same at either (prefetcht1 further
+ * ahead was no better). So on Intel 2 KiB for 16-bit K / V rows and 1 KiB
+ * for wider ones, 8 KiB on the rest. */
 #define NG_DEC_PF_BYTES 8192
+#define NG_DEC_PF_BYTES_INTEL_16 2048
 #define NG_DEC_PF_BYTES_INTEL 1024
 
-static int64_t ng_dec_pf_bytes(void) {
-    return ng_cpu_is_intel() ? NG_DEC_PF_BYTES_INTEL : NG_DEC_PF_BYTES;
+/* The distance for K / V elements of es bytes. */
+static int64_t ng_dec_pf_bytes(size_t es) {
+    if (!ng_cpu_is_intel()) return NG_DEC_PF_BYTES;
+    return es == 2 ? NG_DEC_PF_BYTES_INTEL_16 : NG_DEC_PF_BYTES_INTEL;
 }
 
 typedef struct ng_pf {
