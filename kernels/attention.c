@@ -694,7 +694,6 @@ ng_amx_pack_pt(uint16_t *dst, const float *s, int64_t ld, int64_t nk, int64_t nk
  * And with pp, P goes there as bf16 pairs (as ng_amx_pack_pt writes them,
  * rows nk..nkp-1 zero) instead of back into s. */
 #define NG_AMX_LAZY_MAX 8.0f
-#define NG_NAN16(x) _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q)
 
 /* P = 2^((s * scale - m) log2 e): the difference in one rounding (FMA), as
  * ng_cols_softmax_f32_avx512 takes it; negm is -m. */
@@ -717,7 +716,7 @@ NG_TARGET_AMX static inline __m512 ng_amx_p_pairs(const float *col, int64_t ld, 
         if (j < nk) {
             const __m512 x = _mm512_loadu_ps(col + j * ld);
             if (mx) {
-                *nan |= NG_NAN16(x);
+                *nan |= NG_F32X16_MASK_NAN(x);
                 *mx = _mm512_max_ps(x, *mx);
             }
             p0 = ng_amx_p(x, vs, negm);
@@ -725,7 +724,7 @@ NG_TARGET_AMX static inline __m512 ng_amx_p_pairs(const float *col, int64_t ld, 
         if (j + 1 < nk) {
             const __m512 y = _mm512_loadu_ps(col + (j + 1) * ld);
             if (mx) {
-                *nan |= NG_NAN16(y);
+                *nan |= NG_F32X16_MASK_NAN(y);
                 *mx1 = _mm512_max_ps(y, *mx1);
             }
             p1 = ng_amx_p(y, vs, negm);
@@ -757,7 +756,8 @@ ng_amx_cols_softmax(float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t ncols
                                               pp + 2 * c, &mx, &mx1, &nan);
             const __m512 t =
                 _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_max_ps(mx1, mx), vs), nan, qnan);
-            if ((NG_NAN16(t) | _mm512_cmp_ps_mask(t, _mm512_add_ps(mo, lazy), _CMP_GT_OQ)) == 0) {
+            if ((NG_F32X16_MASK_NAN(t) |
+                 _mm512_cmp_ps_mask(t, _mm512_add_ps(mo, lazy), _CMP_GT_OQ)) == 0) {
                 _mm512_storeu_ps(l + c, _mm512_add_ps(_mm512_loadu_ps(l + c), sum));
                 _mm512_storeu_ps(alpha + c, one);
                 continue;
@@ -768,23 +768,23 @@ ng_amx_cols_softmax(float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t ncols
         int64_t j = 0;
         for (; j + 2 <= nk; j += 2) {
             const __m512 x = _mm512_loadu_ps(col + j * ld), y = _mm512_loadu_ps(col + (j + 1) * ld);
-            nan |= NG_NAN16(x) | NG_NAN16(y);
+            nan |= NG_F32X16_MASK_UNORD(x, y);
             mx = _mm512_max_ps(x, mx);
             mx1 = _mm512_max_ps(y, mx1);
         }
         if (j < nk) {
             const __m512 x = _mm512_loadu_ps(col + j * ld);
-            nan |= NG_NAN16(x);
+            nan |= NG_F32X16_MASK_NAN(x);
             mx = _mm512_max_ps(x, mx);
         }
         mx = _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_max_ps(mx1, mx), vs), nan, qnan);
         const __mmask16 up =
-            NG_NAN16(mx) | _mm512_cmp_ps_mask(mx, _mm512_add_ps(mo, lazy), _CMP_GT_OQ);
+            NG_F32X16_MASK_NAN(mx) | _mm512_cmp_ps_mask(mx, _mm512_add_ps(mo, lazy), _CMP_GT_OQ);
         __m512 mn = _mm512_mask_mov_ps(mo, up, mx);
-        mn = _mm512_mask_mov_ps(mn, NG_NAN16(mo), mo);
+        mn = _mm512_mask_mov_ps(mn, NG_F32X16_MASK_NAN(mo), mo);
         __m512 al = ng_exp2_16(_mm512_mul_ps(_mm512_sub_ps(mo, mn), log2e));
         al = _mm512_mask_mov_ps(al, _mm512_cmp_ps_mask(mo, ninf, _CMP_EQ_OQ),
-                                _mm512_mask_mov_ps(zero, NG_NAN16(mn), mn));
+                                _mm512_mask_mov_ps(zero, NG_F32X16_MASK_NAN(mn), mn));
         const __m512 negm = _mm512_mask_mov_ps(_mm512_sub_ps(zero, mn),
                                                _mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ), ninf);
         __m512 sum = zero;
@@ -802,7 +802,6 @@ ng_amx_cols_softmax(float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t ncols
         _mm512_storeu_ps(alpha + c, al);
     }
 }
-#undef NG_NAN16
 
 /* acc^T[e][x] *= alpha[x] for e < M, x < ncols (a multiple of 16); rows ld
  * apart. */
