@@ -69,6 +69,18 @@ static inline int ng_expect_close(const char *what, const double *got, const dou
         }                                                                                          \
     } while (0)
 
+/* NG_EXPECT with a printf-style message after the condition. */
+#define NG_CHECK(cond, ...)                                                                        \
+    do {                                                                                           \
+        ng_test_checks++;                                                                          \
+        if (!(cond)) {                                                                             \
+            ng_test_failures++;                                                                    \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fprintf(stderr, "\n");                                                                 \
+        }                                                                                          \
+    } while (0)
+
 /* Run body once per CPU path this machine supports. */
 #define NG_FOR_EACH_ISA(isa_var)                                                                   \
     for (int isa_var = NG_ISA_BASELINE; isa_var <= (int)ng_cpu_isa_supported(); isa_var++)         \

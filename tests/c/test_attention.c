@@ -22,16 +22,7 @@
 #include "tests/c/ng_test.h"
 
 /* NG_EXPECT with a printf-style explanation. */
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        ng_test_checks++;                                                                          \
-        if (!(cond)) {                                                                             \
-            ng_test_failures++;                                                                    \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fprintf(stderr, "\n");                                                                 \
-        }                                                                                          \
-    } while (0)
+#define CHECK NG_CHECK
 
 /* ---- tolerances: |d| <= aabs + rtol * |ref| (tolerance.h, afrac 0) ------- */
 

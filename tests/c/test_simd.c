@@ -19,15 +19,7 @@
 
 #if NG_X86
 
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        ng_test_checks++;                                                                          \
-        if (!(cond)) {                                                                             \
-            fprintf(stderr, "FAIL " __VA_ARGS__);                                                  \
-            fputc('\n', stderr);                                                                   \
-            ng_test_failures++;                                                                    \
-        }                                                                                          \
-    } while (0)
+#define CHECK NG_CHECK
 
 #define N_SWEEP (280 * 4096 + 1)
 #define N_RAND 10000
