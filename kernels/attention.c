@@ -378,12 +378,21 @@ static double ng_exp_row_f64_base(double *x, int64_t n, double m) {
  * score tile, s[j * ld + i] the raw score of query i against key j (j < nk,
  * i < ncols), scale > 0. Per query column: the running max m[i] (of scaled
  * scores) moves to ng_attn_max_nan(m[i], scale * the column's max), NaN when
- * a score is NaN; alpha[i] = ng_attn_rescale(old, new max); the scores
- * become P = exp(s * scale - m[i]) (0 while m[i] = -inf) and l[i] = l[i] *
- * alpha[i] + their sum. A key row is a vector of queries, so maxima and sums
- * run down the lanes: nothing is reduced across a register. */
+ * a score is NaN; alpha[i] = ng_attn_rescale(old, new max); P = exp(s *
+ * scale - m[i]) (0 while m[i] = -inf) goes to p[j * ld + i] (a tile of its
+ * own: the SIMD forms read the scores again after writing P) and l[i] =
+ * l[i] * alpha[i] + their sum. A key row is a vector of queries, so maxima
+ * and sums run down the lanes: nothing is reduced across a register.
+ *
+ * The SIMD forms (attention_f32.inc, and the AMX path's) move the running
+ * max lazily: only where the tile's passes it by more than NG_ATTN_LAZY_MAX
+ * (or is NaN, or the running max is -inf). Every tile where none of a
+ * vector's lanes moves then takes one pass instead of two, and leaves alpha
+ * at 1 and the accumulator alone; P stays below e^8. */
+#define NG_ATTN_LAZY_MAX 8.0f
 #define NG_COLS_SOFTMAX_PLAIN(NAME, T, EXP, MAXNAN, RESCALE)                                       \
-    static void NAME(T *s, int64_t ld, int64_t nk, int64_t ncols, T scale, T *m, T *l, T *alpha) { \
+    static void NAME(const T *s, T *p, int64_t ld, int64_t nk, int64_t ncols, T scale, T *m, T *l, \
+                     T *alpha) {                                                                   \
         T mx[BQ], sum[BQ];                                                                         \
         unsigned char nan[BQ];                                                                     \
         for (int64_t i = 0; i < ncols; i++) mx[i] = (T) - INFINITY, sum[i] = 0, nan[i] = 0;        \
@@ -400,11 +409,12 @@ static double ng_exp_row_f64_base(double *x, int64_t n, double m) {
             m[i] = mn;                                                                             \
         }                                                                                          \
         for (int64_t j = 0; j < nk; j++) {                                                         \
-            T *row = s + j * ld;                                                                   \
+            const T *row = s + j * ld;                                                             \
+            T *prow = p + j * ld;                                                                  \
             for (int64_t i = 0; i < ncols; i++) {                                                  \
-                const T p = m[i] == (T) - INFINITY ? (T)0 : EXP(row[i] * scale - m[i]);            \
-                row[i] = p;                                                                        \
-                sum[i] += p;                                                                       \
+                const T pi = m[i] == (T) - INFINITY ? (T)0 : EXP(row[i] * scale - m[i]);           \
+                prow[i] = pi;                                                                      \
+                sum[i] += pi;                                                                      \
             }                                                                                      \
         }                                                                                          \
         for (int64_t i = 0; i < ncols; i++) l[i] = l[i] * alpha[i] + sum[i];                       \
@@ -686,15 +696,9 @@ ng_amx_pack_pt(uint16_t *dst, const float *s, int64_t ld, int64_t nk, int64_t nk
 
 /* The forward's online-softmax step down the query columns of a
  * transposed score tile (s, rows ld apart), for the AMX path: the operations
- * of ng_cols_softmax_f32_avx512 lane by lane, with two differences. The
- * running max moves only when a tile's max exceeds it by more than
- * NG_AMX_LAZY_MAX, so that most tiles leave alpha at 1 and the accumulator
- * as it is (the softmax does not depend on which max is subtracted; P then
- * stays below e^8, exact to bf16's rounding and far inside fp32's range).
- * And with pp, P goes there as bf16 pairs (as ng_amx_pack_pt writes them,
- * rows nk..nkp-1 zero) instead of back into s. */
-#define NG_AMX_LAZY_MAX 8.0f
-
+ * of ng_cols_softmax_f32_avx512 lane by lane (the lazy running max
+ * included), with P going to pp as bf16 pairs (as ng_amx_pack_pt writes
+ * them, rows nk..nkp-1 zero) instead of to a tile of fp32. */
 /* P = 2^((s * scale - m) log2 e): the difference in one rounding (FMA), as
  * ng_cols_softmax_f32_avx512 takes it; negm is -m. */
 NG_TARGET_AMX static inline __m512 ng_amx_p(__m512 x, __m512 vs, __m512 negm) {
@@ -736,22 +740,19 @@ NG_TARGET_AMX static inline __m512 ng_amx_p_pairs(const float *col, int64_t ld, 
 }
 
 NG_TARGET_AMX __attribute__((noinline)) static void
-ng_amx_cols_softmax(float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t ncols, float scale,
+ng_amx_cols_softmax(const float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t ncols, float scale,
                     float *m, float *l, float *alpha, uint16_t *pp) {
     const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     const __m512 zero = _mm512_setzero_ps(), qnan = _mm512_set1_ps(NAN), one = _mm512_set1_ps(1.0f);
-    const __m512 lazy = _mm512_set1_ps(NG_AMX_LAZY_MAX),
+    const __m512 lazy = _mm512_set1_ps(NG_ATTN_LAZY_MAX),
                  log2e = _mm512_set1_ps(1.44269504088896341f);
     for (int64_t c = 0; c < ncols; c += 16) {
-        float *col = s + c;
+        const float *col = s + c;
         const __m512 mo = _mm512_loadu_ps(m + c);
         __m512 mx = ninf, mx1 = ninf;
         __mmask16 nan = 0;
-        if (pp && _mm512_cmp_ps_mask(_mm512_sub_ps(mo, mo), zero, _CMP_EQ_OQ) == 0xFFFF) {
-            /* Every running max finite: one pass that takes it as the new
-             * max and tracks the tile's. Where the tile's stays within the
-             * lazy margin (the usual case), that is what the two passes below
-             * compute, bit for bit (alpha 1, l + sum); else they run. */
+        if (_mm512_cmp_ps_mask(_mm512_sub_ps(mo, mo), zero, _CMP_EQ_OQ) == 0xFFFF) {
+            /* every running max finite: one pass, as ng_cols_softmax_f32_avx512 */
             const __m512 sum = ng_amx_p_pairs(col, ld, nk, nkp, vs, _mm512_sub_ps(zero, mo),
                                               pp + 2 * c, &mx, &mx1, &nan);
             const __m512 t =
@@ -787,16 +788,7 @@ ng_amx_cols_softmax(float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t ncols
                                 _mm512_mask_mov_ps(zero, NG_F32X16_MASK_NAN(mn), mn));
         const __m512 negm = _mm512_mask_mov_ps(_mm512_sub_ps(zero, mn),
                                                _mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ), ninf);
-        __m512 sum = zero;
-        if (pp) {
-            sum = ng_amx_p_pairs(col, ld, nk, nkp, vs, negm, pp + 2 * c, NULL, NULL, NULL);
-        } else {
-            for (j = 0; j < nk; j++) {
-                const __m512 p = ng_amx_p(_mm512_loadu_ps(col + j * ld), vs, negm);
-                _mm512_storeu_ps(col + j * ld, p);
-                sum = _mm512_add_ps(sum, p);
-            }
-        }
+        const __m512 sum = ng_amx_p_pairs(col, ld, nk, nkp, vs, negm, pp + 2 * c, NULL, NULL, NULL);
         _mm512_storeu_ps(l + c, _mm512_fmadd_ps(_mm512_loadu_ps(l + c), al, sum));
         _mm512_storeu_ps(m + c, mn);
         _mm512_storeu_ps(alpha + c, al);

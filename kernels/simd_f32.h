@@ -36,6 +36,7 @@
  *   NG_F32_MASK_EQ(a,b), NG_F32_MASK_GT(a,b)  a == b, a > b (ordered)
  *   NG_F32_MASK_OR(m,n)   either
  *   NG_F32_MASK_NONE()    no lane
+ *   NG_F32_MASK_ANY(m)    nonzero when m holds a lane
  *   NG_F32_SELECT(m,a,b)  m ? a : b per lane
  *   NG_F32_VEC_HSUM(v)    the sum of v's lanes, as a float
  *   NG_F32_VEC_HSUM4(a,b,c,d) the sums of four vectors' lanes, as an __m128
@@ -193,6 +194,7 @@ NG_TARGET_AVX512 static inline __m512 ng_exp2_16(__m512 x) {
 #define NG_F32X8_MASK_GT(a, b) _mm256_cmp_ps(a, b, _CMP_GT_OQ)
 #define NG_F32X8_MASK_OR(m, n) _mm256_or_ps(m, n)
 #define NG_F32X8_MASK_NONE() _mm256_setzero_ps()
+#define NG_F32X8_MASK_ANY(m) _mm256_movemask_ps(m)
 #define NG_F32X8_SELECT(m, a, b) _mm256_blendv_ps(b, a, m)
 #define NG_F32X8_VEC_HSUM(v) ng_hsum8(v)
 #define NG_F32X8_VEC_HSUM4(a, b, c, d) ng_hsum4x8(a, b, c, d)
@@ -224,6 +226,7 @@ NG_TARGET_AVX512 static inline __m512 ng_exp2_16(__m512 x) {
 #define NG_F32X16_MASK_GT(a, b) _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ)
 #define NG_F32X16_MASK_OR(m, n) _kor_mask16(m, n)
 #define NG_F32X16_MASK_NONE() ((__mmask16)0)
+#define NG_F32X16_MASK_ANY(m) (m)
 #define NG_F32X16_SELECT(m, a, b) _mm512_mask_mov_ps(b, m, a)
 #define NG_F32X16_VEC_HSUM(v) ng_hsum8(ng_fold16(v))
 #define NG_F32X16_VEC_HSUM4(a, b, c, d)                                                            \
@@ -257,6 +260,7 @@ NG_TARGET_AVX512 static inline __m512 ng_exp2_16(__m512 x) {
 #define NG_F32_MASK_GT NG_F32_(MASK_GT)
 #define NG_F32_MASK_OR NG_F32_(MASK_OR)
 #define NG_F32_MASK_NONE NG_F32_(MASK_NONE)
+#define NG_F32_MASK_ANY NG_F32_(MASK_ANY)
 #define NG_F32_SELECT NG_F32_(SELECT)
 #define NG_F32_VEC_HSUM NG_F32_(VEC_HSUM)
 #define NG_F32_VEC_HSUM4 NG_F32_(VEC_HSUM4)

@@ -35,7 +35,7 @@ enum { AM_NONE, AM_BOOL, AM_NEG_INF, AM_LOWEST };
 /* mask shape: [B, Hq, L, S], [B, 1, 1, S], [L, S], [B, Hq, 1, S] (padding per head) */
 enum { MS_FULL, MS_PAD, MS_LS, MS_PAD_H };
 /* Special inputs (the CUDA test's; see test_cuda_attention.c). */
-enum { SP_NONE, SP_LARGE, SP_NAN, SP_NAN_DOUT, SP_PAD_TAIL, SP_PAD_HEAD };
+enum { SP_NONE, SP_LARGE, SP_NAN, SP_NAN_DOUT, SP_PAD_TAIL, SP_PAD_HEAD, SP_RISING };
 
 typedef struct acase {
     const char *name;
@@ -50,7 +50,11 @@ typedef struct acase {
                         SP_PAD_TAIL: batch 0's keys past S / 3 masked too
                         (with MS_PAD_H in head 0 only);
                         SP_PAD_HEAD: batch 0's keys below S - S / 8 masked
-                        too, key 0 included (left padding) */
+                        too, key 0 included (left padding);
+                        SP_RISING (CPU test): keys 64..127 scaled by 3 and
+                        128..191 by 40, so that the scores' max moves from
+                        one key tile to the next by about the CPU forward's
+                        lazy margin (8), then far beyond exp's range */
     uint64_t offset; /* dropout counter offset */
     int64_t tail;    /* with a mask: the last `tail` keys are masked in every row */
 } acase;

@@ -105,6 +105,27 @@ NG_TARGET_AVX2 static int unord_8(float a, float b) {
     return _mm256_movemask_ps(NG_F32X8_MASK_UNORD(_mm256_set1_ps(a), _mm256_set1_ps(b))) == 0xff;
 }
 
+/* NG_F32X*_MASK_ANY of the lanes where x[i] > 0: nonzero with any. */
+NG_TARGET_AVX2 static int any_8(const float *x) {
+    return NG_F32X8_MASK_ANY(NG_F32X8_MASK_GT(_mm256_loadu_ps(x), _mm256_setzero_ps())) != 0;
+}
+
+NG_TARGET_AVX512 static int any_16(const float *x) {
+    return NG_F32X16_MASK_ANY(NG_F32X16_MASK_GT(_mm512_loadu_ps(x), _mm512_setzero_ps())) != 0;
+}
+
+/* Each width's MASK_ANY with no lane, then each single lane, set. */
+static void check_any(int width) {
+    float v[16] = {0};
+    int ok = !(width == 8 ? any_8(v) : any_16(v));
+    for (int i = 0; i < width; i++) {
+        v[i] = 1.0f;
+        ok &= width == 8 ? any_8(v) : any_16(v);
+        v[i] = 0.0f;
+    }
+    CHECK(ok, "NG_F32X%d_MASK_ANY: nonzero exactly when a lane is set", width);
+}
+
 int main(void) {
     const ng_cpu_isa isa = ng_cpu_isa_supported();
     if (isa < NG_ISA_AVX2) {
@@ -122,7 +143,9 @@ int main(void) {
     check_width("avx2", x, e2_8, e_8, n);
     CHECK(unord_8(NAN, 1.0f) && unord_8(1.0f, NAN) && !unord_8(1.0f, -INFINITY),
           "NG_F32X8_MASK_UNORD: lanes where either operand is NaN");
+    check_any(8);
     if (isa >= NG_ISA_AVX512) {
+        check_any(16);
         exps_16(x, e2_16, e_16, n);
         check_width("avx512", x, e2_16, e_16, n);
         int64_t diff2 = 0, diff = 0;
