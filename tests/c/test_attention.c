@@ -750,6 +750,39 @@ static void test_nan_propagates(void) {
     CHECK(all, "Inf in k reaches every output row as non-finite");
 }
 
+/* NaN on the tiled forward in a key tile after the first, where the lazy
+ * running max takes one pass over the scores: a NaN score (key 150, seen
+ * by every row) makes every output row and logsumexp NaN; a NaN value at
+ * key 150 makes that dim of every output row NaN; a NaN in query row 30
+ * only that row. */
+static void test_nan_late_tile(void) {
+    enum { L = 40, S = 200, E = 16 };
+    static float q[L * E], k[S * E], v[S * E], o[L * E], lse[L];
+    g_rng.s = 11;
+    for (int x = 0; x < L * E; x++) q[x] = (float)(2 * urand() - 1);
+    for (int x = 0; x < S * E; x++) k[x] = (float)(2 * urand() - 1);
+    for (int x = 0; x < S * E; x++) v[x] = (float)(2 * urand() - 1);
+    ng_attention_args a = bhsd_args(NG_F32, 1, 1, 1, L, S, E, E, q, k, v, o, lse, 0.25);
+    for (int what = 0; what < 3; what++) {
+        float *at = what == 0 ? &k[150 * E + 5] : what == 1 ? &v[150 * E + 2] : &q[30 * E + 7];
+        const float keep = *at;
+        *at = NAN;
+        CHECK(ng_attention_fwd(&a, NULL) == NG_OK, "late NaN %d fwd", what);
+        int ok = 1;
+        for (int64_t i = 0; i < L; i++) {
+            const int hit = what < 2 || i == 30;
+            for (int64_t d = 0; d < E; d++) {
+                const int nan = hit && (what != 1 || d == 2); /* a value reaches its own dim */
+                ok &= nan ? isnan(o[i * E + d]) : isfinite(o[i * E + d]);
+            }
+            ok &= what == 1 ? isfinite(lse[i]) : hit ? isnan(lse[i]) : isfinite(lse[i]);
+        }
+        CHECK(ok, "late NaN %d (0: key 150, 1: value 150, 2: q row 30) reaches the rows it must",
+              what);
+        *at = keep;
+    }
+}
+
 static void test_bad_args(void) {
     ng_attention_args a;
     memset(&a, 0, sizeof a);
@@ -1018,6 +1051,7 @@ int main(void) {
         test_decode_routing();
         test_fp16_overflow();
         test_nan_propagates();
+        test_nan_late_tile();
         printf("path %s: %s\n", ng_cpu_isa_name((ng_cpu_isa)isa),
                ng_test_failures == before ? "ok" : "FAILED");
     }
