@@ -709,28 +709,22 @@ NG_TARGET_AMX static inline __m512 ng_amx_p(__m512 x, __m512 vs, __m512 negm) {
 /* P of key rows 0..nk-1 of a column block (col, rows ld apart) into pp as
  * bf16 pairs (pp's rows ld pairs apart, rows nk..nkp-1 zero); returns the
  * sum of P, added in key order. With mx, also the raw scores' max (even
- * keys into *mx, odd into *mx1) and which lanes hold a NaN (*nan). */
+ * keys into *mx, odd into *mx1; NaN scores are passed over). */
 NG_TARGET_AMX static inline __m512 ng_amx_p_pairs(const float *col, int64_t ld, int64_t nk,
                                                   int64_t nkp, __m512 vs, __m512 negm, uint16_t *pp,
-                                                  __m512 *mx, __m512 *mx1, __mmask16 *nan) {
+                                                  __m512 *mx, __m512 *mx1) {
     const __m512 zero = _mm512_setzero_ps();
     __m512 sum = zero;
     for (int64_t j = 0; j < nkp; j += 2) {
         __m512 p0 = zero, p1 = zero;
         if (j < nk) {
             const __m512 x = _mm512_loadu_ps(col + j * ld);
-            if (mx) {
-                *nan |= NG_F32X16_MASK_NAN(x);
-                *mx = _mm512_max_ps(x, *mx);
-            }
+            if (mx) *mx = _mm512_max_ps(x, *mx);
             p0 = ng_amx_p(x, vs, negm);
         }
         if (j + 1 < nk) {
             const __m512 y = _mm512_loadu_ps(col + (j + 1) * ld);
-            if (mx) {
-                *nan |= NG_F32X16_MASK_NAN(y);
-                *mx1 = _mm512_max_ps(y, *mx1);
-            }
+            if (mx) *mx1 = _mm512_max_ps(y, *mx1);
             p1 = ng_amx_p(y, vs, negm);
         }
         sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
@@ -752,19 +746,18 @@ ng_amx_cols_softmax(const float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t
         __m512 mx = ninf, mx1 = ninf;
         __mmask16 nan = 0;
         if (_mm512_cmp_ps_mask(_mm512_sub_ps(mo, mo), zero, _CMP_EQ_OQ) == 0xFFFF) {
-            /* every running max finite: one pass, as ng_cols_softmax_f32_avx512 */
+            /* every running max finite: one pass, as ng_cols_softmax_f32_avx512
+             * (a NaN score found by the sum) */
             const __m512 sum = ng_amx_p_pairs(col, ld, nk, nkp, vs, _mm512_sub_ps(zero, mo),
-                                              pp + 2 * c, &mx, &mx1, &nan);
-            const __m512 t =
-                _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_max_ps(mx1, mx), vs), nan, qnan);
-            if ((NG_F32X16_MASK_NAN(t) |
+                                              pp + 2 * c, &mx, &mx1);
+            const __m512 t = _mm512_mul_ps(_mm512_max_ps(mx1, mx), vs);
+            if ((NG_F32X16_MASK_NAN(sum) |
                  _mm512_cmp_ps_mask(t, _mm512_add_ps(mo, lazy), _CMP_GT_OQ)) == 0) {
                 _mm512_storeu_ps(l + c, _mm512_add_ps(_mm512_loadu_ps(l + c), sum));
                 _mm512_storeu_ps(alpha + c, one);
                 continue;
             }
             mx = mx1 = ninf;
-            nan = 0;
         }
         int64_t j = 0;
         for (; j + 2 <= nk; j += 2) {
@@ -788,7 +781,7 @@ ng_amx_cols_softmax(const float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t
                                 _mm512_mask_mov_ps(zero, NG_F32X16_MASK_NAN(mn), mn));
         const __m512 negm = _mm512_mask_mov_ps(_mm512_sub_ps(zero, mn),
                                                _mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ), ninf);
-        const __m512 sum = ng_amx_p_pairs(col, ld, nk, nkp, vs, negm, pp + 2 * c, NULL, NULL, NULL);
+        const __m512 sum = ng_amx_p_pairs(col, ld, nk, nkp, vs, negm, pp + 2 * c, NULL, NULL);
         _mm512_storeu_ps(l + c, _mm512_fmadd_ps(_mm512_loadu_ps(l + c), al, sum));
         _mm512_storeu_ps(m + c, mn);
         _mm512_storeu_ps(alpha + c, al);

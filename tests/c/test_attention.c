@@ -750,36 +750,40 @@ static void test_nan_propagates(void) {
     CHECK(all, "Inf in k reaches every output row as non-finite");
 }
 
-/* NaN on the tiled forward in a key tile after the first, where the lazy
- * running max takes one pass over the scores: a NaN score (key 150, seen
+/* NaN on the tiled forward (fp32, or bf16 on each of its paths, AMX's
+ * included) in a key tile after the first, where the lazy running max
+ * takes one pass over the scores: a NaN score (key 150, seen
  * by every row) makes every output row and logsumexp NaN; a NaN value at
  * key 150 makes that dim of every output row NaN; a NaN in query row 30
  * only that row. */
-static void test_nan_late_tile(void) {
+static void test_nan_late_tile(ng_dtype t) {
     enum { L = 40, S = 200, E = 16 };
-    static float q[L * E], k[S * E], v[S * E], o[L * E], lse[L];
+    static float q[L * E], k[S * E], v[S * E], o[L * E], lse[L]; /* room for either dtype */
     g_rng.s = 11;
-    for (int x = 0; x < L * E; x++) q[x] = (float)(2 * urand() - 1);
-    for (int x = 0; x < S * E; x++) k[x] = (float)(2 * urand() - 1);
-    for (int x = 0; x < S * E; x++) v[x] = (float)(2 * urand() - 1);
-    ng_attention_args a = bhsd_args(NG_F32, 1, 1, 1, L, S, E, E, q, k, v, o, lse, 0.25);
+    for (int x = 0; x < L * E; x++) ng_store_f64(q, t, x, 2 * urand() - 1);
+    for (int x = 0; x < S * E; x++) ng_store_f64(k, t, x, 2 * urand() - 1);
+    for (int x = 0; x < S * E; x++) ng_store_f64(v, t, x, 2 * urand() - 1);
+    ng_attention_args a = bhsd_args(t, 1, 1, 1, L, S, E, E, q, k, v, o, lse, 0.25);
     for (int what = 0; what < 3; what++) {
-        float *at = what == 0 ? &k[150 * E + 5] : what == 1 ? &v[150 * E + 2] : &q[30 * E + 7];
-        const float keep = *at;
-        *at = NAN;
+        void *buf = what == 0 ? (void *)k : what == 1 ? (void *)v : (void *)q;
+        const int64_t at = what == 0 ? 150 * E + 5 : what == 1 ? 150 * E + 2 : 30 * E + 7;
+        const double keep = ng_load_f64(buf, t, at);
+        ng_store_f64(buf, t, at, NAN);
         CHECK(ng_attention_fwd(&a, NULL) == NG_OK, "late NaN %d fwd", what);
         int ok = 1;
         for (int64_t i = 0; i < L; i++) {
             const int hit = what < 2 || i == 30;
             for (int64_t d = 0; d < E; d++) {
                 const int nan = hit && (what != 1 || d == 2); /* a value reaches its own dim */
-                ok &= nan ? isnan(o[i * E + d]) : isfinite(o[i * E + d]);
+                const double x = ng_load_f64(o, t, i * E + d);
+                ok &= nan ? isnan(x) : isfinite(x);
             }
             ok &= what == 1 ? isfinite(lse[i]) : hit ? isnan(lse[i]) : isfinite(lse[i]);
         }
-        CHECK(ok, "late NaN %d (0: key 150, 1: value 150, 2: q row 30) reaches the rows it must",
-              what);
-        *at = keep;
+        CHECK(ok,
+              "late NaN %d in %s (0: key 150, 1: value 150, 2: q row 30) reaches the rows it must",
+              what, ng_dtype_name(t));
+        ng_store_f64(buf, t, at, keep);
     }
 }
 
@@ -1051,7 +1055,8 @@ int main(void) {
         test_decode_routing();
         test_fp16_overflow();
         test_nan_propagates();
-        test_nan_late_tile();
+        test_nan_late_tile(NG_F32);
+        test_nan_late_tile(NG_BF16);
         printf("path %s: %s\n", ng_cpu_isa_name((ng_cpu_isa)isa),
                ng_test_failures == before ? "ok" : "FAILED");
     }
@@ -1072,6 +1077,7 @@ int main(void) {
             for (size_t ci = 0; ci < sizeof g_cases / sizeof g_cases[0]; ci++)
                 run_case(&g_cases[ci], NG_BF16, (ci % 2) ? chunky_par : NULL, ng_attention_fwd);
             test_nan_propagates();
+            test_nan_late_tile(NG_BF16);
             paths++;
             printf("path avx512, bf16 %s: %s\n", ways[way],
                    ng_test_failures == before ? "ok" : "FAILED");
