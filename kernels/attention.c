@@ -695,10 +695,11 @@ ng_amx_pack_pt(uint16_t *dst, const float *s, int64_t ld, int64_t nk, int64_t nk
 }
 
 /* The forward's online-softmax step down the query columns of a
- * transposed score tile (s, rows ld apart), for the AMX path: the operations
- * of ng_cols_softmax_f32_avx512 lane by lane (the lazy running max
- * included), with P going to pp as bf16 pairs (as ng_amx_pack_pt writes
- * them, rows nk..nkp-1 zero) instead of to a tile of fp32. */
+ * transposed score tile (s, rows ld apart), for the AMX path: the steps of
+ * ng_cols_softmax_f32_avx512 (its lazy running max, by the same
+ * ng_cols_holds / ng_cols_move), with P going to pp as bf16 pairs (as
+ * ng_amx_pack_pt writes them, rows nk..nkp-1 zero) instead of to a tile of
+ * fp32. */
 /* P = 2^((s * scale - m) log2 e): the difference in one rounding (FMA), as
  * ng_cols_softmax_f32_avx512 takes it; negm is -m. */
 NG_TARGET_AMX static inline __m512 ng_amx_p(__m512 x, __m512 vs, __m512 negm) {
@@ -737,50 +738,23 @@ NG_TARGET_AMX __attribute__((noinline)) static void
 ng_amx_cols_softmax(const float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t ncols, float scale,
                     float *m, float *l, float *alpha, uint16_t *pp) {
     const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-    const __m512 zero = _mm512_setzero_ps(), qnan = _mm512_set1_ps(NAN), one = _mm512_set1_ps(1.0f);
-    const __m512 lazy = _mm512_set1_ps(NG_ATTN_LAZY_MAX),
-                 log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
     for (int64_t c = 0; c < ncols; c += 16) {
         const float *col = s + c;
         const __m512 mo = _mm512_loadu_ps(m + c);
-        __m512 mx = ninf, mx1 = ninf;
-        __mmask16 nan = 0;
-        if (_mm512_cmp_ps_mask(_mm512_sub_ps(mo, mo), zero, _CMP_EQ_OQ) == 0xFFFF) {
-            /* every running max finite: one pass, as ng_cols_softmax_f32_avx512
-             * (a NaN score found by the sum) */
+        if (!NG_F32X16_MASK_NAN(_mm512_sub_ps(mo, mo))) {
+            /* every running max finite: one pass, as ng_cols_softmax_f32_avx512 */
+            __m512 mx = ninf, mx1 = ninf;
             const __m512 sum = ng_amx_p_pairs(col, ld, nk, nkp, vs, _mm512_sub_ps(zero, mo),
                                               pp + 2 * c, &mx, &mx1);
-            const __m512 t = _mm512_mul_ps(_mm512_max_ps(mx1, mx), vs);
-            if ((NG_F32X16_MASK_NAN(sum) |
-                 _mm512_cmp_ps_mask(t, _mm512_add_ps(mo, lazy), _CMP_GT_OQ)) == 0) {
+            if (ng_cols_holds_avx512(sum, mx, mx1, vs, mo)) {
                 _mm512_storeu_ps(l + c, _mm512_add_ps(_mm512_loadu_ps(l + c), sum));
                 _mm512_storeu_ps(alpha + c, one);
                 continue;
             }
-            mx = mx1 = ninf;
         }
-        int64_t j = 0;
-        for (; j + 2 <= nk; j += 2) {
-            const __m512 x = _mm512_loadu_ps(col + j * ld), y = _mm512_loadu_ps(col + (j + 1) * ld);
-            nan |= NG_F32X16_MASK_UNORD(x, y);
-            mx = _mm512_max_ps(x, mx);
-            mx1 = _mm512_max_ps(y, mx1);
-        }
-        if (j < nk) {
-            const __m512 x = _mm512_loadu_ps(col + j * ld);
-            nan |= NG_F32X16_MASK_NAN(x);
-            mx = _mm512_max_ps(x, mx);
-        }
-        mx = _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_max_ps(mx1, mx), vs), nan, qnan);
-        const __mmask16 up =
-            NG_F32X16_MASK_NAN(mx) | _mm512_cmp_ps_mask(mx, _mm512_add_ps(mo, lazy), _CMP_GT_OQ);
-        __m512 mn = _mm512_mask_mov_ps(mo, up, mx);
-        mn = _mm512_mask_mov_ps(mn, NG_F32X16_MASK_NAN(mo), mo);
-        __m512 al = ng_exp2_16(_mm512_mul_ps(_mm512_sub_ps(mo, mn), log2e));
-        al = _mm512_mask_mov_ps(al, _mm512_cmp_ps_mask(mo, ninf, _CMP_EQ_OQ),
-                                _mm512_mask_mov_ps(zero, NG_F32X16_MASK_NAN(mn), mn));
-        const __m512 negm = _mm512_mask_mov_ps(_mm512_sub_ps(zero, mn),
-                                               _mm512_cmp_ps_mask(mn, ninf, _CMP_EQ_OQ), ninf);
+        __m512 mn, al, negm;
+        ng_cols_move_avx512(col, ld, nk, vs, mo, &mn, &al, &negm);
         const __m512 sum = ng_amx_p_pairs(col, ld, nk, nkp, vs, negm, pp + 2 * c, NULL, NULL);
         _mm512_storeu_ps(l + c, _mm512_fmadd_ps(_mm512_loadu_ps(l + c), al, sum));
         _mm512_storeu_ps(m + c, mn);
