@@ -619,7 +619,7 @@ def test_lightning_record_dir_saves_the_failing_step_for_replay(tmp_path):
         trainer.fit(Module(), loader)
     files = sorted(os.listdir(tmp_path / "rec"))
     assert len(files) == 1 and files[0].startswith("nanguard-step")
-    from nanguard.diagnostics._record import load_record
+    from nanguard.diagnostics._flight_record import load_record
 
     path = str(tmp_path / "rec" / files[0])
     assert load_record(path)["entry"] == "lm"

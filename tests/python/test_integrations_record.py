@@ -17,7 +17,7 @@ from test_integrations import NAN_AT, _llama, _NaNAtCollator, _trainer, fresh_ac
 
 def test_transformers_callback_record_dir_saves_the_failing_step(tmp_path, fresh_accelerate_state):  # noqa: F811
     T, model = _llama()
-    from nanguard.diagnostics._record import load_record
+    from nanguard.diagnostics._flight_record import load_record
     from nanguard.integrations.transformers import NanguardCallback
 
     cb = NanguardCallback(record_dir=tmp_path / "rec")

@@ -49,7 +49,7 @@ def _tp_model():
 
 def test_dtensor_parameters_are_saved_as_local_shards_with_placements(world_of_one, tmp_path):
     import nanguard
-    from nanguard.diagnostics._record import load_record
+    from nanguard.diagnostics._flight_record import load_record
     from torch.distributed.tensor import DTensor
 
     model, plain = _tp_model()

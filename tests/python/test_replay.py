@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from nanguard.diagnostics._record import RecordError, StepStart, load_record, record_name, write_record
+from nanguard.diagnostics._flight_record import RecordError, StepStart, load_record, record_name, write_record
 from nanguard.diagnostics._replay import replay
 from nanguard.diagnostics._triage import EPS_FLOOR, MAX_SCORE
 
@@ -205,7 +205,7 @@ def test_record_round_trip_restores_rng_and_inputs(tmp_path):
     rec = load_record(path)  # weights_only: tensors and plain values only
     assert rec["step"] == 5 and rec["rank"] == 2 and rec["kwargs"] == {"extra": {"k": [1, 2.5, None]}}
     assert torch.equal(rec["args"][0], x)
-    from nanguard.diagnostics._record import restore_rng
+    from nanguard.diagnostics._flight_record import restore_rng
 
     torch.manual_seed(999)
     restore_rng(rec["rng"])
@@ -257,7 +257,7 @@ def test_result_serialises_to_json(tmp_path):
 
 
 def test_flight_recorder_writes_the_first_nonfinite_step_only(tmp_path):
-    from nanguard.diagnostics._recorder import FlightRecorder
+    from nanguard.diagnostics._flight_recorder import FlightRecorder
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 1))
@@ -296,7 +296,7 @@ def test_flight_recorder_writes_the_first_nonfinite_step_only(tmp_path):
 
 
 def test_flight_recorder_restores_the_steps_dropout(tmp_path):
-    from nanguard.diagnostics._recorder import FlightRecorder
+    from nanguard.diagnostics._flight_recorder import FlightRecorder
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
@@ -306,7 +306,7 @@ def test_flight_recorder_restores_the_steps_dropout(tmp_path):
     out = model(x)
     path = rec.step_done(step=0, nonfinite=True)
     step_model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
-    from nanguard.diagnostics._record import build_model, restore_rng
+    from nanguard.diagnostics._flight_record import build_model, restore_rng
 
     saved = load_record(path)
     build_model(saved, step_model)
@@ -315,7 +315,7 @@ def test_flight_recorder_restores_the_steps_dropout(tmp_path):
 
 
 def test_flight_recorder_bad_arguments(tmp_path):
-    from nanguard.diagnostics._recorder import FlightRecorder
+    from nanguard.diagnostics._flight_recorder import FlightRecorder
 
     with pytest.raises(TypeError, match="record_dir must be a path"):
         FlightRecorder(nn.Linear(2, 2), 3)
@@ -400,7 +400,7 @@ def test_watch_history_warns_before_fp16_overflow():
 
 @requires_cuda
 def test_replay_on_cuda_restores_the_cuda_generator(tmp_path):
-    from nanguard.diagnostics._recorder import FlightRecorder
+    from nanguard.diagnostics._flight_recorder import FlightRecorder
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.ReLU()).cuda()

@@ -24,7 +24,7 @@ from __future__ import annotations
 from ._batch import BadBatchError, BatchFinding, check_batch
 from ._doctor import Finding, doctor, format_findings
 from ._history import HeadroomWarning, History
-from ._record import RecordError
+from ._flight_record import RecordError
 from ._replay import ReplayResult, StepOutcome, replay
 from ._report import BACKWARD, FORWARD, PARAM_GRAD, NonFiniteError, Report, TensorStats
 from ._watch import Watch, watch

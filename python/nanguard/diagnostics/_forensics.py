@@ -1,7 +1,7 @@
 """What ``nanguard.watch(history=N, record_dir=path)`` adds to the watcher:
 the magnitude history with the fp16 early warning (``_history``), fed from
 the statistics each check already brought to the host, and the flight
-recorder (``_recorder``), which writes the first non-finite step for
+recorder (``_flight_recorder``), which writes the first non-finite step for
 :func:`nanguard.replay`."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from torch import nn
 
 from .. import distributed as _dist
 from ._history import SCORE_PASS, History, Row, ScoreSource, head_norms, score_bound, score_sources
-from ._recorder import FlightRecorder
-from ._records import Kind, Owner, Rec
+from ._flight_recorder import FlightRecorder
+from ._census import Kind, Owner, Rec
 from ._report import BACKWARD, FORWARD, PARAM_GRAD, Report
 
 _DTYPE = {d: str(d).removeprefix("torch.") for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}

@@ -1,7 +1,7 @@
 """``nanguard.replay``: run a recorded failing step again, op by op, and
 (``triage=True``) under each item of the standard checklist.
 
-The step is rebuilt from its flight record (``_record``): the model (its
+The step is rebuilt from its flight record (``_flight_record``): the model (its
 Hugging Face class and config, or the one passed in) with the recorded
 parameters and buffers, the inputs, the RNG states at the step's start, the
 autocast settings and the loss scale. Its forward and backward run under the
@@ -22,7 +22,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch.utils._pytree import tree_map
 
-from . import _record
+from . import _flight_record
 from ._opcheck import FirstNonFinite, OpChecker
 
 LossFn = Callable[[Any, dict], torch.Tensor]
@@ -144,7 +144,7 @@ class Step:
         else:
             ctx = torch.autocast(self.device.type, dtype=autocast)
         scale = self.rec["loss_scale"] if loss_scale == "recorded" else loss_scale
-        _record.restore_rng(self.rec["rng"])
+        _flight_record.restore_rng(self.rec["rng"])
         args, kwargs = self.inputs(input_dtype)
         checker = OpChecker(model) if check else None
         try:
@@ -223,8 +223,8 @@ def replay(path: str, model: Optional[torch.nn.Module] = None, loss_fn: Optional
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    rec = _record.load_record(path)
-    step = Step(rec, _record.build_model(rec, model), loss_fn)
+    rec = _flight_record.load_record(path)
+    step = Step(rec, _flight_record.build_model(rec, model), loss_fn)
     outcome = step.run(strict=True)
     batch = _batch_findings(rec, step.model)
     variants = _triage.run_variants(step) if triage else None

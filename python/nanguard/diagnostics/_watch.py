@@ -47,7 +47,7 @@ from torch import nn
 
 from .. import distributed as _dist
 from .._tensor_stats import COUNT_FIELDS, VALUE_FIELDS
-from ._records import (Call, Kind, Owner, Rec, flatten, is_ancestor, positive_int, recordable,
+from ._census import (Call, Kind, Owner, Rec, flatten, is_ancestor, positive_int, recordable,
                        selected, version_of)
 from ._forensics import Forensics
 from ._report import BACKWARD, FORWARD, PARAM_GRAD, NonFiniteError, Report, TensorStats

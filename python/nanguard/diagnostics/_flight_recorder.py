@@ -1,5 +1,5 @@
 """The flight recorder: hold what the current step needs to run again, and
-write it (``_record``) when the step is first found non-finite.
+write it (``_flight_record``) when the step is first found non-finite.
 
 At the step's first module call, a pre-hook keeps that module's inputs
 *by reference* (the very args and kwargs objects: no copy) and the RNG
@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._record import StepStart, current_autocast, write_record
+from ._flight_record import StepStart, current_autocast, write_record
 
 
 class FlightRecorder:
