@@ -29,9 +29,14 @@ __all__ = [
     "StableLayerNorm",
     "StableRMSNorm",
     "EPS_FLOOR",
+    "NORM_EPS_ATTRS",
 ]
 
 _ops = torch.ops.nanguard
+
+#: the attribute names under which norm classes (PyTorch's, Hugging Face
+#: Transformers', timm's) keep their epsilon, in the order they are tried
+NORM_EPS_ATTRS = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps", "norm_eps")
 
 #: eps floors used by ``eps_floor="auto"``, per input dtype. 16-bit training
 #: with eps far below 1e-5 (1e-12 in BERT-style configs) lets rows that are

@@ -244,7 +244,7 @@ def test_rule_norm_eps_alone_names_the_patch_for_hf_models_only():
     assert _rule_norm_eps(_AuditContext(m, tdtype=torch.float32)) == []
     [f] = _rule_norm_eps(_AuditContext(m, tdtype=torch.float16))
     assert f.where == "'0'" and "1 LayerNorm/RMSNorm module(s) use eps 1e-06" in f.evidence
-    assert f.fix.startswith("eps >= 1e-5")
+    assert f.fix.startswith("eps >= 1e-05 for float16")  # nanguard.layernorm.EPS_FLOOR[float16]
     [f] = _rule_norm_eps(_AuditContext(m, tdtype=torch.float16, hf=True))
     assert f.fix.startswith("nanguard.patch(model)")
 
@@ -416,3 +416,14 @@ def test_cli_help_as_a_process():
     r = subprocess.run([sys.executable, "-m", "nanguard", "doctor", "--help"], capture_output=True, text=True,
                        env=env, timeout=120)
     assert r.returncode == 0 and "--model-type" in r.stdout, r.stdout + r.stderr
+
+
+def test_norm_eps_read_under_every_attribute_name_norm_classes_use():
+    from nanguard.diagnostics._doctor import _norm_eps
+    from nanguard.layernorm import NORM_EPS_ATTRS
+
+    for attr in NORM_EPS_ATTRS:  # the one list patching and triage use too
+        cls = type("MyRMSNorm", (nn.Module,), {})
+        m = cls()
+        setattr(m, attr, 1e-7)
+        assert _norm_eps(m) == 1e-7, attr

@@ -23,7 +23,7 @@ from torch import nn
 
 from nanguard.diagnostics._flight_record import RecordError, StepStart, load_record, record_name, write_record
 from nanguard.diagnostics._replay import replay
-from nanguard.diagnostics._triage import EPS_FLOOR, MAX_SCORE
+from nanguard.diagnostics._triage import MAX_SCORE, TRIAGE_NORM_EPS
 
 from conftest import requires_cuda
 
@@ -177,7 +177,7 @@ def test_hand_written_fp16_layernorm_over_a_constant_row(tmp_path):
     t = res.triage
     assert t["norm eps"].finite and t["float32"].finite and not t["dropout off"].finite
     assert res.verdict.startswith("NaN made from finite inputs (float16) in `1` (first op `aten::div`, forward)")
-    assert f"with norm eps raised to {EPS_FLOOR:g}" in res.verdict
+    assert f"with norm eps raised to {TRIAGE_NORM_EPS:g}" in res.verdict
     assert "dropout does not matter" in res.verdict
 
 

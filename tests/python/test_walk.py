@@ -8,7 +8,7 @@ from collections import OrderedDict, UserDict, namedtuple
 import pytest
 import torch
 
-from nanguard.diagnostics._walk import MAX_DEPTH, TensorLeaf, tensor_leaves
+from nanguard.diagnostics._walk import MAX_DEPTH, TensorLeaf, rebuild, tensor_leaves
 
 
 def test_paths_keys_and_order():
@@ -69,3 +69,42 @@ def test_a_container_that_holds_itself_ends():
     loop.append(loop)
     got = tensor_leaves(loop, "r")
     assert len(got) == MAX_DEPTH and all(x.tensor is t for x in got)
+
+
+def test_rebuild_keeps_the_nesting_and_transforms_every_leaf():
+    Pair = namedtuple("Pair", "a b")
+    t = torch.arange(3.0)
+    obj = OrderedDict([("x", [1, (t, "s")]), (7, Pair(None, 2.5)), ("u", UserDict({"k": [True]}))])
+    seen = []
+
+    def leaf(v, path):
+        seen.append(path)
+        return ("leaf", v)
+
+    got = rebuild(obj, "kwargs", leaf)
+    assert type(got) is dict and list(got) == ["x", "7", "u"]  # mappings as dicts with str keys
+    assert got["x"] == [("leaf", 1), (("leaf", t), ("leaf", "s"))]
+    assert type(got["x"][1]) is tuple and type(got["7"]) is tuple  # a namedtuple as a plain tuple
+    assert got["7"] == (("leaf", None), ("leaf", 2.5))
+    assert got["u"] == {"k": [("leaf", True)]}
+    assert seen == ["kwargs['x'][0]", "kwargs['x'][1][0]", "kwargs['x'][1][1]", "kwargs[7][0]", "kwargs[7][1]",
+                    "kwargs['u']['k'][0]"]
+
+
+def test_rebuild_refuses_what_is_too_deep_and_what_the_leaf_refuses():
+    deep = t = torch.zeros(1)
+    for _ in range(MAX_DEPTH):
+        deep = [deep]
+    assert rebuild(deep, "a", lambda v, p: v)  # MAX_DEPTH containers: fine
+    with pytest.raises(ValueError, match=r"a\[0\]\[0\]\[0\]\[0\]\[0\]\[0\]\[0\]\[0\] is nested more than 8"):
+        rebuild([deep], "a", lambda v, p: v)
+    loop = []
+    loop.append(loop)
+    with pytest.raises(ValueError, match="nested more than"):
+        rebuild(loop, "loop", lambda v, p: v)
+
+    def refuse(v, path):
+        raise TypeError(f"{path} is a {type(v).__name__}")
+
+    with pytest.raises(TypeError, match=r"b\['z'\]\[1\] is a int"):
+        rebuild({"z": [t, 3]}, "b", lambda v, p: v if isinstance(v, torch.Tensor) else refuse(v, p))

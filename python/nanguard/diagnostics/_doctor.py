@@ -13,6 +13,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..layernorm import EPS_FLOOR, NORM_EPS_ATTRS
+
 __all__ = ["doctor", "Finding", "format_findings"]
 
 _SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
@@ -110,7 +112,7 @@ def _norm_eps(mod: nn.Module) -> Optional[float]:
     if not ("LayerNorm" in name or "RMSNorm" in name or isinstance(mod, (nn.LayerNorm,
                                                                           nn.RMSNorm))):
         return None
-    for attr in ("eps", "variance_epsilon", "epsilon"):
+    for attr in NORM_EPS_ATTRS:
         v = getattr(mod, attr, None)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             return float(v)
@@ -283,8 +285,9 @@ def _rule_no_grad_clipping(ctx: _AuditContext) -> List[Finding]:
 def _rule_norm_eps(ctx: _AuditContext) -> List[Finding]:
     if not ctx.fp16:
         return []
+    floor = EPS_FLOOR[torch.float16]  # what stable_layernorm's eps_floor="auto" applies in fp16
     small = [(n, e) for n, m in ctx.model.named_modules()
-             if not _is_nanguard(m) and (e := _norm_eps(m)) is not None and e < 1e-5]
+             if not _is_nanguard(m) and (e := _norm_eps(m)) is not None and e < floor]
     if not small:
         return []
     eps_vals = sorted({e for _, e in small})
@@ -295,7 +298,7 @@ def _rule_norm_eps(ctx: _AuditContext) -> List[Finding]:
         "nearly constant has a variance that rounds to 0 in float16 and 1/sqrt(var + eps) "
         "amplifies its rounding noise by up to 1/sqrt(eps)",
         (_PATCH_FIX if ctx.hf else "")
-        + "eps >= 1e-5 for float16 (PyTorch's LayerNorm default), or use "
+        + f"eps >= {floor:g} for float16 (PyTorch's LayerNorm default), or use "
         "nanguard.nn.StableLayerNorm / StableRMSNorm (fp32 statistics, eps floor "
         "per dtype)")]
 

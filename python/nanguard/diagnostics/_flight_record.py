@@ -44,10 +44,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
+
+from ._walk import rebuild
 
 FORMAT = "nanguard.flight-record"
 VERSION = 1
@@ -99,9 +100,7 @@ def restore_rng(rng: dict) -> None:
         torch.cuda.set_rng_state(state, index)
 
 
-def _plain(obj: Any, where: str) -> Any:
-    """``obj`` as tensors and plain containers that ``weights_only`` loading
-    accepts; anything else is refused, naming where it sits."""
+def _plain_leaf(obj: Any, where: str) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach()
     if isinstance(obj, bool) or obj is None:
@@ -111,12 +110,16 @@ def _plain(obj: Any, where: str) -> Any:
             return plain(obj)
     if isinstance(obj, torch.dtype):
         return str(obj)
-    if isinstance(obj, Mapping):
-        return {str(k): _plain(v, f"{where}[{k!r}]") for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_plain(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-        return items if isinstance(obj, list) else tuple(items)
     raise TypeError(f"a flight record holds tensors and plain values; {where} is a {type(obj).__name__}")
+
+
+def _plain(obj: Any, where: str) -> Any:
+    """``obj`` as tensors and plain containers that ``weights_only`` loading
+    accepts; anything else is refused, naming where it sits."""
+    try:
+        return rebuild(obj, where, _plain_leaf)
+    except ValueError as e:
+        raise TypeError(f"a flight record holds tensors and plain values; {e}") from None
 
 
 def _model_source(model: torch.nn.Module) -> Optional[dict]:

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map
 
 from . import _flight_record
 from ._opcheck import FirstNonFinite, OpChecker
+from ._walk import tensor_leaves
 
 LossFn = Callable[[Any, dict], torch.Tensor]
 
@@ -172,8 +173,10 @@ def _batch_findings(rec: dict, model: torch.nn.Module) -> List[str]:
     import nanguard
 
     out: List[str] = []
-    leaves = _named_leaves({"args": list(rec["args"]), **rec["kwargs"]})
-    for name, t in leaves:
+    leaves = tensor_leaves(list(rec["args"]), "args")
+    for key, value in rec["kwargs"].items():
+        leaves += tensor_leaves(value, key)
+    for name, _, t in leaves:
         if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
             idx = tuple(int(i) for i in torch.nonzero(~torch.isfinite(t))[0])
             kind = "NaN" if bool(torch.isnan(t).any()) else "Inf"
@@ -184,19 +187,6 @@ def _batch_findings(rec: dict, model: torch.nn.Module) -> List[str]:
         if f.problem not in ("NaN values", "+Inf values", "-Inf values"):  # reported above, with an index
             out.append(str(f))
     return out
-
-
-def _named_leaves(obj, prefix: str = "") -> list:
-    leaves = []
-    if isinstance(obj, torch.Tensor):
-        leaves.append((prefix, obj))
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            leaves += _named_leaves(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            leaves += _named_leaves(v, f"{prefix}[{i}]")
-    return leaves
 
 
 def replay(path: str, model: Optional[torch.nn.Module] = None, loss_fn: Optional[LossFn] = None,

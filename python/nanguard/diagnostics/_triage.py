@@ -14,7 +14,7 @@ variant            change
                    safe activations
 ``max_score``      ``nanguard.patch(model, max_score=MAX_SCORE)``
 ``norm eps``       every norm's ``eps`` / ``variance_epsilon`` raised to
-                   ``EPS_FLOOR``
+                   ``TRIAGE_NORM_EPS``
 ``dropout off``    every dropout's probability set to 0
 ``loss scale``     the loss scale halved until the gradients are finite
                    (down to 1); only when a loss scale was recorded
@@ -33,19 +33,22 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 import torch
 from torch import nn
 
+from ..layernorm import NORM_EPS_ATTRS
+
 if TYPE_CHECKING:
     from ._replay import ReplayResult, Step, StepOutcome
 
 #: the clamp the ``max_score`` variant applies to scaled attention scores
 MAX_SCORE = 50.0
-#: the smallest norm epsilon the ``norm eps`` variant leaves in place
-EPS_FLOOR = 1e-4
+#: the norm epsilon the ``norm eps`` variant raises every smaller one to: a
+#: what-if of triage, unrelated to the floors ``stable_layernorm`` applies
+#: (``nanguard.layernorm.EPS_FLOOR``)
+TRIAGE_NORM_EPS = 1e-4
 
-_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
 _MATMULS = ("mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "addbmm", "einsum")
 _DESCRIBE = {
     "float32": "in fp32", "bfloat16": "in bf16", "nanguard.patch": "with nanguard.patch",
-    "max_score": f"with scores clamped to ±{MAX_SCORE:g}", "norm eps": f"with norm eps raised to {EPS_FLOOR:g}",
+    "max_score": f"with scores clamped to ±{MAX_SCORE:g}", "norm eps": f"with norm eps raised to {TRIAGE_NORM_EPS:g}",
     "dropout off": "with dropout off",
 }
 
@@ -63,10 +66,10 @@ def _copy(step: "Step") -> nn.Module:
 
 def _raise_eps(model: nn.Module) -> nn.Module:
     for m in model.modules():
-        for attr in _EPS_ATTRS:
+        for attr in NORM_EPS_ATTRS:
             v = getattr(m, attr, None)
-            if isinstance(v, float) and v < EPS_FLOOR:
-                setattr(m, attr, EPS_FLOOR)
+            if isinstance(v, float) and v < TRIAGE_NORM_EPS:
+                setattr(m, attr, TRIAGE_NORM_EPS)
     return model
 
 
@@ -199,4 +202,4 @@ def _nonfinite_state(step: "Step") -> Optional[str]:
     return None
 
 
-__all__: List[str] = ["run_variants", "verdict", "MAX_SCORE", "EPS_FLOOR"]
+__all__: List[str] = ["run_variants", "verdict", "MAX_SCORE", "TRIAGE_NORM_EPS"]

@@ -1,15 +1,17 @@
 """The one walker of nested tensor containers (a batch, a module's inputs or
-outputs): mappings (``dict``, ``BatchEncoding``, ``ModelOutput``), lists and
-tuples, entered at most :data:`MAX_DEPTH` containers deep."""
+outputs, a flight record's arguments): mappings (``dict``, ``BatchEncoding``,
+``ModelOutput``), lists and tuples, entered at most :data:`MAX_DEPTH`
+containers deep. :func:`tensor_leaves` collects the tensors;
+:func:`rebuild` copies the structure with every leaf transformed."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import List, NamedTuple
+from typing import Any, Callable, List, NamedTuple
 
 import torch
 
-__all__ = ["MAX_DEPTH", "TensorLeaf", "tensor_leaves"]
+__all__ = ["MAX_DEPTH", "TensorLeaf", "rebuild", "tensor_leaves"]
 
 #: A tensor is found when at most this many containers enclose it; deeper
 #: containers are not entered (this also bounds a container that holds itself).
@@ -34,14 +36,37 @@ def tensor_leaves(obj, root: str) -> List[TensorLeaf]:
     return out
 
 
+def rebuild(obj, root: str, leaf: Callable[[Any, str], Any]) -> Any:
+    """``obj`` with the same nesting, every mapping a ``dict`` with ``str``
+    keys, every list a list, every tuple a tuple, and every other value
+    ``leaf(value, path)`` (``leaf`` may raise to refuse one). A container
+    deeper than :data:`MAX_DEPTH` is refused with ``ValueError`` naming its path."""
+    return _rebuild(obj, root, leaf, 0)
+
+
+def _is_container(obj) -> bool:
+    return isinstance(obj, (Mapping, tuple, list)) and not isinstance(obj, torch.Tensor)
+
+
+def _rebuild(obj, path: str, leaf, depth: int):
+    if not _is_container(obj):
+        return leaf(obj, path)
+    if depth >= MAX_DEPTH:
+        raise ValueError(f"{path} is nested more than {MAX_DEPTH} containers deep")
+    if isinstance(obj, Mapping):
+        return {str(k): _rebuild(v, f"{path}[{k!r}]", leaf, depth + 1) for k, v in obj.items()}
+    items = [_rebuild(v, f"{path}[{i}]", leaf, depth + 1) for i, v in enumerate(obj)]
+    return items if isinstance(obj, list) else tuple(items)
+
+
 def _visit(obj, path: str, key: str, depth: int, out: List[TensorLeaf]) -> None:
     if isinstance(obj, torch.Tensor):
         out.append(TensorLeaf(path, key, obj))
-    elif depth >= MAX_DEPTH or isinstance(obj, (str, bytes)):
+    elif depth >= MAX_DEPTH or not _is_container(obj):
         return
     elif isinstance(obj, Mapping):
         for k, v in obj.items():
             _visit(v, f"{path}[{k!r}]", str(k), depth + 1, out)
-    elif isinstance(obj, (tuple, list)):
+    else:
         for i, v in enumerate(obj):
             _visit(v, f"{path}[{i}]", key, depth + 1, out)

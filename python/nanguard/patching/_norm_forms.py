@@ -11,11 +11,10 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from ..layernorm import NORM_EPS_ATTRS as _EPS_ATTRS
 from ..layernorm import StableLayerNorm, StableRMSNorm, layer_norm, rms_norm
 from ..nn import UnsupportedModuleError
 
-#: names under which norm classes keep their epsilon, in the order tried
-_EPS_ATTRS = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps", "norm_eps")
 _NOT_NORMS = ("batchnorm", "groupnorm", "instancenorm", "weightnorm", "spectralnorm", "normal")
 #: the width of the probe of a parameter-free norm that does not say its width
 _PROBE_WIDTH = 64
