@@ -35,8 +35,17 @@ static ng_attention_args err_attn_args(void *buf, void *lse, int64_t E) {
 
 static void err_failed_smem_attribute(float *buf, float *lse, const ng_layernorm_args *ln) {
     if (!case_begin("errors     %-34s %s", "failed_smem_attribute", "float32")) return;
-    /* head dim 256 needs 64 KiB of dynamic shared memory: an attribute call */
-    ng_attention_args a = err_attn_args(buf, lse, 256);
+    /* the SIMT forward (more query rows than the decode kernel takes) at
+     * head dim 256 needs 64 KiB of dynamic shared memory: an attribute call.
+     * Not the decode kernel, whose own grant the next case checks: granted
+     * here, it would ask for nothing there. */
+    const int64_t L = NG_ATTN_DEC_MAX_L + 1, E = 256;
+    float *q = dmalloc(sizeof(float) * (size_t)(L * E)),
+          *o = dmalloc(sizeof(float) * (size_t)(L * E)), *ol = dmalloc(sizeof(float) * (size_t)L);
+    CU(cudaMemsetAsync(q, 0, sizeof(float) * (size_t)(L * E), g_stream));
+    ng_attention_args a = err_attn_args(buf, lse, E);
+    a.L = L;
+    a.q = q, a.out = o, a.lse = ol;
     ng_emu_inject("cudaFuncSetAttribute", cudaErrorInvalidValue);
     ng_status s = ng_attention_fwd_cuda(&a, g_stream);
     CHECK(s == NG_ERR_CUDA, "a failed cudaFuncSetAttribute: launcher returned %s",
@@ -48,6 +57,9 @@ static void err_failed_smem_attribute(float *buf, float *lse, const ng_layernorm
     s = ng_attention_fwd_cuda(&a, g_stream);
     CHECK(s == NG_OK, "the same call again returned %s", ng_status_str(s));
     CU(cudaStreamSynchronize(g_stream));
+    dfree(q);
+    dfree(o);
+    dfree(ol);
     case_end();
 }
 
