@@ -29,7 +29,7 @@ from .diagnostics import *  # noqa: E402,F401,F403  (watch, Watch, Report, NonFi
 from . import patching  # noqa: E402
 from .patching import PatchSummary, UnsupportedModuleError, patch, unpatch  # noqa: E402  (transformers is imported on first use)
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 __all__ = ["functional", "nn", "info", "__version__", "amp", "clip_grad_norm_"]
 __all__ += ["tensor_stats", "tensor_stats_", "new_stats_buffers", "SkippedStep", "diagnostics"]

@@ -10,6 +10,7 @@ import platform
 import torch
 
 from . import _lib
+from ._version import __version__
 
 _KEYS = ("CPU", "CUDA")
 
@@ -129,7 +130,6 @@ def info(as_dict: bool = False):
         ops[name] = [
             k.lower() for k in _KEYS if torch._C._dispatch_has_kernel_for_dispatch_key(name, k)
         ]
-    from . import __version__
 
     cpu = {**cpu_model(), **cpu_paths()}
     op_cpu_paths = {}

@@ -622,7 +622,7 @@ def test_lightning_record_dir_saves_the_failing_step_for_replay(tmp_path):
     from nanguard.diagnostics._flight_record import load_record
 
     path = str(tmp_path / "rec" / files[0])
-    assert load_record(path)["entry"] == "lm"
+    assert load_record(path).entry == "lm"
     res = nanguard.replay(path)
     assert res.reproduced and res.batch and res.batch[0].startswith("`inputs_embeds` holds NaN")
     with pytest.raises(ValueError, match="record_dir needs watch=True"):

@@ -28,10 +28,10 @@ def test_transformers_callback_record_dir_saves_the_failing_step(tmp_path, fresh
     assert os.listdir(tmp_path / "rec") == [f"nanguard-step{NAN_AT}.pt"]
     path = str(tmp_path / "rec" / f"nanguard-step{NAN_AT}.pt")
     rec = load_record(path)
-    assert rec["entry"] == "" and rec["recorded_nonfinite"]
-    assert rec["model"]["qualname"] == "LlamaForCausalLM"
-    assert rec["autocast"] == {"device_type": "cpu", "dtype": "bfloat16"}  # the Trainer's bf16=True
-    assert torch.isnan(rec["kwargs"]["inputs_embeds"]).all() and "input_ids" not in rec["kwargs"]
+    assert rec.entry == "" and rec.recorded_nonfinite
+    assert rec.model["qualname"] == "LlamaForCausalLM"
+    assert rec.autocast == {"device_type": "cpu", "dtype": "bfloat16"}  # the Trainer's bf16=True
+    assert torch.isnan(rec.kwargs["inputs_embeds"]).all() and "input_ids" not in rec.kwargs
     res = nanguard.replay(path)
     assert res.reproduced and res.batch and res.batch[0].startswith("`inputs_embeds` holds NaN")
     with pytest.raises(ValueError, match="record_dir needs watch=True"):

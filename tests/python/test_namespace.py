@@ -134,3 +134,16 @@ def test_one_skipped_step():
 
     integrations = importlib.import_module("nanguard.integrations")
     assert integrations.SkippedStep is amp.SkippedStep is nanguard.SkippedStep
+
+
+def test_the_version_is_the_packages():
+    import re
+    from pathlib import Path
+
+    import nanguard
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    if not pyproject.is_file():
+        pytest.skip("not run from a source tree")
+    declared = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M).group(1)
+    assert nanguard.__version__ == declared

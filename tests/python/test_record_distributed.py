@@ -64,17 +64,17 @@ def test_dtensor_parameters_are_saved_as_local_shards_with_placements(world_of_o
     path = str(tmp_path / "rec" / "nanguard-step0-rank0.pt")
     assert rep.replay_path == path and os.listdir(tmp_path / "rec") == ["nanguard-step0-rank0.pt"]
     rec = load_record(path)  # weights_only: shards are plain tensors, placements are strings
-    assert rec["rank"] == 0
-    placements = {k: v["placements"] for k, v in rec["sharding"].items()}
+    assert rec.rank == 0
+    placements = {k: v["placements"] for k, v in rec.sharding.items()}
     assert placements == {"0.weight": ["Shard(dim=0)"], "0.bias": ["Shard(dim=0)"],
                           "2.weight": ["Shard(dim=1)"], "2.bias": ["Replicate()"]}
-    assert rec["sharding"]["2.weight"]["global_shape"] == [4, 16]
-    assert {tuple(v["mesh_shape"]) for v in rec["sharding"].values()} == {(1,)}
-    for k, v in rec["state"].items():
+    assert rec.sharding["2.weight"]["global_shape"] == [4, 16]
+    assert {tuple(v["mesh_shape"]) for v in rec.sharding.values()} == {(1,)}
+    for k, v in rec.state.items():
         assert type(v) is torch.Tensor, k
         local = model.state_dict()[k].to_local()
         assert torch.equal(v, local), k
         assert torch.equal(v, plain[k]), k  # a world of one: each local shard is the whole tensor
-    assert torch.allclose(rec["args"][0], x, equal_nan=True)
+    assert torch.allclose(rec.args[0], x, equal_nan=True)
     with pytest.raises(NotImplementedError, match="DTensor shards"):
         nanguard.replay(path, model=nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))

@@ -12,6 +12,7 @@ LayerNorm over a constant row.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 import math
@@ -21,7 +22,8 @@ import pytest
 import torch
 from torch import nn
 
-from nanguard.diagnostics._flight_record import RecordError, StepStart, load_record, record_name, write_record
+from nanguard.diagnostics._flight_record import (FlightRecord, RecordError, StepStart, load_record, record_name,
+                                                 write_record)
 from nanguard.diagnostics._replay import replay
 from nanguard.diagnostics._triage import MAX_SCORE, TRIAGE_NORM_EPS
 
@@ -203,13 +205,74 @@ def test_record_round_trip_restores_rng_and_inputs(tmp_path):
                         start=start, step=5, rank=2)
     assert os.path.basename(path) == "nanguard-step5-rank2.pt"
     rec = load_record(path)  # weights_only: tensors and plain values only
-    assert rec["step"] == 5 and rec["rank"] == 2 and rec["kwargs"] == {"extra": {"k": [1, 2.5, None]}}
-    assert torch.equal(rec["args"][0], x)
+    assert rec.step == 5 and rec.rank == 2 and rec.kwargs == {"extra": {"k": [1, 2.5, None]}}
+    assert torch.equal(rec.args[0], x)
     from nanguard.diagnostics._flight_record import restore_rng
 
     torch.manual_seed(999)
-    restore_rng(rec["rng"])
+    restore_rng(rec.rng)
     assert torch.equal(model(x), expect)
+
+
+def _v1_record(model: nn.Module, x: torch.Tensor, rng: dict) -> dict:
+    """A flight record exactly as version 1 wrote it: these 18 keys, no micro_batch."""
+    return {
+        "format": "nanguard.flight-record", "version": 1, "step": 7, "rank": None, "args": (x,), "kwargs": {},
+        "rng": rng, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "sharding": {},
+        "training": True, "autocast": None, "loss_scale": None, "model": None, "report": "report v1",
+        "history": None, "recorded_nonfinite": True, "entry": "", "versions": {"torch": "2.11.0", "nanguard": "0.1.0"},
+    }
+
+
+def test_a_version_1_record_is_migrated_and_replays(tmp_path):
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    x = torch.full((4, 3), 2e38)  # finite inputs whose products' sum overflows fp32
+    path = tmp_path / "nanguard-step7.pt"
+    torch.save(_v1_record(model, x, StepStart.capture().rng), path)
+    rec = load_record(str(path))
+    assert isinstance(rec, FlightRecord) and rec.micro_batch == 0  # version 1 kept the first forward's inputs
+    assert rec.step == 7 and rec.report == "report v1" and torch.equal(rec.args[0], x)
+    res = replay(str(path), model=nn.Linear(3, 2), loss_fn=lambda out, _: out.sum())
+    assert res.reproduced and res.step == 7 and res.first_op in ("aten::addmm", "aten::mm"), res
+
+
+def test_a_version_2_record_round_trips_losslessly(tmp_path):
+    model = nn.Linear(3, 2)
+    x = torch.randn(2, 3)
+    start = StepStart.capture()
+    path = write_record(str(tmp_path), model=model, args=(x,), kwargs={"mask": torch.ones(2), "n": [1, (2.5,)]},
+                        start=start, step=4, rank=1, loss_scale=512, report="r", history=[{"a": 1}],
+                        entry="lm", micro_batch=3)
+    raw = torch.load(path, weights_only=True)  # the file: plain containers and tensors
+    assert type(raw) is dict and raw["format"] == "nanguard.flight-record" and raw["version"] == 2
+    rec = load_record(path)
+    assert rec.micro_batch == 3 and rec.rank == 1 and rec.loss_scale == 512.0 and rec.entry == "lm"
+    again = FlightRecord.from_dict(rec.to_dict())
+    assert again.to_dict().keys() == raw.keys()
+    for f in dataclasses.fields(FlightRecord):  # every field as written, tensors bit for bit
+        a, b = getattr(again, f.name), raw[f.name]
+        if f.name in ("args", "state"):
+            items = zip(a, b) if f.name == "args" else ((a[k], b[k]) for k in b)
+            assert all(torch.equal(u, v) for u, v in items), f.name
+        elif f.name == "rng":
+            assert torch.equal(a["cpu"], b["cpu"]) and a["cuda"] == b["cuda"]
+        elif f.name == "kwargs":
+            assert torch.equal(a["mask"], b["mask"]) and a["n"] == b["n"] == [1, (2.5,)]
+        else:
+            assert a == b, f.name
+
+
+def test_records_of_an_unknown_version_or_incomplete_are_refused(tmp_path):
+    rec = _v1_record(nn.Linear(2, 2), torch.ones(1, 2), StepStart.capture().rng)
+    with pytest.raises(RecordError, match="version 3; this nanguard reads versions 1 to 2"):
+        FlightRecord.from_dict({**rec, "version": 3})
+    del rec["state"]
+    with pytest.raises(RecordError, match="record is a flight record of version 1 without state"):
+        FlightRecord.from_dict(rec)
+    with pytest.raises(RecordError, match="not a nanguard flight record"):
+        FlightRecord.from_dict(["format"])
 
 
 def test_bad_records_and_arguments_raise_clear_errors(tmp_path):
@@ -287,8 +350,8 @@ def test_flight_recorder_writes_the_first_nonfinite_step_only(tmp_path):
     assert seen[3] == str(tmp_path / "rec" / "nanguard-step3.pt") == rec.path
     assert os.listdir(tmp_path / "rec") == ["nanguard-step3.pt"]
     saved = load_record(seen[3])
-    assert saved["report"] == "report text" and saved["training"] is True
-    for p, q in zip(saved["state"].values(), params_at_failure):
+    assert saved.report == "report text" and saved.training is True
+    for p, q in zip(saved.state.values(), params_at_failure):
         assert torch.equal(p, q)
     rec.remove()
     res = replay(seen[3], model=nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 1)), loss_fn=loss_fn)
@@ -310,8 +373,8 @@ def test_flight_recorder_restores_the_steps_dropout(tmp_path):
 
     saved = load_record(path)
     build_model(saved, step_model)
-    restore_rng(saved["rng"])
-    assert torch.equal(step_model(saved["args"][0]), out)  # the same dropout mask
+    restore_rng(saved.rng)
+    assert torch.equal(step_model(saved.args[0]), out)  # the same dropout mask
 
 
 def test_flight_recorder_bad_arguments(tmp_path):
@@ -359,10 +422,10 @@ def test_watch_records_the_failing_step_and_names_it(tmp_path):
     assert err.value.replay_path == path and err.value.report.replay_path == path
     assert f"python -m nanguard replay {path} --triage" in str(err.value)
     rec = load_record(path)
-    assert rec["loss_scale"] == 2.0**12 and rec["autocast"] == {"device_type": "cpu", "dtype": "float16"}
-    assert rec["kwargs"]["input_ids"] is not None and torch.equal(rec["kwargs"]["input_ids"], ids)
-    assert rec["history"] and {"module", "pass", "max_abs"} <= set(rec["history"][0])
-    assert "first non-finite value at step 0" in rec["report"]
+    assert rec.loss_scale == 2.0**12 and rec.autocast == {"device_type": "cpu", "dtype": "float16"}
+    assert rec.kwargs["input_ids"] is not None and torch.equal(rec.kwargs["input_ids"], ids)
+    assert rec.history and {"module", "pass", "max_abs"} <= set(rec.history[0])
+    assert "first non-finite value at step 0" in rec.report
     assert w.history is not None and w.history.first_nonfinite == 0
     w.remove()
     res = nanguard.replay(path)
@@ -410,7 +473,7 @@ def test_replay_on_cuda_restores_the_cuda_generator(tmp_path):
     out = model(x)
     path = rec.step_done(step=0, nonfinite=not bool(torch.isfinite(loss_fn(out, None))))
     saved = load_record(path)
-    assert saved["rng"]["cuda"] is not None and saved["args"][0].device.type == "cpu"
+    assert saved.rng["cuda"] is not None and saved.args[0].device.type == "cpu"
     fresh = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.ReLU()).cuda()
     res = replay(path, model=fresh, loss_fn=loss_fn)
     assert res.reproduced and res.first_op == "aten::log" and res.module is None

@@ -3,13 +3,19 @@ to run that step again.
 
 A record is one ``torch.save`` file, ``nanguard-step<N>[-rank<R>].pt``,
 holding a dict of tensors and plain Python values only, so that
-``torch.load(path, weights_only=True)`` reads it and no code is unpickled:
+``torch.load(path, weights_only=True)`` reads it and no code is unpickled.
+In memory it is a :class:`FlightRecord`, whose fields are the file's keys
+(``FlightRecord.to_dict`` / ``from_dict``; ``from_dict`` migrates the
+records of earlier versions):
 
 ==================  ===========================================================
 key                 value
 ==================  ===========================================================
-``format``          ``"nanguard.flight-record"``; ``version``: 1
+``format``          ``"nanguard.flight-record"``; ``version``: 2
 ``step``, ``rank``  the step number; the rank under torch.distributed, else None
+``micro_batch``     which forward of the step ``args`` / ``kwargs`` are, 0 the
+                    first (version 1 records, which have no such key, held
+                    the first)
 ``args``            the model's positional inputs as they reached its forward
 ``kwargs``          its keyword inputs (nested dicts / lists / tuples of tensors
                     and plain values; mappings such as ``BatchEncoding`` are
@@ -48,14 +54,65 @@ from typing import Any, Optional
 
 import torch
 
+from .._version import __version__
 from ._walk import rebuild
 
 FORMAT = "nanguard.flight-record"
-VERSION = 1
+VERSION = 2
 
 
 class RecordError(ValueError):
     """A file is not a nanguard flight record, or not one this version reads."""
+
+
+@dataclasses.dataclass
+class FlightRecord:
+    """One recorded step (the keys of the table above, but ``format`` and
+    ``version``, which :meth:`to_dict` writes and :meth:`from_dict` checks)."""
+
+    step: int
+    rank: Optional[int]
+    args: tuple
+    kwargs: dict
+    rng: dict
+    state: dict
+    sharding: dict
+    training: bool
+    autocast: Optional[dict]
+    loss_scale: Optional[float]
+    model: Optional[dict]
+    report: Optional[str]
+    history: Optional[list]
+    recorded_nonfinite: bool
+    entry: str
+    versions: dict
+    micro_batch: int = 0
+
+    def to_dict(self) -> dict:
+        """The record as the file holds it: plain containers and tensors."""
+        return {"format": FORMAT, "version": VERSION,
+                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "record") -> "FlightRecord":
+        """The record a loaded file holds, of this version or migrated from an
+        earlier one; ``RecordError`` (naming ``where``) for anything else."""
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise RecordError(f"{where} is not a nanguard flight record")
+        version = d.get("version")
+        if version == 1:  # the first forward's inputs: micro_batch is new in version 2
+            d = {**d, "micro_batch": 0}
+        elif version != VERSION:
+            raise RecordError(f"{where} is a flight record of version {version}; this nanguard reads "
+                              f"versions 1 to {VERSION}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in d]
+        if missing:
+            raise RecordError(f"{where} is a flight record of version {version} without "
+                              f"{', '.join(missing)}")
+        rec = cls(**{n: d[n] for n in names})
+        rec.args = tuple(rec.args)
+        return rec
 
 
 def record_name(step: int, rank: Optional[int] = None) -> str:
@@ -149,68 +206,58 @@ def _state(model: torch.nn.Module) -> tuple[dict, dict]:
 def write_record(directory: str, *, model: torch.nn.Module, args: tuple, kwargs: dict, start: StepStart,
                  step: int, rank: Optional[int] = None, loss_scale: Optional[float] = None,
                  report: Optional[str] = None, history: Optional[list] = None,
-                 recorded_nonfinite: bool = True, entry: str = "") -> str:
+                 recorded_nonfinite: bool = True, entry: str = "", micro_batch: int = 0) -> str:
     """Write one flight record into ``directory`` (created if needed) and
     return its path."""
-    import nanguard
-
     os.makedirs(directory, exist_ok=True)
     state, sharding = _state(model)
-    rec = {
-        "format": FORMAT, "version": VERSION, "step": int(step), "rank": rank,
-        "args": _plain(tuple(args), "args"), "kwargs": _plain(dict(kwargs), "kwargs"),
-        "rng": start.rng, "state": state, "sharding": sharding, "training": bool(model.training),
-        "autocast": start.autocast, "loss_scale": None if loss_scale is None else float(loss_scale),
-        "model": _model_source(model), "report": report, "history": history,
-        "recorded_nonfinite": bool(recorded_nonfinite), "entry": entry,
-        "versions": {"torch": str(torch.__version__), "nanguard": str(nanguard.__version__)},
-    }
+    rec = FlightRecord(
+        step=int(step), rank=rank, args=_plain(tuple(args), "args"), kwargs=_plain(dict(kwargs), "kwargs"),
+        rng=start.rng, state=state, sharding=sharding, training=bool(model.training), autocast=start.autocast,
+        loss_scale=None if loss_scale is None else float(loss_scale), model=_model_source(model), report=report,
+        history=history, recorded_nonfinite=bool(recorded_nonfinite), entry=entry,
+        versions={"torch": str(torch.__version__), "nanguard": str(__version__)}, micro_batch=int(micro_batch))
     path = os.path.join(directory, record_name(step, rank))
     tmp = path + ".tmp"
-    torch.save(rec, tmp)
+    torch.save(rec.to_dict(), tmp)
     os.replace(tmp, path)  # a reader never sees half a record
     return path
 
 
-def load_record(path: str) -> dict:
+def load_record(path: str) -> FlightRecord:
     """Read a flight record (``weights_only``: no code is unpickled)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"path: no flight record at {path!r}")
     try:
-        rec = torch.load(path, map_location="cpu", weights_only=True)
+        d = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError...
         raise RecordError(f"path: {path!r} is not a readable nanguard flight record ({e})") from e
-    if not isinstance(rec, dict) or rec.get("format") != FORMAT:
-        raise RecordError(f"path: {path!r} is not a nanguard flight record")
-    if rec.get("version") != VERSION:
-        raise RecordError(f"path: {path!r} is a flight record of version {rec.get('version')}; "
-                          f"this nanguard reads version {VERSION}")
-    return rec
+    return FlightRecord.from_dict(d, f"path: {path!r}")
 
 
-def build_model(rec: dict, model: Optional[torch.nn.Module]) -> torch.nn.Module:
+def build_model(rec: FlightRecord, model: Optional[torch.nn.Module]) -> torch.nn.Module:
     """The model to replay: ``model`` with the record's state loaded, or the
     Hugging Face class and config the record names, rebuilt."""
     if model is None:
-        src = rec.get("model")
+        src = rec.model
         if src is None:
             raise ValueError("model: this record holds no Hugging Face class and config to rebuild the "
                              "model from; pass model= (an instance of the recorded model's class)")
         model = _rebuild_hf(src)
-    if rec.get("sharding"):
+    if rec.sharding:
         raise NotImplementedError(
             "model: this record holds DTensor shards; replay it on each rank with the sharded model")
     named = dict(model.named_parameters())
     named.update(model.named_buffers())
     for name, t in named.items():  # the recorded dtypes (a model.half() stays half); ties kept
-        saved = rec["state"].get(name)
+        saved = rec.state.get(name)
         if saved is not None and saved.dtype != t.dtype:
             t.data = t.data.to(saved.dtype)
     try:
-        model.load_state_dict(rec["state"])
+        model.load_state_dict(rec.state)
     except RuntimeError as e:
         raise ValueError(f"model: its parameters and buffers do not match the record's: {e}") from e
-    return model.train(rec["training"])
+    return model.train(rec.training)
 
 
 def _rebuild_hf(src: dict) -> torch.nn.Module:

@@ -28,15 +28,14 @@ runs single one out, and says which variants did and did not help.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
 
 from ..layernorm import NORM_EPS_ATTRS
-
-if TYPE_CHECKING:
-    from ._replay import ReplayResult, Step, StepOutcome
+from ..patching import patch
+from ._step import ReplayResult, Step, StepOutcome
 
 #: the clamp the ``max_score`` variant applies to scaled attention scores
 MAX_SCORE = 50.0
@@ -53,14 +52,14 @@ _DESCRIBE = {
 }
 
 
-def _fp16(step: "Step") -> bool:
-    ac = step.rec["autocast"]
+def _fp16(step: Step) -> bool:
+    ac = step.rec.autocast
     if ac is not None:
         return ac["dtype"] == "float16"
     return any(p.dtype == torch.float16 for p in step.model.parameters())
 
 
-def _copy(step: "Step") -> nn.Module:
+def _copy(step: Step) -> nn.Module:
     return copy.deepcopy(step.model)
 
 
@@ -83,18 +82,16 @@ def _no_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
-def _patched(step: "Step", **kw) -> nn.Module:
-    import nanguard
-
+def _patched(step: Step, **kw) -> nn.Module:
     model = _copy(step)
-    nanguard.patch(model, **kw)
+    patch(model, **kw)
     return model
 
 
-def _loss_scale_sweep(step: "Step") -> Optional["StepOutcome"]:
+def _loss_scale_sweep(step: Step) -> Optional[StepOutcome]:
     """The step at the recorded loss scale halved k = 1, 2, ... times, down to
     1: the first finite run, else the run at scale 1."""
-    scale = step.rec["loss_scale"]
+    scale = step.rec.loss_scale
     if scale is None or scale <= 1:
         return None
     k, last = 0, None
@@ -107,13 +104,13 @@ def _loss_scale_sweep(step: "Step") -> Optional["StepOutcome"]:
     return last
 
 
-def run_variants(step: "Step") -> Dict[str, "StepOutcome"]:
+def run_variants(step: Step) -> Dict[str, StepOutcome]:
     """Each variant of the checklist on the recorded step."""
-    out: Dict[str, "StepOutcome"] = {}
+    out: Dict[str, StepOutcome] = {}
     fp32 = _copy(step).float()
     out["float32"] = step.run(model=fp32, autocast=None, input_dtype=torch.float32)
     if _fp16(step):
-        if step.rec["autocast"] is not None:
+        if step.rec.autocast is not None:
             out["bfloat16"] = step.run(autocast=torch.bfloat16)
         else:
             out["bfloat16"] = step.run(model=_copy(step).to(torch.bfloat16), input_dtype=torch.bfloat16)
@@ -122,7 +119,6 @@ def run_variants(step: "Step") -> Dict[str, "StepOutcome"]:
         try:
             model = build()
         except Exception as e:  # a model nanguard cannot patch: the variant says so
-            from ._replay import StepOutcome
 
             out[name] = StepOutcome(False, None, None, f"{type(e).__name__}: {e}")
             continue
@@ -135,11 +131,11 @@ def run_variants(step: "Step") -> Dict[str, "StepOutcome"]:
     return out
 
 
-def _describe(name: str, o: "StepOutcome") -> str:
+def _describe(name: str, o: StepOutcome) -> str:
     return o.setting if name == "loss scale" and o.setting else _DESCRIBE.get(name, name)
 
 
-def _kind(res: "ReplayResult") -> str:
+def _kind(res: ReplayResult) -> str:
     f = res.outcome.first
     out = f.output
     what = "Inf" if out.get("inf") and not out.get("nan") else "NaN"
@@ -150,7 +146,7 @@ def _kind(res: "ReplayResult") -> str:
     return f"{what} made from finite inputs ({out['dtype']})"
 
 
-def _variants_summary(t: Dict[str, "StepOutcome"]) -> str:
+def _variants_summary(t: Dict[str, StepOutcome]) -> str:
     finite = [_describe(n, o) for n, o in t.items() if o.finite]
     if not finite:
         return "no variant is finite"
@@ -161,7 +157,7 @@ def _variants_summary(t: Dict[str, "StepOutcome"]) -> str:
     return s
 
 
-def verdict(res: "ReplayResult", step: "Step") -> str:
+def verdict(res: ReplayResult, step: Step) -> str:
     """One or two sentences a person can act on, claiming no more than the
     replay and its variants showed."""
     o, t = res.outcome, res.triage
@@ -185,7 +181,7 @@ def verdict(res: "ReplayResult", step: "Step") -> str:
     if f.pass_ == "backward" and t is not None and "loss scale" in t:
         ls = t["loss scale"]
         head = (f"gradient overflow in the backward of {where} (first node `{f.node}`, op `{f.op}`) "
-                f"at loss scale {step.rec['loss_scale']:g}")
+                f"at loss scale {step.rec.loss_scale:g}")
         if ls.finite:
             return (f"{head}: finite at {ls.setting}. The GradScaler's backoff handles this: it skips "
                     "the step and lowers the scale")
@@ -195,8 +191,8 @@ def verdict(res: "ReplayResult", step: "Step") -> str:
     return s + (f": {_variants_summary(t)}" if t is not None else "")
 
 
-def _nonfinite_state(step: "Step") -> Optional[str]:
-    for k, v in step.rec["state"].items():
+def _nonfinite_state(step: Step) -> Optional[str]:
+    for k, v in step.rec.state.items():
         if v.is_floating_point() and not bool(torch.isfinite(v).all()):
             return k
     return None
