@@ -25,6 +25,7 @@ import torch
 
 import nanguard
 from nanguard import grad_guard as gg
+from nanguard.grad_guard import _plan
 from nanguard.amp import GradScaler
 
 from conftest import DEVICES, TOLERANCES, requires_cuda
@@ -756,21 +757,21 @@ def test_first_bad_of_call_maps_to_the_callers_index():
     """A call's first bad index goes through the caller's index table; none is inf."""
     idx = [4, 9, 11]
     for fb, want in ((0.0, 4.0), (2.0, 11.0), (-1.0, math.inf)):
-        got = gg._first_bad_of_call(torch.tensor(fb, dtype=torch.float64), idx, torch.device("cpu"))
+        got = _plan._first_bad_of_call(torch.tensor(fb, dtype=torch.float64), idx, torch.device("cpu"))
         assert got.dtype == torch.float64 and got.item() == want
 
 
 def test_combine_rows_sums_or_maxes_the_accumulator_and_sums_counts():
     rows = torch.tensor([[4.0, 1.0, 0.0, 3.0], [9.0, 0.0, 2.0, -1.0], [1.0, 2.0, 0.0, -1.0]],
                         dtype=torch.float64)
-    assert gg._combine_rows(rows, inf_norm=False).tolist() == [14.0, 3.0, 2.0]
-    assert gg._combine_rows(rows, inf_norm=True).tolist() == [9.0, 3.0, 2.0]
+    assert _plan._combine_rows(rows, inf_norm=False).tolist() == [14.0, 3.0, 2.0]
+    assert _plan._combine_rows(rows, inf_norm=True).tolist() == [9.0, 3.0, 2.0]
     # a NaN accumulator on one call stays NaN under the max, as under the sum
     rows[1, 0] = math.nan
-    assert math.isnan(gg._combine_rows(rows, inf_norm=True)[0].item())
-    assert gg._first_of([torch.tensor(math.inf, dtype=torch.float64)]).tolist() == [-1.0]
+    assert math.isnan(_plan._combine_rows(rows, inf_norm=True)[0].item())
+    assert _plan._first_of([torch.tensor(math.inf, dtype=torch.float64)]).tolist() == [-1.0]
     firsts = [torch.tensor(v, dtype=torch.float64) for v in (math.inf, 7.0, 3.0)]
-    assert gg._first_of(firsts).tolist() == [3.0]
+    assert _plan._first_of(firsts).tolist() == [3.0]
 
 
 def test_norm_from_stats_of_a_rank_without_gradients():
@@ -780,12 +781,12 @@ def test_norm_from_stats_of_a_rank_without_gradients():
         return torch.tensor([acc, nan, inf, -1.0], dtype=torch.float64)
 
     acc = 12.345678901234
-    got = gg._norm_from_stats(stats(acc, 0, 0), inf_norm=False)
+    got = _plan._norm_from_stats(stats(acc, 0, 0), inf_norm=False)
     assert got.dtype == torch.float32 and got.item() == pytest.approx(math.sqrt(acc), rel=1e-7)
-    assert gg._norm_from_stats(stats(acc, 0, 0), inf_norm=True).item() == pytest.approx(acc, rel=1e-7)
-    assert gg._norm_from_stats(stats(acc, 0, 2), inf_norm=False).item() == math.inf
-    assert math.isnan(gg._norm_from_stats(stats(acc, 1, 2), inf_norm=True).item())
-    assert gg._empty_stats("cpu").tolist() == [0.0, 0.0, 0.0, -1.0]
+    assert _plan._norm_from_stats(stats(acc, 0, 0), inf_norm=True).item() == pytest.approx(acc, rel=1e-7)
+    assert _plan._norm_from_stats(stats(acc, 0, 2), inf_norm=False).item() == math.inf
+    assert math.isnan(_plan._norm_from_stats(stats(acc, 1, 2), inf_norm=True).item())
+    assert _plan._empty_stats("cpu").tolist() == [0.0, 0.0, 0.0, -1.0]
 
 
 def test_dtensor_plan_lives_with_the_guard_and_keys_buckets_by_named_tuples():

@@ -37,7 +37,7 @@ import torch
 
 from .. import _checks
 from .. import distributed as _dist
-from . import _Plan, _combine_rows, _empty_stats, _first_bad_of_call, _first_of, _norm_from_stats
+from ._plan import _Plan, _combine_rows, _empty_stats, _first_bad_of_call, _first_of, _norm_from_stats
 
 
 class _Unit(NamedTuple):
@@ -89,7 +89,7 @@ def _placement_dup(i: int, g, coord) -> bool:
 
 class DTensorPlan:
     """The guard's plan when some gradients are DTensors: the local shards
-    grouped into buckets (one :class:`nanguard.grad_guard._Plan` each), and
+    grouped into buckets (one :class:`nanguard.grad_guard._plan._Plan` each), and
     the all-reduces that turn the buckets' statistics into the global ones.
 
     Same interface as ``_Plan``: ``reduce()`` gives the float64 ``[4]``
