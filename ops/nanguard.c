@@ -29,6 +29,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "kernels/attention.h"
 #include "ops/ops.h"
 #ifdef NG_BUILD_CUDA
 #include "kernels/cuda_status.h"
@@ -56,6 +57,10 @@ NG_EXPORT const char *ng_load_error(void) { return ng_load_err[0] ? ng_load_err 
  * when they target the same ABI and define the same schemas in the same
  * order. */
 NG_EXPORT const char *ng_build_id(void) { return ng_id; }
+
+/* The largest head dim the attention kernels take: the Python layer's
+ * argument check reads it here rather than restating it. */
+NG_EXPORT int ng_attention_max_head_dim(void) { return NG_ATTN_MAX_HEAD_DIM; }
 
 static void make_build_id(void) {
     ng_registrar dry = {.schema_hash = NG_SCHEMA_HASH_INIT}; /* no library: fingerprint only */

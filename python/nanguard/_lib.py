@@ -87,6 +87,13 @@ def build_id(path: str) -> str | None:
     return v.decode() if v else None
 
 
+def attention_max_head_dim() -> int:
+    """The largest head dim the loaded library's attention kernels take."""
+    fn = ctypes.CDLL(_loaded["libnanguard.so"]).ng_attention_max_head_dim
+    fn.restype = ctypes.c_int
+    return int(fn())
+
+
 def _load(name: str, paths: list[pathlib.Path]) -> str:
     for path in paths:
         if path.is_file():

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _checks
+from . import _checks, _lib
 from . import _delegate
 from . import distributed as _dist
 
@@ -35,7 +35,7 @@ __all__ = ["safe_sdpa", "SafeAttention"]
 
 _ops = torch.ops.nanguard
 
-_MAX_HEAD_DIM = 256
+_MAX_HEAD_DIM = _lib.attention_max_head_dim()  # NG_ATTN_MAX_HEAD_DIM, kernels/attention.h
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:

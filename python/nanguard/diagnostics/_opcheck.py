@@ -39,8 +39,10 @@ from torch.utils._pytree import tree_flatten
 _SKIP = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided", "resize_", "set_")
 
 
-def tensor_stats(t: torch.Tensor) -> dict:
-    """shape, dtype, max |x| over finite values, and non-finite counts."""
+def _op_stats(t: torch.Tensor) -> dict:
+    """An op's input or output as the report shows it: shape, dtype, max |x|
+    over finite values, and non-finite counts (not ``nanguard.tensor_stats``,
+    the op that counts on the device)."""
     info: Dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
     if t.is_floating_point() and t.numel():
         x = t.detach().float()
@@ -59,8 +61,8 @@ class FirstNonFinite:
     pass_: str  # "forward" or "backward"
     module: Optional[str]  # innermost module path; None: outside the model
     node: Optional[str]  # the autograd node for a backward op ("AddmmBackward0")
-    inputs: List[dict]  # tensor_stats of each tensor input
-    output: dict  # tensor_stats of the first non-finite output
+    inputs: List[dict]  # _op_stats of each tensor input
+    output: dict  # _op_stats of the first non-finite output
 
     def where(self) -> str:
         place = f"in `{self.module}`" if self.module else "outside the model"
@@ -167,8 +169,8 @@ class OpChecker:
             op=name, pass_="backward" if backward else "forward",
             module=self._node_mod if backward else self.module(),
             node=self._node if backward else None,
-            inputs=[tensor_stats(x) for x in inputs if isinstance(x, torch.Tensor)],
-            output=tensor_stats(bad))
+            inputs=[_op_stats(x) for x in inputs if isinstance(x, torch.Tensor)],
+            output=_op_stats(bad))
         self._first_calls = () if backward else tuple(self._calls)
 
     def __enter__(self) -> "OpChecker":

@@ -56,10 +56,10 @@ __all__ = ["watch", "Watch"]
 
 # the overload's C++ callable itself: OpOverload.__call__ adds a Python frame to every record
 _op = torch.ops.nanguard.tensor_stats_.default._op
-# The watcher's buffers are its own: calling the op below ADInplaceOrView
-# skips the Python kernel that bumps their version counters (no autograd
-# graph holds them), which cost more than the census of a small tensor
-# (about 39 us a call with it, 11 us without, on one Xeon core).
+# The watcher's buffers are its own and no autograd graph holds them, so the
+# op is called below ADInplaceOrView: the kernel that would bump their
+# version counters is skipped, which costs more than the census of a small
+# tensor itself.
 _below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 _POLICIES = ("raise", "warn", "record")
 #: a buffer this large means step() / check() is probably never called
