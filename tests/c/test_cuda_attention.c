@@ -144,6 +144,9 @@ static const acase ATTN_CASES[] = {
     {"decode_L3_padded_layouts", 2, 6, 2, 3,   520, 40,  40,  LAY_PAD,  LAY_PAD,  AM_LOWEST,  MS_FULL, 1, 0, 0,   0,   0,   1,   0, SP_NONE, 42, 0},
     /* head dim 256: the decode kernel's shared memory must fit sm_75's 64 KiB */
     {"decode_L2_E256_gqa",      1, 4, 2,  2,   400, 256, 256, LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  0, 0, 0,   0,   0,   1,   0, SP_NONE, 42, 0},
+    /* the same unmasked: no mask scan's barrier stands between one tile's V
+     * readers and the next K tile's copy (sm_75's single-stage loop) */
+    {"decode_L2_E256_gqa_nomask", 1, 4, 2, 2,  400, 256, 256, LAY_BHSD, LAY_BHSD, AM_NONE,    MS_FULL, 0, 0, 0,   0,   0,   1,   0, SP_NONE, 42, 0},
     /* batch 1 all padding, batch 0 padding past S / 3: whole key splits
      * see only masked keys and must weigh nothing in the combine */
     {"decode_L1_pad_tail_splits", 2, 8, 2, 1,  900, 64,  64,  LAY_BHSD, LAY_BHSD, AM_BOOL,    MS_PAD,  1, 0, 0,   0,   0,   1,   0, SP_PAD_TAIL, 42, 0},
