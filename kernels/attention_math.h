@@ -1,6 +1,6 @@
 /*
  * kernels/attention_math.h - the per-score arithmetic of safe_sdpa, shared by
- * the CPU kernel (attention.c), the CUDA kernel (attention.cu) and the ctest
+ * the CPU kernel (attention.c), the CUDA kernels (attention*.cu) and the ctest
  * suite, so the tests exercise the arithmetic the GPU runs.
  *
  * Score pipeline for query i, key j (PyTorch's SDPA plus two opt-in guards):

@@ -2,7 +2,7 @@
  * kernels/attention_mma.h - register fragments of the tensor-core instruction
  * mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: D[16x8] += A[16x16] B[16x8]
  * with fp32 accumulators, the building block of the fp16/bf16 safe_sdpa CUDA
- * kernels (kernels/attention.cu).
+ * kernels (kernels/attention_mma_*.cu, attention_decode.cu).
  *
  * Everything here but the ldmatrix loaders and ng_mma_16816 (device code,
  * at the end) only computes addresses and moves bits, so it is host+device:

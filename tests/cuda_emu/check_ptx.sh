@@ -1,17 +1,19 @@
 #!/bin/sh
-# check_ptx.sh NVCC SOURCE INCLUDE_DIR [ATTENTION_CU]: compiles SOURCE
+# check_ptx.sh NVCC SOURCE INCLUDE_DIR [ATTENTION_CU...]: compiles SOURCE
 # (tests/cuda_emu/ptx_check.cu) to PTX for sm_80 and sm_90 with warnings as
 # errors, and fails unless every ldmatrix / cp.async form kernels/cuda_ptx.h
-# wraps is in the output. With ATTENTION_CU (kernels/attention.cu), also
-# compiles it to PTX for sm_80, splits the PTX into its .entry blocks and
+# wraps is in the output. With ATTENTION_CU (the kernels/attention_*.cu files
+# of the tensor-core and decode kernels), also
+# compiles them to PTX for sm_80, splits the PTX into its .entry blocks and
 # fails unless every tensor-core kernel's own block (forward, dk / dv, dq,
 # decode, in every instantiation) holds mma.sync and the ldmatrix and cp.async
 # forms its pipeline uses,
 # and every decode kernel's block holds cp.async.cg (its pipelined
 # instantiations also commit_group and wait_group 0).
-nvcc=$1 src=$2 inc=$3 attn=$4
+nvcc=$1 src=$2 inc=$3
+shift 3
 tmp=${TMPDIR:-/tmp}/ng_ptx_check.$$
-trap 'rm -f "$tmp"' EXIT
+trap 'rm -f "$tmp" "$tmp.1"' EXIT
 status=0
 for sm in 80 90; do
     if ! "$nvcc" -std=c++17 -arch=sm_$sm -ptx -Werror=all-warnings -Xcompiler=-Wall,-Wextra,-Werror \
@@ -30,12 +32,17 @@ for sm in 80 90; do
         [ "$n" -gt 0 ] || { echo "check_ptx: sm_$sm PTX lacks $insn"; status=1; }
     done
 done
-[ -n "$attn" ] || exit $status
+[ $# -gt 0 ] || exit $status
 
-if ! "$nvcc" -std=c++17 -arch=sm_80 -ptx -O3 --expt-relaxed-constexpr -I"$inc" "$attn" -o "$tmp"; then
-    echo "check_ptx: nvcc -arch=sm_80 -ptx $attn failed"
-    exit 1
-fi
+attn="$*"
+: >"$tmp"
+for f in "$@"; do
+    if ! "$nvcc" -std=c++17 -arch=sm_80 -ptx -O3 --expt-relaxed-constexpr -I"$inc" "$f" -o "$tmp.1"; then
+        echo "check_ptx: nvcc -arch=sm_80 -ptx $f failed"
+        exit 1
+    fi
+    cat "$tmp.1" >>"$tmp"
+done
 # per .entry block of a tensor-core or decode kernel: its (mangled) name and
 # how often the instruction occurs in it
 per_entry() {
