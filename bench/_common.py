@@ -1,5 +1,11 @@
 """Shared benchmark helpers: same-process timing with medians, the machine's
-copy bandwidth, and JSON + Markdown output under bench/results/.
+copy bandwidth, and the results tables under bench/results/.
+
+Results are data: each benchmark appends its rows to one table of its own,
+bench/results/<table>.jsonl, one JSON object per measured row, every row
+carrying the machine it ran on (MACHINE_COLUMNS) and the run it belongs to
+(RUN_COLUMNS). bench/results/<table>.md is generated from it (summarize.py):
+the latest run of each series on each machine.
 
 Timings on a shared machine are noisy: every comparison is a ratio measured
 in the same run, each number the median of many repeats, candidates
@@ -15,6 +21,7 @@ import platform
 import statistics
 import subprocess
 import time
+import uuid
 from typing import Callable
 
 import torch
@@ -145,26 +152,42 @@ def nanguard_cpu_isa() -> str:
     return str(p.get("active"))
 
 
+#: the columns naming the machine, in every row of every table
+MACHINE_COLUMNS = ("cpu_model", "isa", "cpu_flags", "torch_cpu_capability", "threads", "gpu", "torch",
+                   "nanguard", "python", "commit")
+#: the columns naming the run: its id and date, the series (which part of a
+#: benchmark), its parameters, and (first row only) the displayed columns
+#: and the notes printed under the table
+RUN_COLUMNS = ("run", "date", "series", "params", "columns", "notes")
+
+
 def machine() -> dict:
+    """The machine and software a run measures (MACHINE_COLUMNS)."""
+    try:
+        import nanguard
+
+        version = nanguard.__version__
+    except Exception as e:  # the benchmarks also time a nanguard that fails to load
+        version = f"unknown ({type(e).__name__})"
     info = {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "cpu": platform.processor() or platform.machine(),
         "cpu_model": cpu_model(),
+        "isa": nanguard_cpu_isa(),
         "cpu_flags": " ".join(cpu_flags()),
-        "nanguard_cpu_isa": nanguard_cpu_isa(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "nanguard": version,
+        "python": platform.python_version(),
+        "commit": None,
     }
     try:
         info["commit"] = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
             cwd=pathlib.Path(__file__).parent, timeout=10,
-        ).stdout.strip()
+        ).stdout.strip() or None
     except Exception:
         pass
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
     return info
 
 
@@ -189,22 +212,52 @@ def md_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_results(name: str, rows: list[dict], columns: list[str], extra: dict | None = None,
-                  notes: str = "", dry: bool | None = None) -> None:
-    """Write bench/results/<name>.json and .md (notes: a paragraph after the
-    table) and print the table; dry=True (default: a smoke run, quick())
+def result_rows(series: str, rows: list[dict], columns: list[str], extra: dict | None = None,
+                notes: str = "", run: dict | None = None) -> list[dict]:
+    """The table rows of one run: each measured row after the machine and run
+    columns (run: machine() and the run's id and date, made here unless
+    given). A measured row may not use those names."""
+    if run is None:
+        now = time.gmtime()
+        run = {"run": time.strftime("%Y%m%dT%H%M%SZ", now) + "-" + uuid.uuid4().hex[:8],
+               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", now), **machine()}
+    out = []
+    for i, r in enumerate(rows):
+        clash = set(r) & set(MACHINE_COLUMNS + RUN_COLUMNS)
+        if clash:
+            raise ValueError(f"result row {i} of series {series!r} uses reserved column(s) {sorted(clash)}")
+        head = {"run": run["run"], "date": run["date"], "series": series,
+                **{k: run.get(k) for k in MACHINE_COLUMNS}, "params": extra or {}}
+        if i == 0:
+            head["columns"] = list(columns)
+            head["notes"] = notes
+        out.append({**head, **r})
+    return out
+
+
+def write_results(table: str, series: str, rows: list[dict], columns: list[str],
+                  extra: dict | None = None, notes: str = "", dry: bool | None = None,
+                  results: pathlib.Path | None = None) -> None:
+    """Append rows (one series of a run) to <results>/<table>.jsonl
+    (default bench/results) and regenerate <table>.md; print the table.
+    columns: those the summary shows; extra: the run's parameters; notes: a
+    paragraph under the table. dry=True (default: a smoke run, quick())
     prints only."""
     dry = quick() if dry is None else dry
-    payload = {"benchmark": name, "machine": machine(), "rows": rows, **(extra or {})}
-    md = md_table(rows, columns) + (f"\n\n{notes}" if notes else "")
-    print(md)
+    print(md_table(rows, columns) + (f"\n\n{notes}" if notes else ""))
     if dry:
         print("\n(smoke run: nothing written)")
         return
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
-    (RESULTS / f"{name}.md").write_text(f"# {name}\n\n{json.dumps(payload['machine'])}\n\n{md}\n")
-    print(f"\nwrote {RESULTS / (name + '.json')} and .md")
+    from summarize import write_summary  # bench/summarize.py, beside this file
+
+    results = RESULTS if results is None else results
+    results.mkdir(exist_ok=True)
+    path = results / f"{table}.jsonl"
+    with open(path, "a") as f:
+        for r in result_rows(series, rows, columns, extra, notes):
+            f.write(json.dumps(r, sort_keys=False) + "\n")
+    write_summary(path)
+    print(f"\nappended {len(rows)} rows to {path}; wrote {path.with_suffix('.md')}")
 
 
 def quick() -> bool:

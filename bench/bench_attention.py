@@ -30,10 +30,7 @@ the KV cache's bytes (K and V, read once) per second of each against this
 machine's measured copy bandwidth (bench/_common.py). nanguard skips key
 blocks that the mask pads for every query row of a task (here 1/8 of the
 cache), so the bytes it actually reads per second are those of the keys the
-mask keeps: nanguard_attended_GBs. Results:
-bench/results/attention_<device>_decode.{json,md}; NANGUARD_CPU_ISA=avx2
-(the AVX2 kernels on an AVX-512 machine) adds _avx2 to the name, --threads N
-adds _tN.
+mask keeps: nanguard_attended_GBs. Series decode.
 
 --calls: the cost of one small call, where the host's work is most of it:
 a decode step of one sequence, q [1, 8, 1, 64] against S in {16, 256} keys
@@ -45,11 +42,11 @@ transformers' own sdpa one, each called as a model calls it; and a small
 training call (16 query rows against the same keys, inputs that require
 grad, forward and backward of the output's sum; columns train_*). Reports
 microseconds per call (medians of 200-call runs, 50 for training) and the
-ratios. Results: bench/results/attention_<device>_calls.{json,md}.
+ratios. Series calls.
 
 --forward: forward only under torch.inference_mode, [4, 8, L, 64] with L = S
 in 512..4096, no mask, fp32 and bf16, against F.scaled_dot_product_attention.
-Results: bench/results/attention_<device>_fwd.{json,md}.
+Series fwd.
 
 --table: the CPU against the machine, not only against PyTorch. Forward
 (inference_mode, no mask) fp32 and bf16 [4, 8, 2048, 64], fp32 head dim 128
@@ -63,7 +60,14 @@ second) of both against, in the same repeats, torch's read of those very
 K and V bytes (a sum: STREAM-like) and the copy rate of a 256 MiB tensor
 measured at the start of the run. Results name the CPU model, its ISA
 flags and the CPU path nanguard runs (`python -m nanguard info`).
-Results: bench/results/<--name, default attention_<device>_table>[_<isa>].{json,md}.
+Series table (or --name) and <name>_decode.
+
+Results: rows appended to bench/results/attention_<device>.jsonl (the
+machine in every row: CPU model, ISA flags, nanguard's CPU path, threads,
+torch, commit; bench/_common.py), summarised in attention_<device>.md.
+--series NAME files the rows of any mode under NAME instead (for example
+flash_nanguard, decode_simt: scripts/gpu_check.sh). With no mode: series
+sweep, the older L sweep against the naive and PyTorch implementations.
 
 FLOP convention (every mode): a forward is two GEMMs per (batch, head),
 Q K^T and P V: 2 L S E + 2 L S Ev = 4 B H L S E for Ev = E. The backward
@@ -75,7 +79,8 @@ masking and the exp are not counted.
 --isa avx2 (or baseline, avx512, or a comma list) runs the chosen mode again
 in a child process with NANGUARD_CPU_ISA set (the kernels read it once, at
 their first call: kernels/cpu_isa.c caps the widest supported path at the
-request; a request above what the CPU has is ignored); results get _<isa>.
+request; a request above what the CPU has is ignored); the rows' isa column
+names the path.
 PyTorch is capped the same way in that child (ATEN_CPU_CAPABILITY for its
 own kernels, MKL_ENABLE_INSTRUCTIONS and ONEDNN_MAX_CPU_ISA for its GEMMs),
 so that the child measures what a machine with only that instruction set
@@ -250,7 +255,7 @@ def flash_compare(repeats: int) -> None:
             print(row, flush=True)
     cols = ["variant", "mode", "nanguard_ms", "flash_ms", "nanguard_TFLOPs", "flash_TFLOPs", "nanguard_vs_flash",
             "nanguard_vs_efficient"]
-    _common.write_results("attention_cuda_flash", rows, cols,
+    _common.write_results("attention_cuda", _SERIES or "flash", rows, cols,
                           {"B": Bf, "H": Hf, "L": Lf, "D": Df, "dtype": "bfloat16",
                            "mask": "padding: bool [B,1,1,S], the last quarter of the keys padded in half the batch",
                            "gpu": torch.cuda.get_device_name()})
@@ -259,7 +264,7 @@ def flash_compare(repeats: int) -> None:
 DECODE = {"B": 8, "Hq": 32, "L": 1, "S": 2048, "D": 128}
 
 
-def decode_compare(dev: str, repeats: int, hkv_list=(8, 32), dtypes=("float32", "bfloat16"), suffix="") -> None:
+def decode_compare(dev: str, repeats: int, hkv_list=(8, 32), dtypes=("float32", "bfloat16")) -> None:
     """One decode step against F.sdpa: times, ratio, KV-read bandwidth."""
     B, Hq, L, S, D = (DECODE[x] for x in ("B", "Hq", "L", "S", "D"))
     copy_gbs = _common.copy_bandwidth(dev)
@@ -301,11 +306,11 @@ def decode_compare(dev: str, repeats: int, hkv_list=(8, 32), dtypes=("float32", 
             print(row, flush=True)
     cols = ["dtype", "heads", "nanguard_ms", "torch_ms", "vs_torch", "nanguard_KV_GBs", "torch_KV_GBs",
             "nanguard_pct_copy", "nanguard_attended_GBs"]
-    _common.write_results(f"attention_{dev}_decode{suffix}", rows, cols,
+    _common.write_results(f"attention_{dev}", _SERIES or "decode", rows, cols,
                           {**DECODE, "mask": "bool padding [B,1,1,S]", "copy_GBs": copy_gbs, "repeats": repeats})
 
 
-def calls_compare(dev: str, repeats: int, suffix: str = "") -> None:
+def calls_compare(dev: str, repeats: int) -> None:
     """Microseconds per small decode call: safe_sdpa against F.sdpa, and the
     Hugging Face attention functions (nanguard's, transformers' sdpa)."""
     try:
@@ -371,13 +376,13 @@ def calls_compare(dev: str, repeats: int, suffix: str = "") -> None:
             print(row, flush=True)
     cols = ["dtype", "S", "nanguard_us", "torch_us", "vs_torch", "hf_nanguard_us", "hf_sdpa_us", "hf_vs_sdpa",
             "train_nanguard_us", "train_torch_us", "train_vs_torch"]
-    _common.write_results(f"attention_{dev}_calls{suffix}", rows, cols,
+    _common.write_results(f"attention_{dev}", _SERIES or "calls", rows, cols,
                           {"q": [1, hq, 1, d], "kv_heads": hkv, "mask": "bool [1,1,1,S]",
                            "train": "q [1, 8, 16, 64], mask [1, 1, 16, S], forward + backward of the sum",
                            "calls_per_run": n_calls, "train_calls_per_run": n_calls // 4, "repeats": repeats})
 
 
-def forward_compare(dev: str, repeats: int, lengths=(512, 1024, 2048, 4096), suffix="") -> None:
+def forward_compare(dev: str, repeats: int, lengths=(512, 1024, 2048, 4096)) -> None:
     """Forward only, no mask, under inference_mode, against F.sdpa."""
     print(f"threads: {torch.get_num_threads()}, device: {dev}", flush=True)
     rows = []
@@ -400,7 +405,7 @@ def forward_compare(dev: str, repeats: int, lengths=(512, 1024, 2048, 4096), suf
             rows.append(row)
             print(row, flush=True)
     cols = ["dtype", "L", "nanguard_ms", "torch_ms", "vs_torch", "nanguard_GFLOPs", "torch_GFLOPs"]
-    _common.write_results(f"attention_{dev}_fwd{suffix}", rows, cols,
+    _common.write_results(f"attention_{dev}", _SERIES or "fwd", rows, cols,
                           {"B": B, "H": H, "D": D, "mask": "none", "mode": "inference_mode", "repeats": repeats})
 
 
@@ -572,6 +577,10 @@ def _decode_case(dtype_name, hkv, dev, repeats, copy_gbs):
     }
 
 
+#: --series: the series every mode's rows are filed under (default: the mode's)
+_SERIES: str | None = None
+
+
 def table_compare(dev, repeats, dec_repeats, name, dry, cases=None):
     print(_common.describe(), flush=True)
     copy_gbs = _common.copy_bandwidth(dev, repeats=max(5, repeats))
@@ -604,15 +613,14 @@ def table_compare(dev, repeats, dec_repeats, name, dry, cases=None):
         f"q [{DECODE['B']}, 32, 1, {DECODE['D']}], S {DECODE['S']}, bool padding mask (1/8 of the keys "
         "padded); KV_GBs = bytes of K and V / time; kv_read = torch reading those K and V bytes once (sum), "
         "in the same repeats; nanguard_pct_read = nanguard's KV rate / that; attended = the bytes of the "
-        "keys the mask keeps.\n\n## decode\n\n" + _common.md_table(dec_rows, dcols)
+        "keys the mask keeps (series " + name + "_decode)."
     )
-    # the forward / backward rows are the table; the decode rows, with columns
-    # of their own, follow in the notes (and under "decode_rows" in the JSON)
-    _common.write_results(name, rows, cols, {
-        "decode_rows": dec_rows, "copy_GBs": copy_gbs, "read_GBs": read_gbs, "repeats": repeats,
-        "decode_repeats": dec_repeats, "flops": "4 B H L S E forward; x3.5 forward + backward; x0.5 causal",
-        "decode": DECODE,
-    }, notes=notes, dry=dry)
+    params = {"copy_GBs": copy_gbs, "read_GBs": read_gbs, "repeats": repeats, "decode_repeats": dec_repeats,
+              "flops": "4 B H L S E forward; x3.5 forward + backward; x0.5 causal", "decode": DECODE}
+    name = _SERIES or name
+    _common.write_results(f"attention_{dev}", name, rows, cols, params, notes=notes, dry=dry)
+    if dec_rows:
+        _common.write_results(f"attention_{dev}", f"{name}_decode", dec_rows, dcols, params, dry=dry)
 
 
 #: the environment that caps PyTorch at nanguard's --isa: its ATen kernels, MKL, oneDNN
@@ -659,18 +667,21 @@ def main():
     p.add_argument("--forward", action="store_true", help="forward only under inference_mode, no mask")
     p.add_argument("--calls", action="store_true", help="microseconds per small decode call (host cost)")
     p.add_argument("--threads", type=int, default=0,
-                   help="torch.set_num_threads(N) first; results get a _tN suffix")
+                   help="torch.set_num_threads(N) first (the rows' threads column)")
     p.add_argument("--table", action="store_true",
                    help="CPU: the cases of the table against PyTorch, torch.mm GFLOP/s and the copy rate")
-    p.add_argument("--name", default=None, help="--table: results name (default attention_<device>_table); "
-                   "_<isa> (NANGUARD_CPU_ISA) and _t<threads> (--threads) are appended")
+    p.add_argument("--name", default=None, help="--table: the series in attention_<device>.jsonl "
+                   "(default table; its decode rows: <name>_decode)")
     p.add_argument("--cases", default="", help="--table: only the cases whose description has one of these "
                    "comma-separated strings (e.g. 'decode,fwd+bwd')")
     p.add_argument("--decode-repeats", type=int, default=None, help="--table: repeats of the decode cases")
     p.add_argument("--isa", default="", help="run again in a child with NANGUARD_CPU_ISA=<isa> per comma-"
                    "separated entry (avx2, baseline, avx512)")
+    p.add_argument("--series", default=None, help="the series the rows are filed under (default: the mode's)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 repeats, nothing written")
     args = p.parse_args()
+    global _SERIES
+    _SERIES = args.series
     if args.quick:
         os.environ["NANGUARD_BENCH_QUICK"] = "1"
     if args.isa:
@@ -680,9 +691,7 @@ def main():
     if args.table:
         if args.threads:
             torch.set_num_threads(args.threads)
-        isa = os.environ.get("NANGUARD_CPU_ISA", "")
-        name = (args.name or f"attention_{args.device}_table") + (f"_{isa}" if isa else "") + \
-            (f"_t{args.threads}" if args.threads else "")
+        name = args.name or "table"
         reps = 2 if quick else (args.repeats or 11)
         dec_reps = 3 if quick else (args.decode_repeats or args.repeats or 31)
         table_compare(args.device, reps, dec_reps, name, quick,
@@ -692,20 +701,18 @@ def main():
         args.repeats = 3 if quick else 5
     if args.threads:
         torch.set_num_threads(args.threads)
-    # NANGUARD_CPU_ISA=avx2 (or baseline) caps the CPU kernels' instruction set:
-    # an AVX2 machine's numbers from an AVX-512 one; the results get a suffix
-    isa = os.environ.get("NANGUARD_CPU_ISA", "")
-    tag = (f"_{isa}" if isa and args.device == "cpu" else "") + (f"_t{args.threads}" if args.threads else "")
+    # NANGUARD_CPU_ISA=avx2 (or baseline) caps the CPU kernels' instruction set
+    # (an AVX2 machine's numbers from an AVX-512 one): the rows' isa column
     if args.decode:
-        decode_compare(args.device, max(args.repeats, 3 if _common.quick() else 15), suffix=tag)
+        decode_compare(args.device, max(args.repeats, 3 if _common.quick() else 15))
         return
     if args.calls:
-        calls_compare(args.device, max(args.repeats, 3 if _common.quick() else 21), suffix=tag)
+        calls_compare(args.device, max(args.repeats, 3 if _common.quick() else 21))
         return
     if args.forward:
         lengths = (512, 1024, 2048, 4096) if args.lengths == ",".join(map(str, LENGTHS)) else \
             tuple(int(x) for x in args.lengths.split(","))
-        forward_compare(args.device, max(args.repeats, 3 if _common.quick() else 7), lengths, suffix=tag)
+        forward_compare(args.device, max(args.repeats, 3 if _common.quick() else 7), lengths)
         return
     if args.flash:
         if not torch.cuda.is_available():
@@ -761,7 +768,7 @@ def main():
                     print(row, flush=True)
     cols = ["dtype", "L", "mask", "mode", "nanguard_ms", "torch_ms", "naive_ms", "vs_torch", "vs_naive",
             "nanguard_GFLOPs", "torch_GFLOPs", "nanguard_peak_MiB", "torch_peak_MiB", "naive_peak_MiB"]
-    _common.write_results(f"attention_{dev}", rows, cols, {"B": B, "H": H, "D": D})
+    _common.write_results(f"attention_{dev}", _SERIES or "sweep", rows, cols, {"B": B, "H": H, "D": D})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ is the layer the first warning must name.
 
     python bench/bench_early_warning.py [--seeds 0 1 2 3 4] [--steps 60]
 
-Writes bench/results/early_warning_cpu.{json,md}.
+Appends to bench/results/early_warning_cpu.jsonl (series seeds).
 """
 
 from __future__ import annotations
@@ -19,23 +19,14 @@ import argparse
 import json
 import math
 import os
-import platform
-import subprocess
 import tempfile
 import warnings
 
 import torch
 
+import _common  # bench/_common.py
 import nanguard
 from nanguard import demo
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except Exception:
-        return platform.processor() or "unknown"
 
 
 def layer(module: str) -> str:
@@ -102,7 +93,6 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "early_warning_cpu"))
     args = p.parse_args()
     torch.set_num_threads(1)
     rows = []
@@ -112,31 +102,36 @@ def main() -> None:
             r = run(seed, args.steps, mode, tmp)
             rows.append(r)
             print(json.dumps(r), flush=True)
-    meta = {"cpu": cpu_model(), "torch": torch.__version__, "steps": args.steps, "threads": 1}
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "runs": rows}, f, indent=1)
-    lines = [f"# fp16 early warning on the demo run ({meta['cpu']}, torch {meta['torch']}, one thread)", "",
-             "watch(history=64, scaler=...) with its defaults; the overflow's layer is the one of the first op "
-             "the replay of the recorded step names (the op checker's first Inf).", "",
-             "| seed | stock: first warning (module) | stock: first non-finite loss (watch's module) | "
-             "replay: first op (module, pass) | lead (steps) | same layer | false alarms: nanguard fp16 / fp32 / "
-             "bf16 |", "|---|---|---|---|---|---|---|"]
+    table = []
     for seed in args.seeds:
         by = {r["mode"]: r for r in rows if r["seed"] == seed}
         s = by["stock"]
         fw = s["warnings"][0] if s["warnings"] else None
         fb = s["first_nonfinite"]
-        lead = fb - fw["step"] if fw and fb is not None else None
         where = s.get("first_op_module") or s["first_nonfinite_module"]
-        same = "yes" if fw and where and layer(fw["module"]) == layer(where) else "no"
-        fa = " / ".join(str(len(by[m]["warnings"])) for m in ("nanguard", "fp32", "bf16"))
-        op = f"{s.get('first_op')} ({s.get('first_op_module')}, {s.get('first_op_pass')})" if s.get("first_op") else "-"
-        lines.append(f"| {seed} | {fw['step'] if fw else '-'} ({fw['module'] + ' ' + fw['pass'] if fw else '-'}) | "
-                     f"{fb if fb is not None else 'none'} ({s['first_nonfinite_module']}) | {op} | "
-                     f"{lead if lead is not None else '-'} | {same} | {fa} |")
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        op = None
+        if s.get("first_op"):
+            op = f"{s['first_op']} ({s.get('first_op_module')}, {s.get('first_op_pass')})"
+        table.append({
+            "seed": seed,
+            "first_warning": f"{fw['step']} ({fw['module']} {fw['pass']})" if fw else None,
+            "first_nonfinite": f"{fb if fb is not None else 'none'} ({s['first_nonfinite_module']})",
+            "replay_first_op": op,
+            "lead_steps": fb - fw["step"] if fw and fb is not None else None,
+            "same_layer": bool(fw and where and layer(fw["module"]) == layer(where)),
+            "false_alarms": " / ".join(str(len(by[m]["warnings"])) for m in ("nanguard", "fp32", "bf16")),
+            "runs": [by[m] for m in ("stock", "nanguard", "fp32", "bf16")],
+        })
+    notes = ("watch(history=64, scaler=...) with its defaults, one thread. first_warning: the stock fp16 run's "
+             "first warning (step, module, pass); first_nonfinite: its first non-finite loss (watch's module); "
+             "replay_first_op: the first op the replay of the recorded step names (module, pass), whose layer "
+             "same_layer compares with the warning's; lead_steps: steps from the warning to the non-finite "
+             "loss; false_alarms: warnings on the nanguard fp16 / fp32 / bf16 runs, which stay finite. "
+             "runs: every run's record.")
+    cols = ["seed", "first_warning", "first_nonfinite", "replay_first_op", "lead_steps", "same_layer",
+            "false_alarms"]
+    _common.write_results("early_warning_cpu", "seeds", table, cols, {"steps": args.steps}, notes=notes,
+                          dry=False)
 
 
 if __name__ == "__main__":

@@ -22,16 +22,15 @@ stock model (column control_vs_stock): two identical models, so its
 distance from 1 is the benchmark's own noise on this machine, the yardstick
 for vs_stock.
 
-Results: bench/results/generate_<device>[_<isa>][_tN].{json,md}, naming the CPU
-model, its ISA flags and nanguard's CPU path (NANGUARD_CPU_ISA=avx2 caps it
-and adds _avx2 to the name).
+Results: rows appended to bench/results/generate_<device>.jsonl, each naming
+the CPU model, its ISA flags, nanguard's CPU path (NANGUARD_CPU_ISA=avx2 caps
+it) and the threads; summarised in generate_<device>.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import os
 import pathlib
 import sys
 
@@ -123,9 +122,7 @@ def main():
     cols = ["dtype", "heads", "nanguard_s", "stock_s", "vs_stock", "same_tokens"]
     if args.control:
         cols.append("control_vs_stock")
-    isa = os.environ.get("NANGUARD_CPU_ISA", "") if dev == "cpu" else ""
-    suffix = (f"_{isa}" if isa else "") + (f"_t{args.threads}" if args.threads else "")
-    _common.write_results(f"generate_{dev}{suffix}", rows, cols,
+    _common.write_results(f"generate_{dev}", "main", rows, cols,
                           {"layers": LAYERS, "hidden": HIDDEN, "batch": BATCH, "prompt": PROMPT, "new_tokens": NEW,
                            "repeats": args.repeats, "control": args.control})
 

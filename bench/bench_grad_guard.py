@@ -117,9 +117,8 @@ def main():
             params = opt = grads = None  # free this set before the next one is made
     cols = ["set", "tensors", "values_M", "dtype", "stock_ms", "unscale_and_clip_ms", "guard_ms",
             "ratio", "ratio_guard", "nanguard_GBps", "pct_copy_bw"]
-    suffix = f"_t{args.threads}" if args.threads else ""
     # a shared machine's load says how far to trust the absolute numbers
-    _common.write_results(f"grad_guard_{dev.split(':')[0]}{suffix}", rows, cols,
+    _common.write_results(f"grad_guard_{dev.split(':')[0]}", "main", rows, cols,
                           {"copy_GBps": bw, "repeats": args.repeats,
                            "loadavg_1_5_15": list(os.getloadavg())})
 

@@ -95,6 +95,7 @@ def main():
                     print(row, flush=True)
     _common.write_results(
         f"layernorm_{dev}",
+        "main",
         rows_out,
         ["op", "dtype", "shape", "mode", "nanguard_ms", "torch_ms", "ratio", "nanguard_GBps", "pct_copy_bw"],
         {"copy_bandwidth_GBps": bw},

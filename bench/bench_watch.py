@@ -8,7 +8,8 @@ the same step with nanguard.watch(model) on every module and w.step(). Each
 size times both in alternating order per repeat, and reports the medians and
 the median of the paired ratios (watch / guard), for wall clock and for the
 process's CPU time (which other processes on a shared machine do not
-stretch). Written to bench/results/watch_cpu_sizes.{json,md}.
+stretch). Series sizes (sizes_history, sizes_record with --history, --record)
+of bench/results/watch_cpu.jsonl.
 
     python bench/bench_watch.py [--hidden 64,256,1024] [--seq 64] [--batch 4]
 
@@ -17,13 +18,12 @@ census reads per step and the time its calls take in the step (each call
 of the op timed where it runs, so a tensor a GEMM has just written and left
 out of the caches is read at the rate it really is), against the step; and
 the same alternating loop with the census replaced by a no-op, which leaves
-what the hooks and the bookkeeping cost. Written to
-bench/results/watch_cpu_floor.{json,md}.
+what the hooks and the bookkeeping cost. Series floor.
 
     python bench/bench_watch.py --floor [--hidden 64,256,1024]
 
-``--compare``: the older comparison on a TransformerEncoder LM, written to
-bench/results/watch_cpu.{json,md}:
+``--compare``: the older comparison on a TransformerEncoder LM, series
+variants:
 
 One step = zero_grad, forward (token embedding, nn.TransformerEncoder, LM
 head), cross-entropy, backward, AdamW step. Variants, each on its own copy of
@@ -154,7 +154,7 @@ def compare(args) -> None:
         "repeats": args.repeats,
     }
     print(config)
-    _common.write_results("watch_cpu", rows, ["variant", "step_ms", "ratio_vs_plain", "cpu_ms",
+    _common.write_results("watch_cpu", "variants", rows, ["variant", "step_ms", "ratio_vs_plain", "cpu_ms",
                                               "cpu_ratio_vs_plain"], {"config": config})
 
 
@@ -305,7 +305,7 @@ def floor(args) -> None:
     config = {"layers": args.layers_llama, "seq": args.seq_llama, "batch": args.batch_llama,
               "vocab": args.vocab, "threads": torch.get_num_threads(), "watch_kwargs": {"history": 64,
               "record_dir": True}, "load_average_after": os.getloadavg() if hasattr(os, "getloadavg") else None}
-    _common.write_results("watch_cpu_floor", rows,
+    _common.write_results("watch_cpu", "floor", rows,
                           ["hidden", "repeats", "guard_cpu_ms", "census_calls", "census_MB", "census_ms",
                            "census_GBps", "census_share", "watch_cpu_ratio", "no_census_cpu_ratio"],
                           {"config": config})
@@ -318,26 +318,16 @@ def sizes(args) -> None:
         print(rows[-1], flush=True)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     config = {"layers": args.layers_llama, "seq": args.seq_llama, "batch": args.batch_llama,
-              "vocab": args.vocab, "threads": torch.get_num_threads(), "cpu_model": cpu_model(),
+              "vocab": args.vocab, "threads": torch.get_num_threads(), "cpu_model": _common.cpu_model(),
               "load_average_after": load}
     print(config)
     config["watch_kwargs"] = {"history": args.history, "record_dir": bool(args.record)}
-    name = "watch_cpu_sizes" + ("_history" if args.history else "") + ("_record" if args.record else "")
+    name = "sizes" + ("_history" if args.history else "") + ("_record" if args.record else "")
     cols = ["hidden", "params_M", "modules", "records", "repeats", "guard_ms", "watch_ms", "ratio",
             "guard_cpu_ms", "watch_cpu_ms", "cpu_ratio"]
     if args.history or args.record:
         cols += ["plain_watch_cpu_ratio", "added_cpu_ratio", "added_ratio"]
-    _common.write_results(name, rows, cols, {"config": config})
-
-
-def cpu_model() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+    _common.write_results("watch_cpu", name, rows, cols, {"config": config})
 
 
 def main():

@@ -16,10 +16,9 @@
 #   bash scripts/gpu_check.sh --no-bench  # tests only
 #
 # Needs the test extras (pip install --no-build-isolation ".[test]").
-# Results: stdout, bench/results/attention_cuda_flash_nanguard.{json,md}
-# (delegation off), bench/results/attention_cuda_flash.{json,md} (auto: the
-# fused kernel where allowed), bench/results/attention_cuda_decode.{json,md}
-# and bench/results/attention_cuda_decode_simt.{json,md}.
+# Results: stdout, and rows of bench/results/attention_cuda.jsonl in the
+# series flash_nanguard (delegation off), flash (auto: the fused kernel where
+# allowed), decode_simt and decode.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -45,14 +44,12 @@ for mode in nanguard fused-if-allowed; do
 done
 
 if [[ "${1:-}" != --no-bench && $status -eq 0 ]]; then
-    results=bench/results
-    NANGUARD_SDPA_BACKEND=nanguard "$PY" bench/bench_attention.py --flash
-    for ext in json md; do mv "$results/attention_cuda_flash.$ext" "$results/attention_cuda_flash_nanguard.$ext"; done
+    NANGUARD_SDPA_BACKEND=nanguard "$PY" bench/bench_attention.py --flash --series flash_nanguard
     NANGUARD_SDPA_BACKEND=auto "$PY" bench/bench_attention.py --flash
-    # decode: the SIMT kernel first (NANGUARD_CUDA_DECODE=simt), kept as
-    # attention_cuda_decode_simt, then the tensor-core one where it applies
-    NANGUARD_CUDA_DECODE=simt NANGUARD_SDPA_BACKEND=nanguard "$PY" bench/bench_attention.py --device cuda --decode
-    for ext in json md; do mv "$results/attention_cuda_decode.$ext" "$results/attention_cuda_decode_simt.$ext"; done
+    # decode: the SIMT kernel first (NANGUARD_CUDA_DECODE=simt), series
+    # decode_simt, then the tensor-core one where it applies
+    NANGUARD_CUDA_DECODE=simt NANGUARD_SDPA_BACKEND=nanguard "$PY" bench/bench_attention.py --device cuda --decode \
+        --series decode_simt
     NANGUARD_SDPA_BACKEND=nanguard "$PY" bench/bench_attention.py --device cuda --decode
 fi
 exit $status
