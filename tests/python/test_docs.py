@@ -15,7 +15,10 @@ import torch
 import nanguard
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+#: the user pages (docs/*.md) stay readable: what a user needs, not design
+#: notes (those are docs/design/*.md)
+USER_PAGE_MAX_LINES = 300
 
 
 def _blocks(path):
@@ -75,3 +78,36 @@ def _documented_paths():
 @pytest.mark.parametrize("doc, path", _documented_paths())
 def test_documented_names_resolve(doc, path):
     _resolve(path)
+
+
+@pytest.mark.parametrize("page", sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
+def test_user_pages_are_short(page):
+    n = len(page.read_text().splitlines())
+    assert n <= USER_PAGE_MAX_LINES, f"docs/{page.name} has {n} lines; move design notes to docs/design/"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    s = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return s.replace(" ", "-")
+
+
+def _links():
+    found = []
+    for doc in DOCS:
+        text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        for m in re.finditer(r"\]\(([^)\s]+)\)", text):
+            target = m.group(1)
+            if not re.match(r"[a-z]+:", target):
+                found.append((doc.relative_to(ROOT).as_posix(), target))
+    return found
+
+
+@pytest.mark.parametrize("doc, target", _links())
+def test_relative_links_resolve(doc, target):
+    path, _, anchor = target.partition("#")
+    dest = (ROOT / doc).parent / path if path else ROOT / doc
+    assert dest.exists(), f"{doc} links to {target}, which does not exist"
+    if anchor and dest.suffix == ".md":
+        slugs = {_slug(h) for h in re.findall(r"^#+ (.*)$", dest.read_text(), flags=re.M)}
+        assert anchor in slugs, f"{doc} links to {target}: no heading with that anchor"

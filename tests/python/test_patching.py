@@ -157,7 +157,7 @@ print(json.dumps(out))
 
 
 def test_exported_patched_model_needs_nanguard_unpatched_does_not(tmp_path):
-    """docs/hf.md "Deployment": a patched model exported with torch.export
+    """docs/integrations.md "Deployment": a patched model exported with torch.export
     loads where nanguard is imported; unpatched before export, anywhere. One
     fresh process loads both exports before and after ``import nanguard``."""
     torch.manual_seed(0)
