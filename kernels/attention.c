@@ -103,27 +103,14 @@ static void ng_attn_fail(ng_attn_ctx *c) { atomic_store(&c->failed, 1); }
  *
  * Why not the hardware's prefetchers alone, nor a whole tile ahead: the
  * kernels read four rows side by side (a vector of each in turn, so that
- * one vector of Q or one broadcast of P serves the four), a pattern that
- * the stream prefetchers of an AMD EPYC (Zen 5) do not follow: one thread
- * then read a KV cache at 11-15 GB/s against 35 GB/s for a plain sum of
- * the same bytes. Fetching a whole tile ahead into L2 (prefetcht2, the
- * previous scheme) reached 23 GB/s there; a whole tile (64 keys then) into L1 is
- * 32 KiB of V rows (fp32, head dim 128), all of a Zen 4 core's L1, where
- * the K rows being scored evict them. Rows 4-8 KiB ahead into L1 reached 33-35
- * GB/s on Zen 5 in the same test; in the kernels, 8 KiB ahead read 13-30%
- * faster than the tile-ahead L2 scheme (fp32 and bf16, GQA and MHA).
- *
- * On an Intel Xeon (AVX-512 and AMX, one core), 8 KiB ahead made the
- * prefetches themselves the stall: a bf16 MHA decode step spent 80% of its
- * cycles on prefetcht0 instructions waiting for a line fill buffer (128
- * lines in flight per stream against the core's 16 buffers), and read 10.2
- * GB/s (AVX2) / 13.4 (AVX-512) where a plain sum of the bytes reads 14.
- * 1-2 KiB ahead read 15.3 / 16.8 GB/s there. Grouped-query steps differ
- * by element size (three alternating runs each, the cache cold or warm):
- * fp32 read 10-11 GB/s at 2-8 KiB and 11-14 at 1 KiB, bf16 9-13 at 2 KiB
- * and 8-11 at 1 KiB; MHA read the same at either (prefetcht1 further
- * ahead was no better). So on Intel 2 KiB for 16-bit K / V rows and 1 KiB
- * for wider ones, 8 KiB on the rest. */
+ * one vector of Q or one broadcast of P serves the four), a pattern some
+ * cores' stream prefetchers do not follow; a whole tile ahead into L1 is as
+ * large as the L1 of some cores, where the K rows being scored evict it.
+ * How far ahead: far enough to cover the miss latency, near enough that
+ * the prefetches do not wait for line fill buffers themselves, which on
+ * Intel cores (16 buffers) happens at a shorter distance than on AMD ones:
+ * there 2 KiB for 16-bit K / V rows and 1 KiB for wider ones, 8 KiB
+ * elsewhere. docs/design/attention-cpu.md has the measurements per core. */
 #define NG_DEC_PF_BYTES 8192
 #define NG_DEC_PF_BYTES_INTEL_16 2048
 #define NG_DEC_PF_BYTES_INTEL 1024

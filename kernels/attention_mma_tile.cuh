@@ -107,8 +107,6 @@ __device__ __forceinline__ void mma_xyt_step(float c[NT][4], const uint32_t a[4]
     }
 }
 
-
-
 /* Key step kt (16 keys) of W[16 x 64], given as C fragments (w[nt][4],
  * fp32), rounded to T as an A fragment. */
 template <ng_dtype T, int NT>
@@ -141,7 +139,6 @@ __device__ __forceinline__ void mma_wy(float acc[D / 8][4], const float w[NT][4]
         }
     }
 }
-
 
 /* Row r (0: g, 1: g + 8) and column of C-fragment element c of n-tile nt. */
 __device__ __forceinline__ int frag_row(int lane, int c) { return (lane >> 2) + 8 * (c >> 1); }
@@ -290,8 +287,6 @@ __device__ __forceinline__ void mma_store_rows(void *dst, int64_t base, int64_t 
                 ng_store_f32(dst, T, base + i * rs + frag_col(lane, dt, c), acc[dt][c] * mul[r]);
     }
 }
-
-
 
 /* Keys [j0, j0 + 64) of K and V (those below end; zeros past it) into a
  * stage's K tile and the V tile after it, issued as one committed cp.async
