@@ -44,6 +44,23 @@
  * path's dots and P V (attention_dec_f32.inc, over simd_f32.h), the
  * forward's column softmax (attention_f32.inc, over simd_f32.h) and
  * the row exp differ between them.
+ *
+ * The tiled forward and backward loops are written once
+ * (attention_tile_loop.inc) over the operand functions of a tile path, one
+ * file each, picked per task by attention_cpu.inc's tile_pick:
+ *   simd     every variant, every dtype: all products by the micro-kernel
+ *            over NG_R tiles (attention_tile_simd.inc);
+ *   bdot     fp32 AVX-512 variant, bf16 inputs, where ng_cpu_bf16_dot()
+ *            (AVX-512 BF16; by default on AMD only) and the head dims are
+ *            even: the products of two bf16 inputs (forward S^T, backward S
+ *            and dP) by vdpbf16ps (ng_gemm_bf16_dot below), the rest as
+ *            simd (attention_tile_bf16dot.inc);
+ *   amx      fp32 AVX-512 variant, built where the compiler has the AMX
+ *            intrinsics (NG_AMX), bf16 inputs where ng_cpu_amx(): every
+ *            product on AMX tiles (the ng_amx_* kernels below), P and dS
+ *            rounded to bf16 (attention_tile_amx.inc).
+ * The decode path takes none of them: its bf16 / fp16 K and V rows are read
+ * in place by attention_dec_f32.inc's loops (NG_DEC_16).
  */
 #include "kernels/attention.h"
 
@@ -431,12 +448,14 @@ NG_COLS_SOFTMAX_PLAIN(ng_cols_softmax_f64_base, double, exp, ng_attn_max_nan_f64
 #define NG_F32_W 16
 #include "kernels/attention_f32.inc"
 
-/* The forward's bf16 score tile by vdpbf16ps (cpu_isa.h ng_cpu_bf16_dot):
+/* A bf16 product by vdpbf16ps (cpu_isa.h ng_cpu_bf16_dot), the bdot tile
+ * path's (attention_tile_bf16dot.inc: the forward's S^T = K Q^T, the
+ * backward's S = Q K^T and dP = dout V^T):
  * C[M][N] = sum_p A[i][2p] B[p][2n] + A[i][2p + 1] B[p][2n + 1] over p < P,
- * with A = the K rows (bf16, lda apart, in place: a pair of a row is one
- * 32-bit broadcast) and B = Q^T packed as pairs (row p holds, for each
- * query column n, its elements 2p and 2p + 1; ldb 16-bit elements between
- * rows). M % 4 == 0, N % 16 == 0. Each product of two bf16 values is exact
+ * with A = bf16 rows (K in the forward, Q or dout in the backward; lda
+ * apart, in place: a pair of a row is one 32-bit broadcast) and B the other
+ * operand transposed and packed as pairs (row p holds, for each column n,
+ * its elements 2p and 2p + 1; ldb 16-bit elements between rows). M % 4 == 0, N % 16 == 0. Each product of two bf16 values is exact
  * in fp32, and each lane adds its two in a fixed order with one rounding
  * each, as two FMAs would; the instruction treats subnormal inputs as zero
  * and flushes subnormal sums, which moves a score by less than 2^-126 per
@@ -485,8 +504,9 @@ ng_gemm_bf16_dot(int64_t M, int64_t N, int64_t P, const uint16_t *A, int64_t lda
 #undef NG_BDOT_STEP
 
 #if NG_AMX
-/* ---- AMX tiles: the bf16 forward's S^T = K Q^T and O^T += V^T P^T --------
- * (cpu_isa.h ng_cpu_amx). Eight tile registers of 16 rows x 64 bytes;
+/* ---- AMX tiles: the products of the amx tile path ------------------------
+ * (attention_tile_amx.inc; cpu_isa.h ng_cpu_amx): the forward's S^T = K Q^T
+ * and O^T += V^T P^T, the backward's S, dP, dV^T, dK^T and dQ. Eight tile registers of 16 rows x 64 bytes;
  * tdpbf16ps adds to a 16 x 16 fp32 tile the product of a 16 x 32 bf16 tile
  * (A, rows as stored) and a 32 x 16 one given as 16 rows of pairs (B: row p
  * holds, for each column n, the operand's rows 2p and 2p + 1 at n). Each
@@ -817,7 +837,8 @@ static inline int64_t ng_pad32(int64_t n) { return NG_CEIL_DIV(n, 32) * 32; }
 #include "kernels/attention_cpu.inc"
 
 /* AVX-512: the micro-kernel, the decode path's dots and P V and the row exp
- * at 16 lanes */
+ * at 16 lanes; the bf16 tile paths (by vdpbf16ps, and on AMX tiles where the
+ * compiler has them) */
 #define NG_T f32
 #define NG_ISA avx512
 #define NG_ATTR NG_TARGET_AVX512
