@@ -44,6 +44,23 @@
  * path's dots and P V (attention_dec_f32.inc, over simd_f32.h), the
  * forward's column softmax (attention_f32.inc, over simd_f32.h) and
  * the row exp differ between them.
+ *
+ * The tiled forward and backward loops are written once
+ * (attention_tile_loop.inc) over the operand functions of a tile path, one
+ * file each, picked per task by attention_cpu.inc's tile_pick:
+ *   simd     every variant, every dtype: all products by the micro-kernel
+ *            over NG_R tiles (attention_tile_simd.inc);
+ *   bdot     fp32 AVX-512 variant, bf16 inputs, where ng_cpu_bf16_dot()
+ *            (AVX-512 BF16; by default on AMD only) and the head dims are
+ *            even: the products of two bf16 inputs (forward S^T, backward S
+ *            and dP) by vdpbf16ps, the rest as simd
+ *            (attention_tile_bf16dot.inc, with its kernel);
+ *   amx      fp32 AVX-512 variant, built where the compiler has the AMX
+ *            intrinsics (NG_AMX), bf16 inputs where ng_cpu_amx(): every
+ *            product on AMX tiles, P and dS rounded to bf16
+ *            (attention_tile_amx.inc, with its ng_amx_* kernels).
+ * The decode path takes none of them: its bf16 / fp16 K and V rows are read
+ * in place by attention_dec_f32.inc's loops (NG_DEC_16).
  */
 #include "kernels/attention.h"
 
@@ -418,350 +435,6 @@ NG_COLS_SOFTMAX_PLAIN(ng_cols_softmax_f64_base, double, exp, ng_attn_max_nan_f64
 #define NG_F32_W 16
 #include "kernels/attention_f32.inc"
 
-/* The forward's bf16 score tile by vdpbf16ps (cpu_isa.h ng_cpu_bf16_dot):
- * C[M][N] = sum_p A[i][2p] B[p][2n] + A[i][2p + 1] B[p][2n + 1] over p < P,
- * with A = the K rows (bf16, lda apart, in place: a pair of a row is one
- * 32-bit broadcast) and B = Q^T packed as pairs (row p holds, for each
- * query column n, its elements 2p and 2p + 1; ldb 16-bit elements between
- * rows). M % 4 == 0, N % 16 == 0. Each product of two bf16 values is exact
- * in fp32, and each lane adds its two in a fixed order with one rounding
- * each, as two FMAs would; the instruction treats subnormal inputs as zero
- * and flushes subnormal sums, which moves a score by less than 2^-126 per
- * term. Tiles as ng_gemm_f32_avx512's: 6 or 4 rows x 4, 2 or 1 vectors. */
-#define NG_BDOT_TILE(R, NB)                                                                        \
-    {                                                                                              \
-        __m512 c[R][NB];                                                                           \
-        for (int r = 0; r < R; r++)                                                                \
-            for (int x = 0; x < NB; x++) c[r][x] = _mm512_setzero_ps();                            \
-        const uint16_t *a = A + i * lda, *b = B + 2 * n;                                           \
-        for (int64_t p = 0; p < P; p++, b += ldb) {                                                \
-            __m512bh y[NB];                                                                        \
-            for (int x = 0; x < NB; x++) y[x] = (__m512bh)_mm512_loadu_si512(b + 32 * x);          \
-            for (int r = 0; r < R; r++) {                                                          \
-                uint32_t pair;                                                                     \
-                memcpy(&pair, a + r * lda + 2 * p, sizeof pair);                                   \
-                const __m512bh xa = (__m512bh)_mm512_set1_epi32((int)pair);                        \
-                for (int x = 0; x < NB; x++) c[r][x] = _mm512_dpbf16_ps(c[r][x], xa, y[x]);        \
-            }                                                                                      \
-        }                                                                                          \
-        for (int r = 0; r < R; r++)                                                                \
-            for (int x = 0; x < NB; x++)                                                           \
-                _mm512_storeu_ps(C + (i + r) * ldc + n + 16 * x, c[r][x]);                         \
-    }
-#define NG_BDOT_STEP(NB)                                                                           \
-    if (six)                                                                                       \
-        NG_BDOT_TILE(6, NB)                                                                        \
-    else                                                                                           \
-        NG_BDOT_TILE(4, NB)
-
-NG_TARGET_AVX512_BF16 __attribute__((noinline)) static void
-ng_gemm_bf16_dot(int64_t M, int64_t N, int64_t P, const uint16_t *A, int64_t lda, const uint16_t *B,
-                 int64_t ldb, float *C, int64_t ldc) {
-    int64_t i = 0;
-    while (i < M) {
-        const int64_t rem = M - i;
-        const int six = rem == 6 || rem >= 10;
-        int64_t n = 0;
-        for (; n + 64 <= N; n += 64) NG_BDOT_STEP(4)
-        for (; n + 32 <= N; n += 32) NG_BDOT_STEP(2)
-        for (; n < N; n += 16) NG_BDOT_STEP(1)
-        i += six ? 6 : 4;
-    }
-}
-#undef NG_BDOT_TILE
-#undef NG_BDOT_STEP
-
-#if NG_AMX
-/* ---- AMX tiles: the bf16 forward's S^T = K Q^T and O^T += V^T P^T --------
- * (cpu_isa.h ng_cpu_amx). Eight tile registers of 16 rows x 64 bytes;
- * tdpbf16ps adds to a 16 x 16 fp32 tile the product of a 16 x 32 bf16 tile
- * (A, rows as stored) and a 32 x 16 one given as 16 rows of pairs (B: row p
- * holds, for each column n, the operand's rows 2p and 2p + 1 at n). Each
- * product of two bf16 values is exact in fp32 and each lane adds its two
- * with one rounding each, as vdpbf16ps does; subnormal inputs read as zero
- * and subnormal sums are flushed (the unit ignores MXCSR), which moves a
- * score by less than 2^-126 per term. A task loads the configuration once
- * (ng_amx_begin) and releases the tile state when it ends (ng_amx_end). */
-typedef struct ng_amx_cfg {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} ng_amx_cfg;
-
-/* Palette 1, tiles 0-7 of 16 rows x 64 bytes. A constant in memory: GCC's
- * _tile_loadconfig tells the compiler it reads only the first 8 bytes, so
- * the stores that would build it on the stack may be dropped. */
-static const ng_amx_cfg ng_amx_cfg16 = {
-    .palette = 1,
-    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
-    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
-};
-
-NG_TARGET_AMX __attribute__((noinline)) static void ng_amx_begin(void) {
-    _tile_loadconfig(&ng_amx_cfg16);
-}
-
-NG_TARGET_AMX __attribute__((noinline)) static void ng_amx_end(void) { _tile_release(); }
-
-/* One block of up to 2 x 2 output tiles (M2 / N2: two tile rows / columns),
- * tiles 0-3 the accumulators, 4-5 A, 6-7 B. */
-#define NG_AMX_BLOCK(M2, N2)                                                                       \
-    {                                                                                              \
-        const char *a0 = (const char *)A + i * lda, *b0 = (const char *)B + n * 4;                 \
-        char *c0 = (char *)C + i * ldc + n * 4;                                                    \
-        if (accumulate) {                                                                          \
-            _tile_loadd(0, c0, ldc);                                                               \
-            if (N2) _tile_loadd(1, c0 + 64, ldc);                                                  \
-            if (M2) _tile_loadd(2, c0 + 16 * ldc, ldc);                                            \
-            if (M2 && N2) _tile_loadd(3, c0 + 16 * ldc + 64, ldc);                                 \
-        } else {                                                                                   \
-            _tile_zero(0);                                                                         \
-            if (N2) _tile_zero(1);                                                                 \
-            if (M2) _tile_zero(2);                                                                 \
-            if (M2 && N2) _tile_zero(3);                                                           \
-        }                                                                                          \
-        for (int64_t k = 0; k < K; k += 32) {                                                      \
-            _tile_loadd(4, a0 + 2 * k, lda);                                                       \
-            _tile_loadd(6, b0 + (k / 2) * ldb, ldb);                                               \
-            if (N2) _tile_loadd(7, b0 + (k / 2) * ldb + 64, ldb);                                  \
-            _tile_dpbf16ps(0, 4, 6);                                                               \
-            if (N2) _tile_dpbf16ps(1, 4, 7);                                                       \
-            if (M2) {                                                                              \
-                _tile_loadd(5, a0 + 16 * lda + 2 * k, lda);                                        \
-                _tile_dpbf16ps(2, 5, 6);                                                           \
-                if (N2) _tile_dpbf16ps(3, 5, 7);                                                   \
-            }                                                                                      \
-        }                                                                                          \
-        _tile_stored(0, c0, ldc);                                                                  \
-        if (N2) _tile_stored(1, c0 + 64, ldc);                                                     \
-        if (M2) _tile_stored(2, c0 + 16 * ldc, ldc);                                               \
-        if (M2 && N2) _tile_stored(3, c0 + 16 * ldc + 64, ldc);                                    \
-    }
-
-/* C[M][N] (+= with accumulate, else =) A[M][K] B: A bf16 rows lda bytes
- * apart, B as K / 2 rows of pairs (row p: for each column n, the operand's
- * elements (2p, n) and (2p + 1, n)) ldb bytes apart, C fp32 rows ldc bytes
- * apart. M % 16 == 0, N % 16 == 0, K % 32 == 0. */
-NG_TARGET_AMX __attribute__((noinline)) static void
-ng_amx_gemm(int64_t M, int64_t N, int64_t K, const uint16_t *A, int64_t lda, const uint16_t *B,
-            int64_t ldb, float *C, int64_t ldc, int accumulate) {
-    for (int64_t i = 0; i < M; i += 32) {
-        const int m2 = i + 32 <= M;
-        for (int64_t n = 0; n < N; n += 32) {
-            const int n2 = n + 32 <= N;
-            if (m2 && n2)
-                NG_AMX_BLOCK(1, 1)
-            else if (m2)
-                NG_AMX_BLOCK(1, 0)
-            else if (n2)
-                NG_AMX_BLOCK(0, 1)
-            else
-                NG_AMX_BLOCK(0, 0)
-        }
-    }
-}
-#undef NG_AMX_BLOCK
-
-/* 16 x 16 32-bit transpose in registers: r[i] lane j -> r[j] lane i. */
-NG_TARGET_AMX static inline void ng_tr16x16_epi32(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    /* u[4b + c], 128-bit block L: rows 4b..4b+3 of column 4L + c */
-    for (int b = 0; b < 16; b += 4) {
-        u[b] = _mm512_unpacklo_epi64(t[b], t[b + 2]);
-        u[b + 1] = _mm512_unpackhi_epi64(t[b], t[b + 2]);
-        u[b + 2] = _mm512_unpacklo_epi64(t[b + 1], t[b + 3]);
-        u[b + 3] = _mm512_unpackhi_epi64(t[b + 1], t[b + 3]);
-    }
-    /* column 4L + c: block b from u[4b + c]'s block L */
-    for (int c = 0; c < 4; c++) {
-        const __m512i p0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
-        const __m512i p1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-        const __m512i q0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-        const __m512i q1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-        r[c] = _mm512_shuffle_i32x4(p0, q0, 0x88);
-        r[4 + c] = _mm512_shuffle_i32x4(p0, q0, 0xDD);
-        r[8 + c] = _mm512_shuffle_i32x4(p1, q1, 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(p1, q1, 0xDD);
-    }
-}
-
-/* Lanes e0..e0+15 below dim: the mask of the elements a row has there. */
-static inline __mmask16 ng_amx_lanes(int64_t e0, int64_t dim) {
-    return e0 >= dim ? 0 : (__mmask16)(dim - e0 >= 16 ? 0xFFFF : (1u << (dim - e0)) - 1);
-}
-
-/* Elements e0..e0+15 (those in em) of bf16 rows j and j + 1 (rs elements
- * apart, rows n.. read as 0) as 16 32-bit pairs: lane e holds (row j,
- * row j + 1) at e0 + e. */
-NG_TARGET_AMX static inline __m512i ng_amx_row_pairs(const uint16_t *src, int64_t rs, int64_t j,
-                                                     int64_t n, int64_t e0, __mmask16 em) {
-    const __m256i lo =
-        j < n ? _mm256_maskz_loadu_epi16(em, src + j * rs + e0) : _mm256_setzero_si256();
-    const __m256i hi =
-        j + 1 < n ? _mm256_maskz_loadu_epi16(em, src + (j + 1) * rs + e0) : _mm256_setzero_si256();
-    return _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
-                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-}
-
-/* Two fp32 vectors rounded to bf16 (to nearest even) and interleaved: the
- * 16 pairs (lo[x], hi[x]), as tdpbf16ps's B takes a pair of rows. */
-NG_TARGET_AMX static inline __m512i ng_amx_pair_bf16(__m512 lo, __m512 hi) {
-    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
-                                         8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-}
-
-/* V^T of a key tile as tdpbf16ps's A: dst[e][j] = V row j, element e, for
- * j < nk and e < Ev (rows rs elements apart), 0 for j in [nk, nkp) and for
- * e in [Ev, Evp); dst rows ldd elements apart. nkp % 32 == 0, Evp % 16 == 0.
- * Keys are taken in pairs, a pair of one dim being one 32-bit unit, and 16
- * pairs x 16 dims transposed in registers. */
-NG_TARGET_AMX __attribute__((noinline)) static void ng_amx_pack_vt(uint16_t *dst, int64_t ldd,
-                                                                   const uint16_t *v, int64_t rs,
-                                                                   int64_t nk, int64_t nkp,
-                                                                   int64_t Ev, int64_t Evp) {
-    for (int64_t e0 = 0; e0 < Evp; e0 += 16) {
-        const __mmask16 em = ng_amx_lanes(e0, Ev);
-        for (int64_t j0 = 0; j0 < nkp; j0 += 32) {
-            __m512i r[16];
-            for (int p = 0; p < 16; p++) r[p] = ng_amx_row_pairs(v, rs, j0 + 2 * p, nk, e0, em);
-            ng_tr16x16_epi32(r); /* r[e]: the 16 pairs of dim e0 + e */
-            for (int e = 0; e < 16; e++) _mm512_storeu_si512(dst + (e0 + e) * ldd + j0, r[e]);
-        }
-    }
-}
-
-/* Rows [0, n) of a bf16 tensor (rs elements apart) as tdpbf16ps's B: pairs
- * of rows, dst[p][e] = (row 2p, row 2p + 1) at element e, for e < dim,
- * 0 for the rows n..np-1 and the elements dim..dimp-1; dst rows ld pairs
- * apart. np % 2 == 0, dimp % 16 == 0. */
-NG_TARGET_AMX __attribute__((noinline)) static void
-ng_amx_pack_rows(uint16_t *dst, int64_t ld, const uint16_t *src, int64_t rs, int64_t n, int64_t np,
-                 int64_t dim, int64_t dimp) {
-    for (int64_t e0 = 0; e0 < dimp; e0 += 16) {
-        const __mmask16 em = ng_amx_lanes(e0, dim);
-        for (int64_t j = 0; j < np; j += 2)
-            _mm512_storeu_si512(dst + (j / 2 * ld + e0) * 2,
-                                ng_amx_row_pairs(src, rs, j, n, e0, em));
-    }
-}
-
-/* dst[r][x] = bf16(src[r][x]) (to nearest even) for r < n, x < ncols (a
- * multiple of 16), 0 for the rows n..np-1 and the columns ncols..ncolsp-1;
- * both ld elements apart. */
-NG_TARGET_AMX __attribute__((noinline)) static void
-ng_amx_bf16_rows(uint16_t *dst, const float *src, int64_t ld, int64_t n, int64_t np, int64_t ncols,
-                 int64_t ncolsp) {
-    for (int64_t r = 0; r < np; r++)
-        for (int64_t x = 0; x < ncolsp; x += 16) {
-            const __m512 v =
-                r < n && x < ncols ? _mm512_loadu_ps(src + r * ld + x) : _mm512_setzero_ps();
-            _mm256_storeu_si256((__m256i *)(dst + r * ld + x), (__m256i)_mm512_cvtneps_pbh(v));
-        }
-}
-
-/* P^T of a score tile as tdpbf16ps's B: pairs of key rows of s (fp32, ld
- * apart), rounded to bf16 (to nearest even): dst[p][x] = (s[2p][x],
- * s[2p + 1][x]) for x < ncols (a multiple of 16), rows past nk read as 0,
- * pairs p < nkp / 2; dst rows ld pairs apart. */
-NG_TARGET_AMX __attribute__((noinline)) static void
-ng_amx_pack_pt(uint16_t *dst, const float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t ncols) {
-    for (int64_t j = 0; j < nkp; j += 2) {
-        uint16_t *d = dst + j * ld;
-        for (int64_t x = 0; x < ncols; x += 16) {
-            const __m512 lo = j < nk ? _mm512_loadu_ps(s + j * ld + x) : _mm512_setzero_ps();
-            const __m512 hi =
-                j + 1 < nk ? _mm512_loadu_ps(s + (j + 1) * ld + x) : _mm512_setzero_ps();
-            _mm512_storeu_si512(d + 2 * x, ng_amx_pair_bf16(lo, hi));
-        }
-    }
-}
-
-/* The forward's online-softmax step down the query columns of a
- * transposed score tile (s, rows ld apart), for the AMX path: the steps of
- * ng_cols_softmax_f32_avx512 (its lazy running max, by the same
- * ng_cols_holds / ng_cols_move), with P going to pp as bf16 pairs (as
- * ng_amx_pack_pt writes them, rows nk..nkp-1 zero) instead of to a tile of
- * fp32. */
-/* P = 2^((s * scale - m) log2 e): the difference in one rounding (FMA), as
- * ng_cols_softmax_f32_avx512 takes it; negm is -m. */
-NG_TARGET_AMX static inline __m512 ng_amx_p(__m512 x, __m512 vs, __m512 negm) {
-    return ng_exp2_16(
-        _mm512_mul_ps(_mm512_fmadd_ps(x, vs, negm), _mm512_set1_ps(1.44269504088896341f)));
-}
-
-/* P of key rows 0..nk-1 of a column block (col, rows ld apart) into pp as
- * bf16 pairs (pp's rows ld pairs apart, rows nk..nkp-1 zero); returns the
- * sum of P, added in key order. With mx, also the raw scores' max (even
- * keys into *mx, odd into *mx1; NaN scores are passed over). */
-NG_TARGET_AMX static inline __m512 ng_amx_p_pairs(const float *col, int64_t ld, int64_t nk,
-                                                  int64_t nkp, __m512 vs, __m512 negm, uint16_t *pp,
-                                                  __m512 *mx, __m512 *mx1) {
-    const __m512 zero = _mm512_setzero_ps();
-    __m512 sum = zero;
-    for (int64_t j = 0; j < nkp; j += 2) {
-        __m512 p0 = zero, p1 = zero;
-        if (j < nk) {
-            const __m512 x = _mm512_loadu_ps(col + j * ld);
-            if (mx) *mx = _mm512_max_ps(x, *mx);
-            p0 = ng_amx_p(x, vs, negm);
-        }
-        if (j + 1 < nk) {
-            const __m512 y = _mm512_loadu_ps(col + (j + 1) * ld);
-            if (mx) *mx1 = _mm512_max_ps(y, *mx1);
-            p1 = ng_amx_p(y, vs, negm);
-        }
-        sum = _mm512_add_ps(_mm512_add_ps(sum, p0), p1);
-        _mm512_storeu_si512(pp + j * ld, ng_amx_pair_bf16(p0, p1));
-    }
-    return sum;
-}
-
-NG_TARGET_AMX __attribute__((noinline)) static void
-ng_amx_cols_softmax(const float *s, int64_t ld, int64_t nk, int64_t nkp, int64_t ncols, float scale,
-                    float *m, float *l, float *alpha, uint16_t *pp) {
-    const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
-    for (int64_t c = 0; c < ncols; c += 16) {
-        const float *col = s + c;
-        const __m512 mo = _mm512_loadu_ps(m + c);
-        if (!NG_F32X16_MASK_NAN(_mm512_sub_ps(mo, mo))) {
-            /* every running max finite: one pass, as ng_cols_softmax_f32_avx512 */
-            __m512 mx = ninf, mx1 = ninf;
-            const __m512 sum = ng_amx_p_pairs(col, ld, nk, nkp, vs, _mm512_sub_ps(zero, mo),
-                                              pp + 2 * c, &mx, &mx1);
-            if (ng_cols_holds_avx512(sum, mx, mx1, vs, mo)) {
-                _mm512_storeu_ps(l + c, _mm512_add_ps(_mm512_loadu_ps(l + c), sum));
-                _mm512_storeu_ps(alpha + c, one);
-                continue;
-            }
-        }
-        __m512 mn, al, negm;
-        ng_cols_move_avx512(col, ld, nk, vs, mo, &mn, &al, &negm);
-        const __m512 sum = ng_amx_p_pairs(col, ld, nk, nkp, vs, negm, pp + 2 * c, NULL, NULL);
-        _mm512_storeu_ps(l + c, _mm512_fmadd_ps(_mm512_loadu_ps(l + c), al, sum));
-        _mm512_storeu_ps(m + c, mn);
-        _mm512_storeu_ps(alpha + c, al);
-    }
-}
-
-/* acc^T[e][x] *= alpha[x] for e < M, x < ncols (a multiple of 16); rows ld
- * apart. */
-NG_TARGET_AMX __attribute__((noinline)) static void
-ng_amx_rescale_t(float *acc, int64_t ld, int64_t M, const float *alpha, int64_t ncols) {
-    for (int64_t x = 0; x < ncols; x += 16) {
-        const __m512 al = _mm512_loadu_ps(alpha + x);
-        if (_mm512_cmpneq_ps_mask(al, _mm512_set1_ps(1.0f)) == 0) continue;
-        for (int64_t e = 0; e < M; e++)
-            _mm512_storeu_ps(acc + e * ld + x,
-                             _mm512_mul_ps(_mm512_loadu_ps(acc + e * ld + x), al));
-    }
-}
-#endif
 #endif
 
 /* ---- the tile kernels, once per variant --------------------------------- */
@@ -804,7 +477,8 @@ static inline int64_t ng_pad32(int64_t n) { return NG_CEIL_DIV(n, 32) * 32; }
 #include "kernels/attention_cpu.inc"
 
 /* AVX-512: the micro-kernel, the decode path's dots and P V and the row exp
- * at 16 lanes */
+ * at 16 lanes; the bf16 tile paths (by vdpbf16ps, and on AMX tiles where the
+ * compiler has them) */
 #define NG_T f32
 #define NG_ISA avx512
 #define NG_ATTR NG_TARGET_AVX512
