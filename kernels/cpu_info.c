@@ -7,8 +7,10 @@
  *     load, then the fp32 path, but for the decode path on AVX2 / AVX-512,
  *     which reads a 16-bit KV cache in place (ng_dots_bf16 / ng_pv_bf16, and
  *     the fp16 pair: NG_DEC_16); bf16 forward and backward products on AMX
- *     tiles where ng_cpu_amx() (NG_AMX_FWD), else forward scores by
- *     vdpbf16ps where ng_cpu_bf16_dot() (NG_BF16_DOT).
+ *     tiles where ng_cpu_amx() (NG_AMX_FWD), else the products of bf16
+ *     inputs (forward S^T = K Q^T; backward S = Q K^T, dP = dout V^T) by
+ *     vdpbf16ps where ng_cpu_bf16_dot() (NG_BF16_DOT,
+ *     attention_tile_bf16dot.inc).
  *   layernorm (layernorm.c pick_path): fp32 / fp16 / bf16 rows in fp32 on
  *     AVX2 when active >= avx2; fp64 in scalar fp64 loops.
  *   grad_guard (grad_guard.c gg_pick): every dtype on AVX2 when active >= avx2.
@@ -42,7 +44,7 @@ __attribute__((visibility("default"))) const char *ng_cpu_info(void) {
                  "bf16, fp32 sums and statistics)",
                  a);
     else if (ng_cpu_bf16_dot())
-        snprintf(bf16, sizeof bf16, "%s, forward scores by vdpbf16ps (avx512_bf16), the rest %s", a,
+        snprintf(bf16, sizeof bf16, "%s, scores and dP by vdpbf16ps (avx512_bf16), the rest %s", a,
                  tiles);
     else
         snprintf(bf16, sizeof bf16, "%s", widened);

@@ -125,7 +125,7 @@ def test_cli_info_names_the_bf16_dot_scores_when_asked(cpu_info_lib, want):
     env["NANGUARD_CPU_AMX"] = "0"  # AMX, where the CPU has it, comes first
     sdpa = _sdpa_line(env)
     has = _supported() == "avx512" and "avx512_bf16" in _info.cpu_model()["flags"]
-    named = "forward scores by vdpbf16ps (avx512_bf16)" in sdpa
+    named = "scores and dP by vdpbf16ps (avx512_bf16)" in sdpa
     assert named == (has and want == "1"), sdpa
 
 
