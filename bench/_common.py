@@ -152,13 +152,8 @@ def nanguard_cpu_isa() -> str:
     return str(p.get("active"))
 
 
-#: the columns naming the machine, in every row of every table
-MACHINE_COLUMNS = ("cpu_model", "isa", "cpu_flags", "torch_cpu_capability", "threads", "gpu", "torch",
-                   "nanguard", "python", "commit")
-#: the columns naming the run: its id and date, the series (which part of a
-#: benchmark), its parameters, and (first row only) the displayed columns
-#: and the notes printed under the table
-RUN_COLUMNS = ("run", "date", "series", "params", "columns", "notes")
+# the reserved columns are summarize.py's (stdlib only, beside this file)
+from summarize import MACHINE_COLUMNS, RUN_COLUMNS  # noqa: E402
 
 
 def machine() -> dict:

@@ -21,10 +21,16 @@ import pathlib
 import sys
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+#: the columns naming the machine, in every row of every table
+MACHINE_COLUMNS = ("cpu_model", "isa", "cpu_flags", "torch_cpu_capability", "threads", "gpu", "torch",
+                   "nanguard", "python", "commit")
+#: the columns naming the run: its id and date, the series (which part of a
+#: benchmark), its parameters, and (first row only) the displayed columns
+#: and the notes printed under the table
+RUN_COLUMNS = ("run", "date", "series", "params", "columns", "notes")
 #: what names a machine in a summary's sections
 MACHINE_KEY = ("cpu_model", "isa", "threads", "gpu")
-_SKIP = {"run", "date", "series", "params", "columns", "notes", "cpu_model", "isa", "cpu_flags",
-         "torch_cpu_capability", "threads", "gpu", "torch", "nanguard", "python", "commit"}
+_SKIP = set(MACHINE_COLUMNS + RUN_COLUMNS)
 
 
 def load(path: pathlib.Path) -> list[dict]:
