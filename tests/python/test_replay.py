@@ -333,7 +333,7 @@ def test_flight_recorder_writes_the_first_nonfinite_step_only(tmp_path):
         if step in (3, 4):
             x[1, 2] = math.inf  # an Inf in the batch: the step's loss is non-finite
         out = model(x)
-        assert rec._args[0] is x  # held by reference, not copied
+        assert rec.batches[0].args[0] is x  # held by reference, not copied
         loss = loss_fn(out, None)
         opt.zero_grad()
         loss.backward()
@@ -343,7 +343,7 @@ def test_flight_recorder_writes_the_first_nonfinite_step_only(tmp_path):
         seen.append(path)
         if not bad:
             opt.step()
-        assert rec._args is None  # references dropped at the step's end
+        assert rec.batches == []  # references dropped at the step's end
         if step == 3:
             params_at_failure = before
     assert seen[:3] == [None] * 3 and seen[4:] == [None, None]  # the first non-finite step only
@@ -404,14 +404,15 @@ def test_cli_prints_the_report_or_json(tmp_path, capsys):
     assert "no flight record" in capsys.readouterr().err
 
 
-def test_watch_records_the_failing_step_and_names_it(tmp_path):
+@pytest.mark.parametrize("mode", ["eager", "sentinel"])
+def test_watch_records_the_failing_step_and_names_it(tmp_path, mode):
     import nanguard
 
     model = _gpt2()
     with torch.no_grad():
         model.transformer.h[1].attn.c_attn.weight[:, :64] *= 1000.0
     scaler = nanguard.amp.GradScaler("cpu", init_scale=2.0**12)
-    w = nanguard.watch(model, record_dir=tmp_path / "rec", history=8, scaler=scaler, parameters=False)
+    w = nanguard.watch(model, record_dir=tmp_path / "rec", history=8, scaler=scaler, parameters=False, mode=mode)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.float16):
         loss = model(input_ids=ids, labels=ids).loss
@@ -510,10 +511,12 @@ def test_an_inf_absorbed_inside_a_module_is_not_the_first_op(tmp_path):
     assert res.first_op == "aten::mul" and res.module == "2" and res.pass_ == "forward"
 
 
-def test_watch_does_not_record_the_scalers_backoff_steps(tmp_path):
+@pytest.mark.parametrize("mode", ["eager", "sentinel"])
+def test_watch_does_not_record_the_scalers_backoff_steps(tmp_path, mode):
     # with scaler=, a step non-finite in its gradients only at a loss scale
     # above 1 is the GradScaler's ordinary backoff: reported, not recorded;
-    # the first step non-finite in its forward is
+    # the first step non-finite in its forward is (in either mode: sentinel
+    # mode's replay needs the loss, which the output does not carry)
     import nanguard
 
     torch.manual_seed(0)
@@ -521,7 +524,9 @@ def test_watch_does_not_record_the_scalers_backoff_steps(tmp_path):
     with torch.no_grad():
         model[1].weight.fill_(2.0)
     scaler = nanguard.amp.GradScaler("cpu", init_scale=2.0**16)
-    w = nanguard.watch(model, record_dir=tmp_path / "rec", history=4, scaler=scaler, policy="record")
+    loss_fn = (lambda out, _: out.float().sum()) if mode == "sentinel" else None
+    w = nanguard.watch(model, record_dir=tmp_path / "rec", history=4, scaler=scaler, policy="record", mode=mode,
+                       loss_fn=loss_fn)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     x = torch.randn(1, 64) * 0.01
     reports = []

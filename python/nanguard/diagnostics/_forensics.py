@@ -23,14 +23,16 @@ _PASS = {Kind.OUT: FORWARD, Kind.GRAD: BACKWARD, Kind.PGRAD: PARAM_GRAD, Kind.SC
 
 class Forensics:
     def __init__(self, model: nn.Module, *, history: int, record_dir, warn_bits: float, warn_steps: int,
-                 scaler=None):
+                 scaler=None, hold: bool = False, write_on_observe: bool = True):
         if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
             raise TypeError(f"scaler must be a GradScaler (with get_scale()), got {type(scaler).__name__}")
         rank = None
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             rank = torch.distributed.get_rank()
         self.history = History(history, warn_bits=warn_bits, warn_steps=warn_steps) if history else None
-        self.recorder = FlightRecorder(model, record_dir, rank=rank) if record_dir is not None else None
+        # hold: keep the step's micro-batches even without a directory (sentinel mode replays them)
+        self.recorder = FlightRecorder(model, record_dir, rank=rank) if record_dir is not None or hold else None
+        self.write_on_observe = write_on_observe  # eager mode writes the record of the report it observes
         self.scaler = scaler
         self._pending: List[Dict[str, torch.Tensor]] = []  # per split q / k pair: a half not yet paired
 
@@ -75,14 +77,25 @@ class Forensics:
     def observe(self, step: int, recs: List[Rec], host, report: Optional[Report]) -> None:
         """One checked step: feed the history; write the flight record of the
         first non-finite step (its path goes into ``report.replay_path``)."""
-        scale = None if self.scaler is None else float(self.scaler.get_scale())
+        scale = self.loss_scale()
         if self.history is not None:
             self.history.add(step, self.rows(recs, host, scale or 1.0, step))
-        if self.recorder is not None and report is not None and not self._backoff(report, scale):
-            hist = [_as_dict(r) for r in self.history.rows()] if self.history is not None else None
-            path = self.recorder.step_done(step=step, nonfinite=True, report=str(report), history=hist,
-                                           loss_scale=scale)
-            report.replay_path = path or self.recorder.path
+        if self.write_on_observe and report is not None and self.recorder is not None:
+            self.write(step, report, scale)
+            self.recorder.drop()
+
+    def write(self, step: int, report: Report, scale: Optional[float], micro_batch: int = 0) -> None:
+        """Write the flight record of a non-finite step (not of the
+        GradScaler's backoff) and name it in ``report.replay_path``."""
+        if self.recorder is None or self.recorder.directory is None or self._backoff(report, scale):
+            return
+        hist = [_as_dict(r) for r in self.history.rows()] if self.history is not None else None
+        path = self.recorder.write(step=step, micro_batch=micro_batch, report=str(report), history=hist,
+                                   loss_scale=scale)
+        report.replay_path = path or self.recorder.path
+
+    def loss_scale(self) -> Optional[float]:
+        return None if self.scaler is None else float(self.scaler.get_scale())
 
     @staticmethod
     def _backoff(report: Report, scale: Optional[float]) -> bool:
@@ -96,7 +109,7 @@ class Forensics:
         for pending in self._pending:  # a q without its k (or k without q) never pairs across steps
             pending.clear()
         if self.recorder is not None:
-            self.recorder.step_done(step=-1, nonfinite=False)
+            self.recorder.drop()
 
     @property
     def warnings(self) -> list:

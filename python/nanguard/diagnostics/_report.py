@@ -67,6 +67,17 @@ class Report:
     bad_ranks: List[int] = field(default_factory=list)
     #: the flight record of the first non-finite step (``watch(record_dir=...)``), for nanguard.replay
     replay_path: Optional[str] = None
+    #: sentinel mode: did the in-process replay of the step reproduce the
+    #: failure (None: the step was not replayed, its own census found it)
+    reproduced: Optional[bool] = None
+    #: sentinel mode: which forward of the step (micro-batch, 0 the first) failed
+    micro_batch: Optional[int] = None
+    #: sentinel mode: the first aten op that made a non-finite value from
+    #: finite inputs in the replay ("aten::bmm"), its autograd node for a
+    #: backward op ("AddmmBackward0") and where it ran (``FirstNonFinite.where``)
+    op: Optional[str] = None
+    node: Optional[str] = None
+    op_where: Optional[str] = None
 
     @property
     def name(self) -> str:
@@ -82,11 +93,17 @@ class Report:
         if self.tensor is None:
             return (f"non-finite value at step {self.step} on rank(s) {self.bad_ranks} (their "
                     f"reports name the module); rank {self.rank} saw only finite values")
+        mb = "" if self.micro_batch is None else f", micro-batch {self.micro_batch}"
         lines = [
-            f"first non-finite value at step {self.step}, {self.pass_} pass, in module "
+            f"first non-finite value at step {self.step}{mb}, {self.pass_} pass, in module "
             f"'{self.name}' ({self.cls}){on}",
             f"  {self.tensor}",
         ]
+        if self.op_where:
+            lines.append(f"  first op to make it from finite inputs: {self.op_where}")
+        if self.reproduced is False:
+            lines.append("  the in-process replay of the step stayed finite: this is the live step's "
+                         "first non-finite tensor, not localised")
         others = [r for r in self.bad_ranks if r != self.rank]
         if others:
             lines.append(f"  also non-finite this step on rank(s) {others}")
