@@ -79,7 +79,7 @@ class Run:
     losses: List[float] = dataclasses.field(default_factory=list)
     grad_norms: List[float] = dataclasses.field(default_factory=list)
     skipped: List[int] = dataclasses.field(default_factory=list)  #: cumulative skipped steps
-    report: Optional[object] = None  #: first nanguard.watch report, if any
+    report: Optional[object] = None  #: first recorded nanguard.watch report (else the first), if any
     history: Optional[object] = None  #: nanguard.watch's magnitude history (the stock run)
     patch_summary: Optional[object] = None
     seconds: float = 0.0
@@ -122,12 +122,13 @@ def build_model(cfg: Config):
 
 def train(cfg: Config, patched: bool, progress: Optional[Callable[[str], None]] = print,
           use_watch: bool = True, stop: Optional[Callable[[Run], bool]] = None,
-          record_dir: Optional[str] = None) -> Run:
+          record_dir: Optional[str] = None, watch_mode: Optional[str] = None) -> Run:
     """Train from the same seed on the same batches. Stock: the textbook
     fp16 loop (``GradScaler.unscale_`` then ``clip_grad_norm_``). nanguard:
     ``nanguard.patch(model)`` and ``GradScaler.unscale_and_clip_``. With
     ``record_dir``, the watcher keeps the magnitude history and saves the
-    first non-finite step there."""
+    first non-finite step there. ``watch_mode``: ``nanguard.watch``'s
+    ``mode`` (default: sentinel with ``record_dir``, else eager)."""
     import nanguard
 
     run = Run("nanguard" if patched else "stock")
@@ -143,7 +144,7 @@ def train(cfg: Config, patched: bool, progress: Optional[Callable[[str], None]] 
     watcher = None
     if use_watch and hasattr(nanguard, "watch"):
         extra = dict(history=64, record_dir=record_dir, scaler=scaler) if record_dir is not None else {}
-        watcher = nanguard.watch(model, policy="record", parameters=False, **extra)
+        watcher = nanguard.watch(model, policy="record", parameters=False, mode=watch_mode, **extra)
     data = batches(cfg, corpus())
     skipped = 0
     t0 = time.perf_counter()
@@ -157,7 +158,8 @@ def train(cfg: Config, patched: bool, progress: Optional[Callable[[str], None]] 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", nanguard.HeadroomWarning)  # kept in watcher.warnings
                 rep = watcher.step()
-            if rep is not None and run.report is None:
+            # keep the first report, or the first recorded one after a GradScaler backoff's
+            if rep is not None and (run.report is None or (run.report.replay_path is None and rep.replay_path)):
                 run.report = rep
         scale_before = scaler.get_scale()
         if patched:

@@ -51,6 +51,7 @@ from ._census import (Call, Kind, Owner, Rec, flatten, is_ancestor, positive_int
                        selected, version_of)
 from ._forensics import Forensics
 from ._report import BACKWARD, FORWARD, PARAM_GRAD, NonFiniteError, Report, TensorStats
+from ._sentinel import Sentinel, tensor_stats
 
 __all__ = ["watch", "Watch"]
 
@@ -62,6 +63,9 @@ _op = torch.ops.nanguard.tensor_stats_.default._op
 # tensor itself.
 _below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
 _POLICIES = ("raise", "warn", "record")
+_MODES = ("eager", "sentinel")
+#: sentinel mode with history: one step in this many runs the full census
+_CENSUS_EVERY = 32
 #: a buffer this large means step() / check() is probably never called
 _MANY_SLOTS = 1 << 20
 #: without a check, the watcher checks its records itself at a forward of the
@@ -75,11 +79,30 @@ class Watch:
 
     Args:
         model: the module to watch (its submodules are watched too).
+        mode: ``"eager"`` censuses every watched tensor of every step (the
+            report comes from the live step itself); ``"sentinel"`` runs no
+            census on a healthy step, only one fused finiteness test of the
+            step's losses and parameter gradients at the check, and replays
+            a non-finite step at once, in process, under the census and the
+            op checker (the report then also names the first aten op and
+            autograd node, and says whether the replay reproduced the
+            failure). Default: ``"sentinel"`` when ``record_dir`` is given
+            (outside torch.distributed, whose collectives one process cannot
+            replay), else ``"eager"``.
+        loss_fn: sentinel mode: ``loss_fn(output, inputs) -> loss`` for the
+            replay, when the model's output has no ``.loss`` (a Hugging Face
+            model's); ``inputs`` holds the keyword inputs and the positional
+            ones under ``"args"``. Without either, the replay runs the
+            forward only.
+        census_every: sentinel mode with ``history``: one step in this many
+            (default 32) runs the full census for the history; the
+            attention-score bounds of the early warning are recorded every
+            step.
         modules: restrict to modules whose qualified name matches a pattern
             (``fnmatch``: ``"layers.*.self_attn"``) or that are instances of
             a type; a list mixes both. None watches every module.
-        every: record on every N-th step only (steps are counted by
-            :meth:`Watch.step`); the hooks return at once on other steps.
+        every: eager mode: record on every N-th step only (steps are counted
+            by :meth:`Watch.step`); the hooks return at once on other steps.
         policy: ``"raise"`` (:class:`NonFiniteError`), ``"warn"`` or
             ``"record"`` (reports collected in ``.records``, up to
             ``max_records``).
@@ -127,17 +150,39 @@ class Watch:
                  max_records: int = 100, inputs: bool = True, backward: bool = True,
                  parameters: bool = True, capacity: int = 256, optimizer=None,
                  process_group=None, agree: bool = True, history: int = 0, record_dir=None,
-                 warn_bits: float = 0.5, warn_steps: int = 4, scaler=None):
+                 warn_bits: float = 0.5, warn_steps: int = 4, scaler=None, mode: Optional[str] = None,
+                 loss_fn=None, census_every: Optional[int] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         positive_int("every", every)
+        if mode is None:
+            dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+            mode = "sentinel" if record_dir is not None and not dist else "eager"
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        sentinel = mode == "sentinel"
+        if loss_fn is not None and (not sentinel or not callable(loss_fn)):
+            raise ValueError("loss_fn: only mode='sentinel' takes it (a callable (output, inputs) -> loss "
+                             f"for the replay), got {type(loss_fn).__name__} with mode={mode!r}")
+        if census_every is not None:
+            if not sentinel:
+                raise ValueError("census_every: only mode='sentinel' takes it (eager mode: every=)")
+            positive_int("census_every", census_every)
+        if sentinel and every != 1:
+            raise ValueError(f"every: mode='sentinel' checks every step (got every={every}); "
+                             "census_every= sets how often its history runs the full census")
         if policy not in _POLICIES:
             raise ValueError(f"policy must be one of {_POLICIES}, got {policy!r}")
         positive_int("capacity", capacity)
         if not isinstance(agree, bool):
             raise TypeError(f"agree must be a bool, got {type(agree).__name__}")
         self.model = model
+        self.mode = mode  #: "eager" or "sentinel"
         self.every = every
+        self._census_every = census_every or _CENSUS_EVERY
+        self._modules = modules
+        self._backward = backward
+        self._parameters = parameters
         self.policy = policy
         self.max_records = max_records
         self.records: List[Report] = []  #: reports kept under policy "record" (and "warn")
@@ -169,13 +214,21 @@ class Watch:
         if isinstance(history, bool) or not isinstance(history, int) or history < 0:
             raise ValueError(f"history must be an int >= 0, got {history!r}")
         self._forensics = None
-        if history or record_dir is not None:
+        if history or record_dir is not None or sentinel:
             self._forensics = Forensics(model, history=history, record_dir=record_dir, warn_bits=warn_bits,
-                                        warn_steps=warn_steps, scaler=scaler)
+                                        warn_steps=warn_steps, scaler=scaler, hold=sentinel,
+                                        write_on_observe=not sentinel)
+        self._sentinel = Sentinel(self, loss_fn) if sentinel else None
+        self._replaying = False  # a sentinel replay runs on a copy that carries these hooks: record nothing
+        # sentinel mode: the census runs on census steps of the history only
+        self._on = not sentinel or (history > 0)
+        self._scores_on = self._on if not sentinel else history > 0
         self._handles.append(model.register_forward_pre_hook(self._make_root(model)))
-        self._attach(model, modules, backward, parameters)
+        if not sentinel or history:
+            self._attach(model, modules, backward, parameters)
         if self._forensics is not None:
-            self._handles += self._forensics.attach_scores(model, self._record, lambda: self._on)
+            self._handles += self._forensics.attach_scores(
+                model, self._record, lambda: self._scores_on and not self._replaying)
         if optimizer is not None:
             def before_step(opt, args, kwargs):
                 self.step()  # raises under policy "raise": the step is not applied
@@ -511,23 +564,65 @@ class Watch:
         self._forwards = 1
         self._probe_version = version
 
-    def check(self) -> Optional[Report]:
+    def _sentinel_check(self, report: Optional[Report], loss) -> Optional[Report]:
+        """Sentinel mode: the step's fused test, and the replay of a
+        non-finite step (the census of a census step that found something
+        the test did not, such as an Inf absorbed before the loss, stands)."""
+        recorder = self._forensics.recorder
+        batches = recorder.batches
+        try:
+            if not batches and loss is None:
+                return report
+            live = self._sentinel.first_live(batches, loss)
+            if live is None:
+                return report
+            if not batches:  # the loss came in, but no forward was held to replay
+                live[0].reproduced = False
+                live[0].note = "no forward of the model was seen this step, so nothing was replayed"
+                return live[0]
+            on = self._on
+            self._on = False
+            try:
+                report, k = self._sentinel.localise(live[0], live[1], batches)
+            finally:
+                self._on = on
+            self._forensics.write(self._step, report, self._forensics.loss_scale(), micro_batch=k)
+            return report
+        finally:
+            recorder.drop()
+
+    def check(self, loss: Optional[torch.Tensor] = None) -> Optional[Report]:
         """Read what was recorded since the last check (one synchronisation
         per device) and act on the first non-finite tensor, by policy.
         Returns the :class:`Report`, or None when everything was finite.
+
+        ``loss``: the step's loss, checked too (in eager mode a non-finite
+        loss with every watched tensor finite is reported as made outside
+        the watched modules; in sentinel mode it joins the fused test).
 
         Under torch.distributed (``process_group``, default: the default
         group) every rank must call it at the same steps: one all-reduce of a
         flag per rank makes every rank act when any rank saw a non-finite
         value, so none of them is left waiting in the next collective."""
-        group = _dist.agreement_group(self._group) if self._on and self._agree else None
-        if not self._recs and self._pending is None and group is None:
+        if loss is not None and not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss must be a tensor or None, got {type(loss).__name__}")
+        group = _dist.agreement_group(self._group) if self._agree and (
+            self._on or self._sentinel is not None) else None
+        held = self._sentinel is not None and (self._forensics.recorder.batches or loss is not None)
+        if not self._recs and self._pending is None and group is None and not held and loss is None:
             return None
         report = self._collect()
         if self._pending is not None:
             if report is not None:
                 self._pending.n_nonfinite += report.n_nonfinite
             report, self._pending = self._pending, None
+        if self._sentinel is not None:
+            report = self._sentinel_check(report, loss)
+        elif report is None and loss is not None and loss.is_floating_point() and not bool(
+                torch.isfinite(loss.detach()).all()):
+            report = Report("", type(self.model).__name__, FORWARD, self._step, tensor_stats("loss", loss), [],
+                            note="every watched tensor of the step was finite: the loss was made outside "
+                                 "the watched modules (the loss function)")
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             rank = torch.distributed.get_rank()
             if report is not None:
@@ -548,20 +643,30 @@ class Watch:
             warnings.warn(str(report), RuntimeWarning, stacklevel=2)
         return report
 
-    def step(self) -> Optional[Report]:
-        """Mark a training-step boundary: :meth:`check`, then advance the
-        step counter (recording is on for steps divisible by ``every``)."""
+    def step(self, loss: Optional[torch.Tensor] = None) -> Optional[Report]:
+        """Mark a training-step boundary: :meth:`check` (of ``loss`` too,
+        when given), then advance the step counter (eager mode records on
+        steps divisible by ``every``; sentinel mode with history runs the
+        census on steps divisible by ``census_every``)."""
         try:
-            return self.check()
+            return self.check(loss)
         finally:
             self._step += 1
-            self._on = self._step % self.every == 0
+            if self._sentinel is None:
+                self._on = self._scores_on = self._step % self.every == 0
+            else:
+                self._on = self.history is not None and self._step % self._census_every == 0
             if self._forensics is not None:
                 self._forensics.end_step()
 
     @property
     def step_index(self) -> int:
         return self._step
+
+    @property
+    def replays(self) -> int:
+        """Sentinel mode: how many non-finite steps were replayed in process."""
+        return self._sentinel.replays if self._sentinel is not None else 0
 
     @property
     def history(self):

@@ -1,0 +1,272 @@
+"""Sentinel watching (``watch(mode="sentinel")``): a healthy step pays for
+no census; a non-finite step is replayed at once, in process, to localise it.
+
+On a healthy step the watcher holds what the flight recorder holds (each
+micro-batch's inputs by reference, its RNG state, grad mode and autocast
+settings, its output's ``.loss``) and, at the check, runs one fused test of
+what the step already computed: ``torch._foreach_norm`` over the held
+losses, the loss passed to ``check`` / ``step`` and every parameter's
+gradient, summed per device in fp32 and read once. A sum that is not finite
+is confirmed tensor by tensor (the sum of huge finite values can overflow):
+only a step with a NaN or Inf in one of them is replayed.
+
+The replay runs on a deep copy of the watched model, which at the check
+still holds the weights the step started from (``check`` runs before the
+optimizer step, and nanguard's gradient guard never applies a non-finite
+step); the live model, its gradients and the RNG are left as the step left
+them. It runs each micro-batch in order from its own RNG state and
+autocast settings:
+
+1. under the eager census (:class:`~nanguard.diagnostics.Watch` in eager
+   mode, with the same ``modules`` / ``inputs`` / ``backward`` options and
+   parameter gradients), checked after each micro-batch: its report names
+   the module, pass, step and micro-batch as eager watching of the live step
+   would have;
+2. the micro-batch that failed, again under the op checker (``_opcheck``):
+   the first aten op and autograd node that made a non-finite value from
+   finite inputs. Not for the GradScaler's backoff steps, which are
+   reported but neither op-checked nor recorded.
+
+The loss of the replay is ``loss_fn(output, inputs)`` (default: the
+output's ``.loss``) times the scaler's loss scale; without one, the replay
+runs the forward only. A replay that stays finite (nondeterministic kernels,
+a loss the replay cannot rebuild, state outside the model) says so: the
+report then names the live step's first non-finite tensor (the loss, or a
+parameter gradient in ``named_parameters`` order) with ``reproduced`` False.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import nullcontext
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .. import distributed as _dist
+from ._flight_record import FlightRecord, StepStart, restore_rng
+from ._flight_recorder import MicroBatch
+from ._report import FORWARD, PARAM_GRAD, Report, TensorStats
+from ._step import Step, default_loss
+
+
+def _output_loss(output) -> Optional[torch.Tensor]:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def fused_finite(tensors: List[torch.Tensor]) -> bool:
+    """Is every tensor finite? One fused norm per device and dtype group,
+    one host read per device; a non-finite sum is confirmed exactly."""
+    groups = {}
+    for t in tensors:
+        key = (t.device, t.dtype == torch.float64)
+        groups.setdefault(key, []).append(t)
+    sums = {}
+    for (dev, f64), ts in groups.items():
+        norms = torch._foreach_norm(ts, 2.0, dtype=torch.float64 if f64 else torch.float32)
+        sums.setdefault(dev, []).append(torch.stack([n.double() for n in norms]).sum())
+    if all(math.isfinite(float(torch.stack(s).sum())) for s in sums.values()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def tensor_stats(which: str, t: torch.Tensor) -> TensorStats:
+    """The census of one tensor, computed with torch ops (a report's, once)."""
+    t = t.detach()
+    nan = int(torch.isnan(t).sum())
+    posinf = int(torch.isposinf(t).sum())
+    neginf = int(torch.isneginf(t).sum())
+    a = t.abs().double()
+    fin = a[torch.isfinite(a)]
+    nz = fin[fin > 0]
+    return TensorStats(which, tuple(t.shape), t.dtype, nan, posinf, neginf,
+                       float(fin.max()) if fin.numel() else 0.0, float(nz.min()) if nz.numel() else math.inf)
+
+
+class Sentinel:
+    """The sentinel half of a :class:`Watch`: ``watch`` is the live watcher
+    (its options, its forensics' recorder and scaler)."""
+
+    def __init__(self, watch, loss_fn: Optional[Callable]):
+        self.w = watch
+        self.loss_fn = loss_fn
+        self.replays = 0  #: steps replayed so far
+        self.params: List[Tuple[str, str, str, nn.Parameter]] = []  # (module, class, name, parameter)
+        seen = set()
+        for mname, mod in watch.model.named_modules():
+            for pname, p in mod.named_parameters(recurse=False):
+                if id(p) not in seen and p.requires_grad:
+                    seen.add(id(p))
+                    self.params.append((mname, type(mod).__name__, pname, p))
+
+    # ---- the healthy step's test -------------------------------------------------------
+
+    def first_live(self, batches: List[MicroBatch], loss) -> Optional[Tuple[Report, int]]:
+        """None when the step's losses and gradients are finite; else a
+        report naming its first non-finite one (the loss of micro-batch k, or
+        a parameter gradient) and the micro-batch to record."""
+        losses = [(k, mb.loss) for k, mb in enumerate(batches) if mb.loss is not None]
+        if isinstance(loss, torch.Tensor):
+            losses.append((max(len(batches) - 1, 0), loss.detach()))
+        grads = []
+        for mname, cls, pname, p in self.params:
+            g = p.grad
+            if g is not None and g.is_floating_point() and g.numel():
+                grads.append((mname, cls, pname, _dist.local(g)))
+        tensors = [t for _, t in losses if t.is_floating_point()] + [g for *_, g in grads]
+        if not tensors or fused_finite(tensors):
+            return None
+        entry = batches[0].name if batches else ""
+        entry_cls = type(batches[0].module).__name__ if batches else type(self.w.model).__name__
+        for k, t in losses:
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return Report(entry, entry_cls, FORWARD, self.w.step_index, tensor_stats("loss", t), []), k
+        for mname, cls, pname, g in grads:
+            if not bool(torch.isfinite(g).all()):
+                return Report(mname, cls, PARAM_GRAD, self.w.step_index, tensor_stats(pname + ".grad", g), []), 0
+        return None
+
+    # ---- the replay --------------------------------------------------------------------
+
+    def localise(self, live: Report, k_live: int, batches: List[MicroBatch]) -> Tuple[Report, int]:
+        """Replay the step under the census, then its failing micro-batch
+        under the op checker; (the report, the micro-batch to record)."""
+        w = self.w
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            live.note = ("not replayed: under torch.distributed a replay in one process cannot run the "
+                         "step's collectives; mode=\"eager\" censuses the live step itself")
+            return live, k_live
+        self.replays += 1
+        scale = w._forensics.loss_scale()
+        saved = StepStart.capture(_device(w.model)).rng
+        w._forensics.recorder.paused = True
+        w._replaying = True
+        self._error = None
+        try:
+            report, k = self._census_replay(batches, scale)
+            if report is None:
+                live.reproduced = False
+                live.note = self._error or _unreproduced_note(self.loss_fn, w._forensics.scaler, batches)
+                return live, k_live
+            report.reproduced = True
+            if not w._forensics._backoff(report, scale):
+                self.op_check(report, batches[k], k, scale)
+            return report, k
+        finally:
+            w._replaying = False
+            w._forensics.recorder.paused = False
+            restore_rng(saved)
+
+    def _fresh_copy(self) -> nn.Module:
+        model = copy.deepcopy(self.w.model)
+        for p in model.parameters():
+            p.grad = None
+        return model
+
+    def _run(self, entry: nn.Module, mb: MicroBatch, scale: Optional[float]) -> Optional[torch.Tensor]:
+        restore_rng(mb.start.rng)
+        ac = mb.start.autocast
+        ctx = torch.autocast(ac["device_type"], dtype=getattr(torch, ac["dtype"])) if ac else nullcontext()
+        with torch.set_grad_enabled(mb.grad):
+            with ctx:
+                out = entry(*mb.args, **mb.kwargs)
+                if self.loss_fn is not None:
+                    loss = self.loss_fn(out, {"args": mb.args, **mb.kwargs})
+                else:
+                    loss = _output_loss(out)
+            if mb.grad and isinstance(loss, torch.Tensor) and loss.requires_grad:
+                (loss.float() * scale if scale is not None else loss).backward()
+        return loss.detach() if isinstance(loss, torch.Tensor) else None
+
+    def _census_replay(self, batches: List[MicroBatch], scale: Optional[float]) -> Tuple[Optional[Report], int]:
+        w = self.w
+        model = self._fresh_copy()
+        # the watcher's own class in eager mode, with the user's options: the report eager watching names
+        inner = type(w)(model, mode="eager", modules=w._modules, policy="record", max_records=1,
+                        inputs=w._inputs, backward=w._backward, parameters=w._parameters, capacity=w._capacity,
+                        agree=False)
+        inner._step = w.step_index
+        try:
+            for k, mb in enumerate(batches):
+                try:
+                    loss = self._run(model.get_submodule(mb.name), mb, scale)
+                except Exception as e:  # a replay that cannot run is not a localisation
+                    self._error = f"the replay raised {type(e).__name__}: {e}"
+                    return None, k
+                report = inner.check()
+                if report is None:
+                    report = self._unwatched(model, mb, k, loss)
+                if report is not None:
+                    if len(batches) > 1:  # a step of one forward has no micro-batch to name
+                        report.micro_batch = k
+                    return report, k
+            return None, 0
+        finally:
+            inner.remove()
+            del model
+
+    def _unwatched(self, model: nn.Module, mb: MicroBatch, k: int, loss) -> Optional[Report]:
+        """The replay's census (with the watcher's ``modules`` /
+        ``parameters`` options) saw nothing, but its loss or gradients are
+        non-finite: a failure outside the watched tensors, named as the
+        live test names it."""
+        copies = dict(model.named_modules())
+        grads = []
+        for mname, cls, pname, _ in self.params:
+            g = copies[mname]._parameters.get(pname).grad if mname in copies else None
+            if g is not None and g.is_floating_point() and g.numel():
+                grads.append((mname, cls, pname, g))
+        tensors = ([loss] if isinstance(loss, torch.Tensor) and loss.is_floating_point() else []) + [
+            g for *_, g in grads]
+        if not tensors or fused_finite(tensors):
+            return None
+        note = "outside the watched tensors (modules= / parameters= / inputs= / backward= of nanguard.watch)"
+        if isinstance(loss, torch.Tensor) and loss.is_floating_point() and not bool(torch.isfinite(loss).all()):
+            return Report(mb.name, type(copies[mb.name]).__name__, FORWARD, self.w.step_index,
+                          tensor_stats("loss", loss), [], note="the loss is non-finite " + note)
+        for mname, cls, pname, g in grads:
+            if not bool(torch.isfinite(g).all()):
+                return Report(mname, cls, PARAM_GRAD, self.w.step_index, tensor_stats(pname + ".grad", g), [],
+                              note="a parameter gradient is non-finite " + note)
+        return None
+
+    def op_check(self, report: Report, mb: MicroBatch, k: int, scale: Optional[float]) -> None:
+        """Name the first aten op and autograd node of micro-batch ``k``
+        (run alone, from the step's weights) in ``report``."""
+        model = self._fresh_copy()
+        entry = model.get_submodule(mb.name)
+        rec = FlightRecord(step=report.step, rank=None, args=mb.args, kwargs=mb.kwargs, rng=mb.start.rng,
+                           state={}, sharding={}, training=entry.training, autocast=mb.start.autocast,
+                           loss_scale=scale, model=None, report=None, history=None, recorded_nonfinite=True,
+                           entry=mb.name, versions={}, micro_batch=k)
+        loss_fn = self.loss_fn or default_loss
+        with torch.set_grad_enabled(mb.grad):
+            outcome = Step(rec, entry, loss_fn).run(model=entry, strict=False)
+        first = outcome.first
+        if first is None:
+            return
+        if first.module is not None and mb.name:  # the op checker names modules inside the entry
+            first.module = mb.name + ("." + first.module if first.module else "")
+        report.op, report.node, report.op_where = first.op, first.node, first.where()
+
+
+def _device(model: nn.Module) -> Optional[torch.device]:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else None
+
+
+def _unreproduced_note(loss_fn, scaler, batches: List[MicroBatch]) -> str:
+    why = []
+    if loss_fn is None and batches and all(mb.loss is None for mb in batches):
+        why.append("the model's output has no .loss, so the replay ran the forward only: pass "
+                   "loss_fn=(output, inputs) -> loss to nanguard.watch")
+    if scaler is None:
+        why.append("no scaler= was given, so the replay ran at loss scale 1")
+    why.append("nondeterministic kernels or state outside the model and its inputs can also make a "
+               "replay differ; mode=\"eager\" censuses the live step itself")
+    return "not reproduced by the in-process replay: " + "; ".join(why)
