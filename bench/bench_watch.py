@@ -13,6 +13,11 @@ of bench/results/watch_cpu.jsonl.
 
     python bench/bench_watch.py [--hidden 64,256,1024] [--seq 64] [--batch 4]
 
+``--mode sentinel``: the watched variant is ``watch(mode="sentinel")`` with
+the --history / --record options (no per-step census: one fused finiteness
+test of the losses and gradients per step, and the census on one step in
+``census_every``), against the guard alone; series sizes_sentinel*.
+
 ``--floor``: where a watched step's time goes, at each size: the bytes the
 census reads per step and the time its calls take in the step (each call
 of the op timed where it runs, so a tensor a GEMM has just written and left
@@ -208,10 +213,14 @@ def size_row(hidden: int, args) -> dict:
         extra["history"] = args.history
     if args.record:
         extra["record_dir"] = tempfile.mkdtemp(prefix="nanguard-bench-")
-    kinds = ["guard", "watch"] + (["forensics"] if extra else [])
+    sentinel = args.mode == "sentinel"
+    kinds = ["guard", "watch"] + (["forensics"] if extra and not sentinel else [])
     base, ids, models, opts, repeats = llama_case(hidden, args, kinds)
-    watchers = {"watch": nanguard.watch(models["watch"])}
-    if extra:
+    if sentinel:  # the one watched variant: sentinel mode with the options given
+        watchers = {"watch": nanguard.watch(models["watch"], mode="sentinel", **extra)}
+    else:
+        watchers = {"watch": nanguard.watch(models["watch"])}
+    if extra and not sentinel:
         watchers["forensics"] = nanguard.watch(models["forensics"], **extra)
     cpu: Dict[str, List[float]] = {k: [] for k in kinds}
     warmup = 2
@@ -221,6 +230,7 @@ def size_row(hidden: int, args) -> dict:
     models["watch"].zero_grad()  # count what one step records (w.step() resets)
     models["watch"](input_ids=ids, labels=ids).loss.backward()
     recorded = w.num_recorded
+    w.step()
     for x in watchers.values():
         x.remove()
     c = {k: v[warmup:] for k, v in cpu.items()}
@@ -237,7 +247,7 @@ def size_row(hidden: int, args) -> dict:
         "guard_cpu_ms": statistics.median(c["guard"]) * 1e3, "watch_cpu_ms": statistics.median(c[last]) * 1e3,
         "cpu_ratio": ratio(c, "guard", last),
     }
-    if extra:  # plain watch in the same loop, and what history / record add to it
+    if extra and not sentinel:  # plain watch in the same loop, and what history / record add to it
         row.update(plain_watch_cpu_ratio=ratio(c, "guard", "watch"), added_cpu_ratio=ratio(c, "watch", last),
                    added_ratio=ratio(wall, "watch", last))
     return row
@@ -321,11 +331,12 @@ def sizes(args) -> None:
               "vocab": args.vocab, "threads": torch.get_num_threads(), "cpu_model": _common.cpu_model(),
               "load_average_after": load}
     print(config)
-    config["watch_kwargs"] = {"history": args.history, "record_dir": bool(args.record)}
-    name = "sizes" + ("_history" if args.history else "") + ("_record" if args.record else "")
+    config["watch_kwargs"] = {"mode": args.mode, "history": args.history, "record_dir": bool(args.record)}
+    name = ("sizes" + ("_sentinel" if args.mode == "sentinel" else "") + ("_history" if args.history else "")
+            + ("_record" if args.record else ""))
     cols = ["hidden", "params_M", "modules", "records", "repeats", "guard_ms", "watch_ms", "ratio",
             "guard_cpu_ms", "watch_cpu_ms", "cpu_ratio"]
-    if args.history or args.record:
+    if (args.history or args.record) and args.mode == "eager":
         cols += ["plain_watch_cpu_ratio", "added_cpu_ratio", "added_ratio"]
     _common.write_results("watch_cpu", name, rows, cols, {"config": config})
 
@@ -339,6 +350,9 @@ def main():
     p.add_argument("--hidden", default="64,256,1024", help="Llama hidden sizes (default and --floor modes)")
     p.add_argument("--history", type=int, default=0, help="watch(history=N): the magnitude history and early warning")
     p.add_argument("--record", action="store_true", help="watch(record_dir=...): the flight recorder")
+    p.add_argument("--mode", choices=("eager", "sentinel"), default="eager",
+                   help="sentinel: the watched variant is watch(mode='sentinel', ...) (no per-step census), "
+                        "timed against the guard alone")
     p.add_argument("--layers-llama", type=int, default=2)
     p.add_argument("--seq-llama", type=int, default=64)
     p.add_argument("--batch-llama", type=int, default=4)
