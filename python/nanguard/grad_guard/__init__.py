@@ -25,6 +25,7 @@ import torch
 from .. import _checks
 from .. import distributed as _dist
 from ._dtensor import DTensorPlan
+from . import _verdicts
 from ._plan import MAX_LIST, _Plan
 
 __all__ = ["clip_grad_norm_", "guard_", "GuardStats", "MAX_LIST", "STATS_LAYOUT"]
@@ -203,8 +204,11 @@ def guard_(
     max_norm = _max_norm(max_norm)
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"norm_type must be 2.0 or inf for the fused guard, got {norm_type}")
-    plan = _make_plan(list(grads), inv_scale, norm_type, found_inf, process_group)
+    grads = list(grads)
+    plan = _make_plan(grads, inv_scale, norm_type, found_inf, process_group)
     stats = plan.reduce(process_group)
+    if type(plan) is _Plan:
+        _verdicts.publish(grads, stats)
     total = plan.apply(stats, max_norm)
     return plan.wrap(total), GuardStats(stats, total, norm_type), plan.found_inf
 
@@ -254,6 +258,8 @@ def clip_grad_norm_(
         return _torch_norm_guarded(grads, max_norm, norm_type, error_if_nonfinite, foreach)
     plan = _make_plan(grads, 1.0, norm_type, None, process_group)
     stats = plan.reduce(process_group)
+    if type(plan) is _Plan:
+        _verdicts.publish(grads, stats)
     if error_if_nonfinite:
         # Checked before anything is written, as PyTorch does (one host sync).
         acc, nan, inf = stats[:3].tolist()
