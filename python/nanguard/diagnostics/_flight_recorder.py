@@ -72,8 +72,14 @@ class FlightRecorder:
         self._inner = False
         self._warned = False
         self._post: Dict[int, Any] = {}  # id(entry module) -> its forward hook's handle
-        self._handles = [m.register_forward_pre_hook(self._make_hook(name, m), with_kwargs=True)
-                         for name, m in model.named_modules()]
+        self._entry: Optional[nn.Module] = None  # the module whose forwards are the micro-batches
+        # a pre-hook on every module until the first forward names the entry;
+        # then on the entry and its children only (the first call inside the
+        # entry's forward is one of them), so that a step's other module calls
+        # run no hook of the recorder
+        self._hooked = {id(m): m.register_forward_pre_hook(self._make_hook(name, m), with_kwargs=True)
+                        for name, m in model.named_modules()}
+        self._handles = list(self._hooked.values())
 
     def _device(self) -> Optional[torch.device]:
         p = next(self.model.parameters(), None)
@@ -83,8 +89,8 @@ class FlightRecorder:
         def on_forward(_m, args, kwargs):
             if self.paused:
                 return None
-            if self._current is None and (not self.batches or module is self.batches[0].module):
-                # a forward of the entry (the step's first call names it)
+            if self._current is None and (self._entry is None or module is self._entry):
+                # a forward of the entry (the first call of the first step names it)
                 self._begin(name, module, args, kwargs)
             elif self._inner:
                 # the first call inside the entry's forward: autocast entered
@@ -110,8 +116,12 @@ class FlightRecorder:
         self.batches.append(mb)
         self._current = mb
         self._inner = True
-        if id(module) not in self._post:
+        if self._entry is None:
+            self._entry = module
             self._post[id(module)] = module.register_forward_hook(self._on_output)
+            keep = {id(module)} | {id(c) for c in module.children()}
+            for key in [k for k in self._hooked if k not in keep]:
+                self._hooked.pop(key).remove()
 
     def _on_output(self, module, _args, output) -> None:
         mb = self._current
@@ -132,11 +142,12 @@ class FlightRecorder:
         no record was written yet and there is a directory; the path."""
         if self.path is not None or self.directory is None or not self.batches:
             return None
-        mb = self.batches[min(micro_batch, len(self.batches) - 1)]
+        k = min(micro_batch, len(self.batches) - 1)
+        mb = self.batches[k]
         self.path = write_record(
             self.directory, model=mb.module, args=mb.args, kwargs=mb.kwargs, start=mb.start, step=step,
             rank=self.rank, loss_scale=loss_scale, report=report, history=history, entry=mb.name,
-            micro_batch=self.batches.index(mb))
+            micro_batch=k)
         return self.path
 
     def step_done(self, *, step: int, nonfinite: bool, report: Optional[str] = None, history=None,
@@ -162,5 +173,6 @@ class FlightRecorder:
         for h in self._post.values():
             h.remove()
         self._handles.clear()
+        self._hooked.clear()
         self._post.clear()
         self.drop()

@@ -36,12 +36,16 @@ class Forensics:
         self.scaler = scaler
         self._pending: List[Dict[str, torch.Tensor]] = []  # per split q / k pair: a half not yet paired
 
-    def attach_scores(self, model: nn.Module, record: Callable, on: Callable[[], bool]) -> list:
+    def attach_scores(self, model: nn.Module, record: Callable, on: Callable[[], bool],
+                      light: Optional[Callable] = None) -> list:
         """Forward hooks on the q and k projections of each eager attention
         module (:func:`score_sources`) that record the bound on its raw
         scores through ``record(t, kind, owner, label, dtype=...)`` (the
         watcher's census, read with the step's statistics) while ``on()``.
-        Returns the hook handles."""
+        ``light(t, name, cls)``, when given, is called with each
+        projection's output in the same hook (sentinel mode records it
+        between its census steps: q or k overflows fp16 before their
+        product when the weights grow). Returns the hook handles."""
         if self.history is None:
             return []
         mods = dict(model.named_modules())
@@ -51,11 +55,13 @@ class Forensics:
             pending: Dict[str, torch.Tensor] = {}  # q's or k's head norms, until the other comes
             self._pending.append(pending)
             if src.q == src.k:
-                handles.append(mods[src.q].register_forward_hook(_fused_hook(src, owner, record, on)))
+                handles.append(mods[src.q].register_forward_hook(
+                    _fused_hook(src, owner, record, on, light, (src.q, type(mods[src.q]).__name__))))
             else:
                 for role, child in (("q", src.q), ("k", src.k)):
                     handles.append(mods[child].register_forward_hook(
-                        _split_hook(role, src, owner, pending, record, on)))
+                        _split_hook(role, src, owner, pending, record, on, light,
+                                    (child, type(mods[child]).__name__))))
         return handles
 
     def rows(self, recs: List[Rec], host: Dict[torch.device, tuple], loss_scale: float = 1.0,
@@ -133,13 +139,15 @@ def _bound_of(out) -> Optional[torch.Tensor]:
     return _dist.local(t)
 
 
-def _fused_hook(src: ScoreSource, owner: Owner, record: Callable, on: Callable[[], bool]):
+def _fused_hook(src: ScoreSource, owner: Owner, record: Callable, on: Callable[[], bool], light, me):
     w = src.width
 
     def hook(_m, _args, out):
         t = _bound_of(out)
         if t is None or not on() or t.shape[-1] < 2 * w:
             return None
+        if light is not None:
+            light(t, *me)
         with torch.no_grad():
             qn, kn = head_norms(t[..., :w], src.head_dim), head_norms(t[..., w:2 * w], src.head_dim)
             if qn is not None and kn is not None:
@@ -150,13 +158,15 @@ def _fused_hook(src: ScoreSource, owner: Owner, record: Callable, on: Callable[[
 
 
 def _split_hook(role: str, src: ScoreSource, owner: Owner, pending: Dict[str, torch.Tensor], record: Callable,
-                on: Callable[[], bool]):
+                on: Callable[[], bool], light, me):
     other = "k" if role == "q" else "q"
 
     def hook(_m, _args, out):
         t = _bound_of(out)
         if t is None or not on():
             return None
+        if light is not None:
+            light(t, *me)
         with torch.no_grad():
             n = head_norms(t, src.head_dim)
             if n is None:

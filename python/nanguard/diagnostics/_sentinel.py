@@ -3,12 +3,15 @@ no census; a non-finite step is replayed at once, in process, to localise it.
 
 On a healthy step the watcher holds what the flight recorder holds (each
 micro-batch's inputs by reference, its RNG state, grad mode and autocast
-settings, its output's ``.loss``) and, at the check, runs one fused test of
-what the step already computed: ``torch._foreach_norm`` over the held
-losses, the loss passed to ``check`` / ``step`` and every parameter's
-gradient, summed per device in fp32 and read once. A sum that is not finite
-is confirmed tensor by tensor (the sum of huge finite values can overflow):
-only a step with a NaN or Inf in one of them is replayed.
+settings, its output's ``.loss``) and, at the check, tests what the step
+already computed: the held losses, the loss passed to ``check`` / ``step``
+and every parameter's gradient. Gradients that a guard pass of the step
+covered (``nanguard.clip_grad_norm_``, ``guard_``, the GradScaler's
+``unscale_and_clip_``: ``grad_guard._verdicts``) are judged by its NaN / Inf
+counts, still on the device; the others by one ``torch._foreach_norm`` per
+device and dtype. Everything is summed per device and read once. A failed
+test is confirmed tensor by tensor (the norm of huge finite values can
+overflow): only a step with a NaN or Inf in one of them is replayed.
 
 The replay runs on a deep copy of the watched model, which at the check
 still holds the weights the step started from (``check`` runs before the
@@ -46,6 +49,7 @@ import torch
 from torch import nn
 
 from .. import distributed as _dist
+from ..grad_guard import _verdicts
 from ._flight_record import FlightRecord, StepStart, restore_rng
 from ._flight_recorder import MicroBatch
 from ._report import FORWARD, PARAM_GRAD, Report, TensorStats
@@ -59,20 +63,30 @@ def _output_loss(output) -> Optional[torch.Tensor]:
     return loss if isinstance(loss, torch.Tensor) else None
 
 
-def fused_finite(tensors: List[torch.Tensor]) -> bool:
-    """Is every tensor finite? One fused norm per device and dtype group,
-    one host read per device; a non-finite sum is confirmed exactly."""
-    groups = {}
+def _zero_if_finite(t: torch.Tensor) -> torch.Tensor:
+    """0 (fp64) when every element of ``t`` is finite, else NaN, in one op
+    (the sum of a few losses)."""
+    return t.detach().double().sum() * 0.0
+
+
+def fused_finite(tensors: List[torch.Tensor], verdicts=()) -> bool:
+    """Is every tensor finite, and did every guard verdict find none
+    non-finite? One fused norm per device and dtype group (norms times 0:
+    0 when finite), the verdicts' NaN / Inf counts, one host read per
+    device. False can be a false alarm (the norm of huge finite values
+    overflows): the caller confirms tensor by tensor."""
+    groups, zeros = {}, {}
     for t in tensors:
-        key = (t.device, t.dtype == torch.float64)
-        groups.setdefault(key, []).append(t)
-    sums = {}
+        if t.numel() <= 16:  # a loss: no norm needed
+            zeros.setdefault(t.device, []).append(_zero_if_finite(t))
+        else:
+            groups.setdefault((t.device, t.dtype == torch.float64), []).append(t)
     for (dev, f64), ts in groups.items():
         norms = torch._foreach_norm(ts, 2.0, dtype=torch.float64 if f64 else torch.float32)
-        sums.setdefault(dev, []).append(torch.stack([n.double() for n in norms]).sum())
-    if all(math.isfinite(float(torch.stack(s).sum())) for s in sums.values()):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+        zeros.setdefault(dev, []).append(torch.stack(norms).double().sum() * 0.0)
+    for stats in verdicts:  # [norm_acc, nan, inf, first_bad]: counts 0, accumulator finite
+        zeros.setdefault(stats.device, []).append(stats[1] + stats[2] + stats[0] * 0.0)
+    return all(float(torch.stack(z).sum()) == 0.0 for z in zeros.values())
 
 
 def tensor_stats(which: str, t: torch.Tensor) -> TensorStats:
@@ -96,6 +110,7 @@ class Sentinel:
         self.w = watch
         self.loss_fn = loss_fn
         self.replays = 0  #: steps replayed so far
+        self._seq0, self._begun = 0, False  # the guard's sequence number at the step's first forward
         self.params: List[Tuple[str, str, str, nn.Parameter]] = []  # (module, class, name, parameter)
         seen = set()
         for mname, mod in watch.model.named_modules():
@@ -106,25 +121,37 @@ class Sentinel:
 
     # ---- the healthy step's test -------------------------------------------------------
 
+    def begin(self) -> None:
+        """The step's first forward: guard verdicts from here on are its own."""
+        self._seq0 = _verdicts.sequence()
+        self._begun = True
+
     def first_live(self, batches: List[MicroBatch], loss) -> Optional[Tuple[Report, int]]:
         """None when the step's losses and gradients are finite; else a
         report naming its first non-finite one (the loss of micro-batch k, or
-        a parameter gradient) and the micro-batch to record."""
+        a parameter gradient) and the micro-batch to record. Gradients a
+        guard pass of the step covered are not read again: its verdict
+        stands for them."""
         losses = [(k, mb.loss) for k, mb in enumerate(batches) if mb.loss is not None]
         if isinstance(loss, torch.Tensor):
             losses.append((max(len(batches) - 1, 0), loss.detach()))
+        losses = [(k, t) for k, t in losses if t.is_floating_point()]
         grads = []
         for mname, cls, pname, p in self.params:
             g = p.grad
             if g is not None and g.is_floating_point() and g.numel():
-                grads.append((mname, cls, pname, _dist.local(g)))
-        tensors = [t for _, t in losses if t.is_floating_point()] + [g for *_, g in grads]
-        if not tensors or fused_finite(tensors):
+                grads.append((mname, cls, pname, g if type(g) is torch.Tensor else _dist.local(g)))
+        verdicts = _verdicts.since(self._seq0) if self._begun else []
+        covered = frozenset().union(*(ids for _, ids in verdicts)) if verdicts else frozenset()
+        unread = [g for *_, g in grads if id(g) not in covered]
+        tensors = [t for _, t in losses] + unread
+        if (not tensors and not verdicts) or fused_finite(tensors, [stats for stats, _ in verdicts]):
             return None
+        # confirm, tensor by tensor, and name the first
         entry = batches[0].name if batches else ""
         entry_cls = type(batches[0].module).__name__ if batches else type(self.w.model).__name__
         for k, t in losses:
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if not bool(torch.isfinite(t).all()):
                 return Report(entry, entry_cls, FORWARD, self.w.step_index, tensor_stats("loss", t), []), k
         for mname, cls, pname, g in grads:
             if not bool(torch.isfinite(g).all()):

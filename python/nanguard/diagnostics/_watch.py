@@ -224,11 +224,19 @@ class Watch:
         self._on = not sentinel or (history > 0)
         self._scores_on = self._on if not sentinel else history > 0
         self._handles.append(model.register_forward_pre_hook(self._make_root(model)))
-        if not sentinel or history:
-            self._attach(model, modules, backward, parameters)
+        # sentinel mode attaches the census hooks for its census steps only: on
+        # the others no module call runs a hook of the census, not even one
+        # that returns at once
+        self._census_handles: list = []
+        self.watched = [name for name, mod in model.named_modules() if selected(name, mod, modules)]
+        if not sentinel:
+            self._attach(model, modules, backward, parameters, self._handles)
+        else:
+            self._set_census(self._on)
         if self._forensics is not None:
             self._handles += self._forensics.attach_scores(
-                model, self._record, lambda: self._scores_on and not self._replaying)
+                model, self._record, lambda: self._scores_on and not self._replaying,
+                self._light if sentinel else None)
         if optimizer is not None:
             def before_step(opt, args, kwargs):
                 self.step()  # raises under policy "raise": the step is not applied
@@ -238,18 +246,33 @@ class Watch:
 
     # ---- hooks ---------------------------------------------------------------------
 
-    def _attach(self, model, modules, backward: bool, parameters: bool) -> None:
+    def _light(self, t: torch.Tensor, name: str, cls: str) -> None:
+        """Sentinel mode between census steps: a q / k projection's output
+        joins the history (on a census step the census records it)."""
+        if not self._on:
+            self._record(t, Kind.OUT, Call(name, cls, self._step), "output")
+
+    def _set_census(self, on: bool) -> None:
+        """Sentinel mode: attach the census hooks (``on``) or detach them."""
+        if on and not self._census_handles:
+            self._stacks.clear()
+            self._dparams.clear()
+            self._attach(self.model, self._modules, self._backward, self._parameters, self._census_handles)
+        elif not on:
+            for h in self._census_handles:
+                h.remove()
+            self._census_handles.clear()
+
+    def _attach(self, model, modules, backward: bool, parameters: bool, handles: list) -> None:
         seen_params = set()
         for name, mod in model.named_modules():
             if not selected(name, mod, modules):
                 continue
-            self.watched.append(name)
             cls = type(mod).__name__
             stack: List[Call] = []
             self._stacks.append(stack)
-            self._handles.append(mod.register_forward_pre_hook(self._make_pre(name, cls, stack),
-                                                               with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(self._make_post(stack, backward)))
+            handles.append(mod.register_forward_pre_hook(self._make_pre(name, cls, stack), with_kwargs=True))
+            handles.append(mod.register_forward_hook(self._make_post(stack, backward)))
             if not parameters:
                 continue
             owner = Owner(name, cls)
@@ -260,8 +283,7 @@ class Watch:
                 if _dist.is_dtensor(p):
                     self._dparams.append((owner, pname, p))
                     continue
-                self._handles.append(
-                    p.register_post_accumulate_grad_hook(self._make_pgrad(owner, pname)))
+                handles.append(p.register_post_accumulate_grad_hook(self._make_pgrad(owner, pname)))
 
     def _make_pre(self, name: str, cls: str, stack: List[Call]):
         def pre(mod, args, kwargs):
@@ -343,6 +365,8 @@ class Watch:
         probe = next((p for p in model.parameters() if p.requires_grad), None)
 
         def root(mod, args):
+            if self._sentinel is not None and not self._sentinel._begun and not self._replaying:
+                self._sentinel.begin()
             if not self._on:
                 return None
             version = None if probe is None else version_of(probe)
@@ -590,6 +614,7 @@ class Watch:
             return report
         finally:
             recorder.drop()
+            self._sentinel._begun = False
 
     def check(self, loss: Optional[torch.Tensor] = None) -> Optional[Report]:
         """Read what was recorded since the last check (one synchronisation
@@ -656,6 +681,7 @@ class Watch:
                 self._on = self._scores_on = self._step % self.every == 0
             else:
                 self._on = self.history is not None and self._step % self._census_every == 0
+                self._set_census(self._on)
             if self._forensics is not None:
                 self._forensics.end_step()
 
@@ -682,9 +708,10 @@ class Watch:
 
     def remove(self) -> None:
         """Detach every hook and drop pending records (the buffers are freed)."""
-        for h in self._handles:
+        for h in self._handles + self._census_handles:
             h.remove()
         self._handles.clear()
+        self._census_handles.clear()
         self._on = False
         self._reset()
         self._pending = None
