@@ -8,9 +8,12 @@ stock run's ``record_dir=``: its failing step is replayed, and the layer of
 the replay's first op (the first value made non-finite from finite inputs)
 is the layer the first warning must name.
 
-    python bench/bench_early_warning.py [--seeds 0 1 2 3 4] [--steps 60]
+    python bench/bench_early_warning.py [--seeds 0 1 2 3 4] [--steps 60] [--mode sentinel]
 
-Appends to bench/results/early_warning_cpu.jsonl (series seeds).
+Every run watches in ``--mode`` (default sentinel: no per-step census, the
+score bounds and q / k projections every step). Appends to
+bench/results/early_warning_cpu.jsonl (series seeds_sentinel; seeds for
+--mode eager).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def layer(module: str) -> str:
     return ".".join(parts[:3]) if module.startswith("transformer.h.") else module
 
 
-def run(seed: int, steps: int, mode: str, record_dir: str) -> dict:
+def run(seed: int, steps: int, mode: str, record_dir: str, watch_mode: str = "sentinel") -> dict:
     """mode: "stock" (fp16, eager attention, torch's GradScaler), "nanguard"
     (fp16, patched, nanguard's GradScaler), "fp32", "bf16" (stock model).
     The stock run's first non-finite step is recorded and replayed: the
@@ -49,7 +52,7 @@ def run(seed: int, steps: int, mode: str, record_dir: str) -> dict:
     scaler = (nanguard.amp.GradScaler if mode == "nanguard" else torch.amp.GradScaler)("cpu", enabled=fp16)
     rec = os.path.join(record_dir, f"seed{seed}") if mode == "stock" else None
     w = nanguard.watch(model, history=64, policy="record", parameters=False, scaler=scaler if fp16 else None,
-                       record_dir=rec)
+                       record_dir=rec, mode=watch_mode)
     data = demo.batches(cfg, demo.corpus())
     first_bad = None
     for step in range(steps):
@@ -93,13 +96,15 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--mode", choices=("sentinel", "eager"), default="sentinel",
+                   help="nanguard.watch's mode for every run (sentinel: no per-step census)")
     args = p.parse_args()
     torch.set_num_threads(1)
     rows = []
     tmp = tempfile.mkdtemp(prefix="nanguard-early-warning-")
     for seed in args.seeds:
         for mode in ("stock", "nanguard", "fp32", "bf16"):
-            r = run(seed, args.steps, mode, tmp)
+            r = run(seed, args.steps, mode, tmp, args.mode)
             rows.append(r)
             print(json.dumps(r), flush=True)
     table = []
@@ -122,7 +127,8 @@ def main() -> None:
             "false_alarms": " / ".join(str(len(by[m]["warnings"])) for m in ("nanguard", "fp32", "bf16")),
             "runs": [by[m] for m in ("stock", "nanguard", "fp32", "bf16")],
         })
-    notes = ("watch(history=64, scaler=...) with its defaults, one thread. first_warning: the stock fp16 run's "
+    notes = ("watch(history=64, scaler=..., mode=...) with its defaults, one thread. first_warning: the stock "
+             "fp16 run's "
              "first warning (step, module, pass); first_nonfinite: its first non-finite loss (watch's module); "
              "replay_first_op: the first op the replay of the recorded step names (module, pass), whose layer "
              "same_layer compares with the warning's; lead_steps: steps from the warning to the non-finite "
@@ -130,7 +136,8 @@ def main() -> None:
              "runs: every run's record.")
     cols = ["seed", "first_warning", "first_nonfinite", "replay_first_op", "lead_steps", "same_layer",
             "false_alarms"]
-    _common.write_results("early_warning_cpu", "seeds", table, cols, {"steps": args.steps}, notes=notes,
+    _common.write_results("early_warning_cpu", "seeds" if args.mode == "eager" else "seeds_sentinel", table, cols,
+                          {"steps": args.steps, "mode": args.mode}, notes=notes,
                           dry=False)
 
 
