@@ -24,6 +24,7 @@ from torch import nn
 import nanguard
 from nanguard.diagnostics._flight_record import load_record
 
+from conftest import requires_cuda
 from test_replay import CubeTanh, HandLayerNorm, Times, _gpt2, _two_linears
 
 
@@ -202,25 +203,32 @@ def test_gradient_accumulation_replays_the_micro_batch_that_failed(tmp_path):
 
 def test_a_healthy_step_is_not_replayed_and_a_replay_leaves_the_live_step_alone(tmp_path):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 2))
-    loss_fn = lambda out, _: out.sum()  # noqa: E731
+    # the replay runs on the live model: its gradients, buffers (BatchNorm's
+    # running statistics), weights and the RNG must come back as they were
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    poison = [1.0]  # the failing step's loss is NaN, its forward (and BatchNorm's statistics) finite
+    loss_fn = lambda out, _: out.sum() * poison[0]  # noqa: E731
     w = nanguard.watch(model, mode="sentinel", record_dir=tmp_path / "rec", policy="record", loss_fn=loss_fn)
     for _ in range(3):
         loss_fn(model(torch.randn(4, 8)), None).backward()
         assert w.step() is None
         model.zero_grad(set_to_none=True)
     assert w.replays == 0 and not os.path.exists(tmp_path / "rec")
-    x = torch.randn(4, 8)
-    x[0, 0] = math.nan
-    loss_fn(model(x), None).backward()
+    poison[0] = math.nan
+    loss_fn(model(torch.randn(4, 8)), None).backward()
     grads = [p.grad.clone() for p in model.parameters()]
     weights = [p.detach().clone() for p in model.parameters()]
+    buffers = [b.clone() for b in model.buffers()]
     rng = torch.get_rng_state()
     rep = w.step()
     assert rep is not None and rep.reproduced and w.replays == 1
     for p, g, v in zip(model.parameters(), grads, weights):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)
         assert torch.equal(p.detach(), v)
+    assert rep.pass_ == "backward"  # the NaN loss's gradient, into the last module's output
+    assert all(bool(torch.isfinite(b).all()) for b in buffers)
+    for b, saved in zip(model.buffers(), buffers):  # the replay's forward updated them again; put back
+        assert torch.equal(b, saved)
     assert torch.equal(torch.get_rng_state(), rng)
     w.remove()
 
@@ -406,3 +414,21 @@ def test_demo_stock_run_sentinel_names_what_eager_names(tmp_path):
         if mode == "sentinel":
             assert r.reproduced and r.op in ("aten::bmm", "aten::mm", "aten::matmul")
     assert got["eager"] == got["sentinel"]
+
+
+@requires_cuda
+def test_sentinel_on_cuda_replays_with_the_cuda_generator(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.ReLU()).cuda()
+    loss_fn = lambda out, _: -torch.log(out).mean()  # noqa: E731  (ReLU's zeros: log(0))
+    w = nanguard.watch(model, mode="sentinel", record_dir=tmp_path, policy="record", loss_fn=loss_fn)
+    healthy = lambda out, _: out.sum()  # noqa: E731
+    healthy(model(torch.randn(4, 8, device="cuda")), None).backward()
+    nanguard.clip_grad_norm_(model.parameters(), 1.0)
+    assert w.step() is None and w.replays == 0
+    model.zero_grad(set_to_none=True)
+    loss_fn(model(torch.randn(4, 8, device="cuda")), None).backward()
+    rep = w.step()
+    assert rep is not None and rep.reproduced and rep.op == "aten::log" and w.replays == 1
+    assert load_record(rep.replay_path).rng["cuda"] is not None
+    w.remove()

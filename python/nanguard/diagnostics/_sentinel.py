@@ -13,11 +13,12 @@ device and dtype. Everything is summed per device and read once. A failed
 test is confirmed tensor by tensor (the norm of huge finite values can
 overflow): only a step with a NaN or Inf in one of them is replayed.
 
-The replay runs on a deep copy of the watched model, which at the check
+The replay runs on the watched model itself (no copy), which at the check
 still holds the weights the step started from (``check`` runs before the
 optimizer step, and nanguard's gradient guard never applies a non-finite
 step); the live model, its gradients and the RNG are left as the step left
-them. It runs each micro-batch in order from its own RNG state and
+them (gradients set aside and buffers saved, put back after). It runs
+each micro-batch in order from its own RNG state and
 autocast settings:
 
 1. under the eager census (:class:`~nanguard.diagnostics.Watch` in eager
@@ -40,7 +41,7 @@ parameter gradient in ``named_parameters`` order) with ``reproduced`` False.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import math
 from contextlib import nullcontext
 from typing import Callable, List, Optional, Tuple
@@ -189,11 +190,27 @@ class Sentinel:
             w._forensics.recorder.paused = False
             restore_rng(saved)
 
-    def _fresh_copy(self) -> nn.Module:
-        model = copy.deepcopy(self.w.model)
-        for p in model.parameters():
+    @contextlib.contextmanager
+    def _on_live(self):
+        """The live model, its gradients set aside and its buffers saved, for
+        one replay: at the check it still holds the step's start weights, so
+        no copy of the model is made (a large model's memory is not doubled).
+        The live watcher's hooks on it do nothing while ``_replaying``; the
+        gradients and buffers are put back afterwards."""
+        model = self.w.model
+        params = list(model.parameters())
+        grads = [p.grad for p in params]
+        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        for p in params:
             p.grad = None
-        return model
+        try:
+            yield model
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
 
     def _run(self, entry: nn.Module, mb: MicroBatch, scale: Optional[float]) -> Optional[torch.Tensor]:
         restore_rng(mb.start.rng)
@@ -211,8 +228,12 @@ class Sentinel:
         return loss.detach() if isinstance(loss, torch.Tensor) else None
 
     def _census_replay(self, batches: List[MicroBatch], scale: Optional[float]) -> Tuple[Optional[Report], int]:
+        with self._on_live() as model:
+            return self._census_replay_on(model, batches, scale)
+
+    def _census_replay_on(self, model: nn.Module, batches: List[MicroBatch],
+                          scale: Optional[float]) -> Tuple[Optional[Report], int]:
         w = self.w
-        model = self._fresh_copy()
         # the watcher's own class in eager mode, with the user's options: the report eager watching names
         inner = type(w)(model, mode="eager", modules=w._modules, policy="record", max_records=1,
                         inputs=w._inputs, backward=w._backward, parameters=w._parameters, capacity=w._capacity,
@@ -235,7 +256,6 @@ class Sentinel:
             return None, 0
         finally:
             inner.remove()
-            del model
 
     def _unwatched(self, model: nn.Module, mb: MicroBatch, k: int, loss) -> Optional[Report]:
         """The replay's census (with the watcher's ``modules`` /
@@ -265,7 +285,11 @@ class Sentinel:
     def op_check(self, report: Report, mb: MicroBatch, k: int, scale: Optional[float]) -> None:
         """Name the first aten op and autograd node of micro-batch ``k``
         (run alone, from the step's weights) in ``report``."""
-        model = self._fresh_copy()
+        with self._on_live() as model:
+            self._op_check_on(model, report, mb, k, scale)
+
+    def _op_check_on(self, model: nn.Module, report: Report, mb: MicroBatch, k: int,
+                     scale: Optional[float]) -> None:
         entry = model.get_submodule(mb.name)
         rec = FlightRecord(step=report.step, rank=None, args=mb.args, kwargs=mb.kwargs, rng=mb.start.rng,
                            state={}, sharding={}, training=entry.training, autocast=mb.start.autocast,
