@@ -73,6 +73,7 @@ class FlightRecorder:
         self._warned = False
         self._post: Dict[int, Any] = {}  # id(entry module) -> its forward hook's handle
         self._entry: Optional[nn.Module] = None  # the module whose forwards are the micro-batches
+        self._wrapped = False  # a wrapper of the entry's forward enters autocast
         # a pre-hook on every module until the first forward names the entry;
         # then on the entry and its children only (the first call inside the
         # entry's forward is one of them), so that a step's other module calls
@@ -97,11 +98,20 @@ class FlightRecorder:
                 # by a wrapper of that forward (accelerate's, the Trainer's)
                 # is in force now, and was not at the entry's pre-hook
                 self._inner = False
-                if self._current is not None and self._current.start.autocast is None:
-                    self._current.start.autocast = current_autocast(self._device())
+                if self._current is not None:
+                    inside = current_autocast(self._device())
+                    if inside != self._current.start.autocast:
+                        self._current.start.autocast = inside
+                        self._wrapped = True  # a wrapper enters autocast at every call: keep looking
+                    elif not self._wrapped:
+                        self._unhook_children()  # nothing between the entry and its children
             return None
 
         return on_forward
+
+    def _unhook_children(self) -> None:
+        for key in [k for k in self._hooked if k != id(self._entry)]:
+            self._hooked.pop(key).remove()
 
     def _begin(self, name: str, module: nn.Module, args, kwargs) -> None:
         if len(self.batches) >= MAX_MICRO_BATCHES:

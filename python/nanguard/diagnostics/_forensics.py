@@ -36,12 +36,13 @@ class Forensics:
         self.scaler = scaler
         self._pending: List[Dict[str, torch.Tensor]] = []  # per split q / k pair: a half not yet paired
 
-    def attach_scores(self, model: nn.Module, record: Callable, on: Callable[[], bool],
+    def attach_scores(self, model: nn.Module, record: Callable, on: Callable[[torch.Tensor], bool],
                       light: Optional[Callable] = None) -> list:
         """Forward hooks on the q and k projections of each eager attention
         module (:func:`score_sources`) that record the bound on its raw
         scores through ``record(t, kind, owner, label, dtype=...)`` (the
-        watcher's census, read with the step's statistics) while ``on()``.
+        watcher's census, read with the step's statistics) while ``on(t)``
+        (``t``: the projection's output).
         ``light(t, name, cls)``, when given, is called with each
         projection's output in the same hook (sentinel mode records it
         between its census steps: q or k overflows fp16 before their
@@ -139,12 +140,12 @@ def _bound_of(out) -> Optional[torch.Tensor]:
     return _dist.local(t)
 
 
-def _fused_hook(src: ScoreSource, owner: Owner, record: Callable, on: Callable[[], bool], light, me):
+def _fused_hook(src: ScoreSource, owner: Owner, record: Callable, on: Callable[[torch.Tensor], bool], light, me):
     w = src.width
 
     def hook(_m, _args, out):
         t = _bound_of(out)
-        if t is None or not on() or t.shape[-1] < 2 * w:
+        if t is None or not on(t) or t.shape[-1] < 2 * w:
             return None
         if light is not None:
             light(t, *me)
@@ -158,12 +159,12 @@ def _fused_hook(src: ScoreSource, owner: Owner, record: Callable, on: Callable[[
 
 
 def _split_hook(role: str, src: ScoreSource, owner: Owner, pending: Dict[str, torch.Tensor], record: Callable,
-                on: Callable[[], bool], light, me):
+                on: Callable[[torch.Tensor], bool], light, me):
     other = "k" if role == "q" else "q"
 
     def hook(_m, _args, out):
         t = _bound_of(out)
-        if t is None or not on():
+        if t is None or not on(t):
             return None
         if light is not None:
             light(t, *me)

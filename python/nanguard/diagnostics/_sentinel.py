@@ -78,7 +78,10 @@ def fused_finite(tensors: List[torch.Tensor], verdicts=()) -> bool:
     overflows): the caller confirms tensor by tensor."""
     groups, zeros = {}, {}
     for t in tensors:
-        if t.numel() <= 16:  # a loss: no norm needed
+        if t.numel() == 1 and t.device.type == "cpu":  # a loss on the CPU: reading it costs no sync
+            if not math.isfinite(t.item()):
+                return False
+        elif t.numel() <= 16:  # a loss: no norm needed
             zeros.setdefault(t.device, []).append(_zero_if_finite(t))
         else:
             groups.setdefault((t.device, t.dtype == torch.float64), []).append(t)
@@ -86,7 +89,12 @@ def fused_finite(tensors: List[torch.Tensor], verdicts=()) -> bool:
         norms = torch._foreach_norm(ts, 2.0, dtype=torch.float64 if f64 else torch.float32)
         zeros.setdefault(dev, []).append(torch.stack(norms).double().sum() * 0.0)
     for stats in verdicts:  # [norm_acc, nan, inf, first_bad]: counts 0, accumulator finite
-        zeros.setdefault(stats.device, []).append(stats[1] + stats[2] + stats[0] * 0.0)
+        if stats.device.type == "cpu":
+            acc, nan, inf = stats[:3].tolist()
+            if nan or inf or not math.isfinite(acc):
+                return False
+        else:
+            zeros.setdefault(stats.device, []).append(stats[1] + stats[2] + stats[0] * 0.0)
     return all(float(torch.stack(z).sum()) == 0.0 for z in zeros.values())
 
 

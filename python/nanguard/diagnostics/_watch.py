@@ -95,9 +95,10 @@ class Watch:
             ones under ``"args"``. Without either, the replay runs the
             forward only.
         census_every: sentinel mode with ``history``: one step in this many
-            (default 32) runs the full census for the history; the
-            attention-score bounds of the early warning are recorded every
-            step.
+            (default 32) runs the full census for the history; between
+            them, the attention-score bounds and the q / k projections'
+            outputs are recorded every step where the projections run in
+            float16 (the series the fp16 early warning can fire on).
         modules: restrict to modules whose qualified name matches a pattern
             (``fnmatch``: ``"layers.*.self_attn"``) or that are instances of
             a type; a list mixes both. None watches every module.
@@ -234,9 +235,14 @@ class Watch:
         else:
             self._set_census(self._on)
         if self._forensics is not None:
-            self._handles += self._forensics.attach_scores(
-                model, self._record, lambda: self._scores_on and not self._replaying,
-                self._light if sentinel else None)
+            if sentinel:  # every step for float16 projections (the early warning's), else on census steps
+                def scores_on(t):
+                    return not self._replaying and (self._on or (self._scores_on and t.dtype == torch.float16))
+            else:
+                def scores_on(t):
+                    return self._scores_on and not self._replaying
+            self._handles += self._forensics.attach_scores(model, self._record, scores_on,
+                                                           self._light if sentinel else None)
         if optimizer is not None:
             def before_step(opt, args, kwargs):
                 self.step()  # raises under policy "raise": the step is not applied
