@@ -81,7 +81,9 @@ class _Guarded:
         watch: name the first non-finite module with :func:`nanguard.watch`.
         watch_kwargs: more arguments for :func:`nanguard.watch`.
         record_dir: save the first non-finite step there for
-            :func:`nanguard.replay` (``watch(record_dir=...)``).
+            :func:`nanguard.replay` (``watch(record_dir=...)``, sentinel
+            watching by default: ``watch_kwargs={"mode": "eager"}`` for a
+            census of every step).
 
     ``callback.guard.skipped`` lists the skipped steps
     (:class:`nanguard.amp.SkippedStep`, numbered as Lightning's loggers
