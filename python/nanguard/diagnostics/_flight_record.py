@@ -150,6 +150,15 @@ def current_autocast(device: Optional[torch.device] = None) -> Optional[dict]:
     return {"device_type": dev_type, "dtype": str(dtype).removeprefix("torch.")}
 
 
+def output_loss(output: Any) -> Optional[torch.Tensor]:
+    """A model output's ``.loss`` (or ``["loss"]``), as Hugging Face models
+    return it; None when it has none."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
 def restore_rng(rng: dict) -> None:
     torch.set_rng_state(rng["cpu"])
     if rng.get("cuda") is not None and torch.cuda.is_available():

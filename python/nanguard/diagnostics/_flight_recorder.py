@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from ._flight_record import StepStart, current_autocast, write_record
+from ._flight_record import StepStart, current_autocast, output_loss, write_record
 
 #: micro-batches held without a step_done: beyond this the oldest are dropped
 #: (a loop that never ends its steps must not hold every batch it ever ran)
@@ -139,10 +139,8 @@ class FlightRecorder:
             return None
         self._current = None
         self._inner = False
-        loss = getattr(output, "loss", None)
-        if loss is None and isinstance(output, dict):
-            loss = output.get("loss")
-        if isinstance(loss, torch.Tensor) and loss.is_floating_point():
+        loss = output_loss(output)
+        if loss is not None and loss.is_floating_point():
             mb.loss = loss.detach()
         return None
 

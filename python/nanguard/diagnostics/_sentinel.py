@@ -51,17 +51,10 @@ from torch import nn
 
 from .. import distributed as _dist
 from ..grad_guard import _verdicts
-from ._flight_record import FlightRecord, StepStart, restore_rng
+from ._flight_record import FlightRecord, StepStart, output_loss, restore_rng
 from ._flight_recorder import MicroBatch
 from ._report import FORWARD, PARAM_GRAD, Report, TensorStats
 from ._step import Step, default_loss
-
-
-def _output_loss(output) -> Optional[torch.Tensor]:
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    return loss if isinstance(loss, torch.Tensor) else None
 
 
 def _zero_if_finite(t: torch.Tensor) -> torch.Tensor:
@@ -230,7 +223,7 @@ class Sentinel:
                 if self.loss_fn is not None:
                     loss = self.loss_fn(out, {"args": mb.args, **mb.kwargs})
                 else:
-                    loss = _output_loss(out)
+                    loss = output_loss(out)
             if mb.grad and isinstance(loss, torch.Tensor) and loss.requires_grad:
                 (loss.float() * scale if scale is not None else loss).backward()
         return loss.detach() if isinstance(loss, torch.Tensor) else None

@@ -15,7 +15,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch.utils._pytree import tree_map
 
-from ._flight_record import FlightRecord, restore_rng
+from ._flight_record import FlightRecord, output_loss, restore_rng
 from ._opcheck import FirstNonFinite, OpChecker
 
 LossFn = Callable[[Any, dict], torch.Tensor]
@@ -96,9 +96,7 @@ class ReplayResult:
 
 def default_loss(output, inputs: dict) -> torch.Tensor:
     """The output's ``.loss`` (or ``["loss"]``), as Hugging Face models return it."""
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
+    loss = output_loss(output)
     if loss is None:
         raise ValueError("loss_fn: the model's output has no .loss; pass loss_fn=(output, inputs) -> loss")
     return loss
