@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from .. import distributed as _dist
+from .._tensor_stats import tensor_stats as _census
 from ..grad_guard import _verdicts
 from ._flight_record import FlightRecord, StepStart, output_loss, restore_rng
 from ._flight_recorder import MicroBatch
@@ -92,16 +93,11 @@ def fused_finite(tensors: List[torch.Tensor], verdicts=()) -> bool:
 
 
 def tensor_stats(which: str, t: torch.Tensor) -> TensorStats:
-    """The census of one tensor, computed with torch ops (a report's, once)."""
-    t = t.detach()
-    nan = int(torch.isnan(t).sum())
-    posinf = int(torch.isposinf(t).sum())
-    neginf = int(torch.isneginf(t).sum())
-    a = t.abs().double()
-    fin = a[torch.isfinite(a)]
-    nz = fin[fin > 0]
-    return TensorStats(which, tuple(t.shape), t.dtype, nan, posinf, neginf,
-                       float(fin.max()) if fin.numel() else 0.0, float(nz.min()) if nz.numel() else math.inf)
+    """The census of one tensor (the census op eager watching records with),
+    read at once: a report's, so once per report."""
+    s = _census(t.detach())
+    return TensorStats(which, tuple(t.shape), t.dtype, s["nan"], s["posinf"], s["neginf"], s["max_abs"],
+                       s["min_nonzero_abs"])
 
 
 class Sentinel:
