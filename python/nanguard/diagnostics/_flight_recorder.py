@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 import torch
 from torch import nn
@@ -71,7 +71,7 @@ class FlightRecorder:
         self._current: Optional[MicroBatch] = None  # the entry's forward in flight
         self._inner = False
         self._warned = False
-        self._post: Dict[int, Any] = {}  # id(entry module) -> its forward hook's handle
+        self._post: Optional[Any] = None  # the entry's forward hook's handle
         self._entry: Optional[nn.Module] = None  # the module whose forwards are the micro-batches
         self._wrapped = False  # a wrapper of the entry's forward enters autocast
         # a pre-hook on every module until the first forward names the entry;
@@ -80,7 +80,6 @@ class FlightRecorder:
         # run no hook of the recorder
         self._hooked = {id(m): m.register_forward_pre_hook(self._make_hook(name, m), with_kwargs=True)
                         for name, m in model.named_modules()}
-        self._handles = list(self._hooked.values())
 
     def _device(self) -> Optional[torch.device]:
         p = next(self.model.parameters(), None)
@@ -104,13 +103,14 @@ class FlightRecorder:
                         self._current.start.autocast = inside
                         self._wrapped = True  # a wrapper enters autocast at every call: keep looking
                     elif not self._wrapped:
-                        self._unhook_children()  # nothing between the entry and its children
+                        self._unhook(keep={id(self._entry)})  # nothing between the entry and its children
             return None
 
         return on_forward
 
-    def _unhook_children(self) -> None:
-        for key in [k for k in self._hooked if k != id(self._entry)]:
+    def _unhook(self, keep: set) -> None:
+        """Remove the pre-hooks of every module whose id is not in ``keep``."""
+        for key in [k for k in self._hooked if k not in keep]:
             self._hooked.pop(key).remove()
 
     def _begin(self, name: str, module: nn.Module, args, kwargs) -> None:
@@ -128,10 +128,8 @@ class FlightRecorder:
         self._inner = True
         if self._entry is None:
             self._entry = module
-            self._post[id(module)] = module.register_forward_hook(self._on_output)
-            keep = {id(module)} | {id(c) for c in module.children()}
-            for key in [k for k in self._hooked if k not in keep]:
-                self._hooked.pop(key).remove()
+            self._post = module.register_forward_hook(self._on_output)
+            self._unhook(keep={id(module)} | {id(c) for c in module.children()})
 
     def _on_output(self, module, _args, output) -> None:
         mb = self._current
@@ -176,11 +174,8 @@ class FlightRecorder:
         self._inner = False
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        for h in self._post.values():
-            h.remove()
-        self._handles.clear()
-        self._hooked.clear()
-        self._post.clear()
+        self._unhook(keep=set())
+        if self._post is not None:
+            self._post.remove()
+            self._post = None
         self.drop()
