@@ -220,10 +220,9 @@ class Watch:
                                         warn_steps=warn_steps, scaler=scaler, hold=sentinel,
                                         write_on_observe=not sentinel)
         self._sentinel = Sentinel(self, loss_fn) if sentinel else None
-        self._replaying = False  # a sentinel replay runs on a copy that carries these hooks: record nothing
+        self._replaying = False  # a sentinel replay runs on the model, under these hooks: record nothing
         # sentinel mode: the census runs on census steps of the history only
-        self._on = not sentinel or (history > 0)
-        self._scores_on = self._on if not sentinel else history > 0
+        self._on = self._scores_on = not sentinel or history > 0
         self._handles.append(model.register_forward_pre_hook(self._make_root(model)))
         # sentinel mode attaches the census hooks for its census steps only: on
         # the others no module call runs a hook of the census, not even one
@@ -639,7 +638,7 @@ class Watch:
             raise TypeError(f"loss must be a tensor or None, got {type(loss).__name__}")
         group = _dist.agreement_group(self._group) if self._agree and (
             self._on or self._sentinel is not None) else None
-        held = self._sentinel is not None and (self._forensics.recorder.batches or loss is not None)
+        held = self._sentinel is not None and bool(self._forensics.recorder.batches)
         if not self._recs and self._pending is None and group is None and not held and loss is None:
             return None
         report = self._collect()

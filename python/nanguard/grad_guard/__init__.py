@@ -166,6 +166,15 @@ def _make_plan(grads, inv_scale, norm_type, found_inf, process_group):
     return _Plan(grads, inv_scale, norm_type, found_inf)
 
 
+def _reduce(plan, grads: List[torch.Tensor], process_group) -> torch.Tensor:
+    """Pass 1 of a guarded step; a plain-tensor plan's stats are published for
+    sentinel watching (``_verdicts``: references, no sync)."""
+    stats = plan.reduce(process_group)
+    if type(plan) is _Plan:
+        _verdicts.publish(grads, stats)
+    return stats
+
+
 @torch.no_grad()
 def guard_(
     grads: Sequence[torch.Tensor],
@@ -206,9 +215,7 @@ def guard_(
         raise ValueError(f"norm_type must be 2.0 or inf for the fused guard, got {norm_type}")
     grads = list(grads)
     plan = _make_plan(grads, inv_scale, norm_type, found_inf, process_group)
-    stats = plan.reduce(process_group)
-    if type(plan) is _Plan:
-        _verdicts.publish(grads, stats)
+    stats = _reduce(plan, grads, process_group)
     total = plan.apply(stats, max_norm)
     return plan.wrap(total), GuardStats(stats, total, norm_type), plan.found_inf
 
@@ -257,9 +264,7 @@ def clip_grad_norm_(
             raise ValueError("process_group= needs norm_type 2.0 or inf")
         return _torch_norm_guarded(grads, max_norm, norm_type, error_if_nonfinite, foreach)
     plan = _make_plan(grads, 1.0, norm_type, None, process_group)
-    stats = plan.reduce(process_group)
-    if type(plan) is _Plan:
-        _verdicts.publish(grads, stats)
+    stats = _reduce(plan, grads, process_group)
     if error_if_nonfinite:
         # Checked before anything is written, as PyTorch does (one host sync).
         acc, nan, inf = stats[:3].tolist()
