@@ -81,7 +81,8 @@ class FlightRecorder:
         self._hooked = {id(m): m.register_forward_pre_hook(self._make_hook(name, m), with_kwargs=True)
                         for name, m in model.named_modules()}
 
-    def _device(self) -> Optional[torch.device]:
+    def device(self) -> Optional[torch.device]:
+        """The device of the recorded model (its first parameter's), or None."""
         p = next(self.model.parameters(), None)
         return p.device if p is not None else None
 
@@ -98,7 +99,7 @@ class FlightRecorder:
                 # is in force now, and was not at the entry's pre-hook
                 self._inner = False
                 if self._current is not None:
-                    inside = current_autocast(self._device())
+                    inside = current_autocast(self.device())
                     if inside != self._current.start.autocast:
                         self._current.start.autocast = inside
                         self._wrapped = True  # a wrapper enters autocast at every call: keep looking
@@ -121,7 +122,7 @@ class FlightRecorder:
                               "oldest are dropped: call w.step() once per training step", RuntimeWarning,
                               stacklevel=4)
             del self.batches[0]
-        mb = MicroBatch(name, module, args, kwargs or {}, StepStart.capture(self._device()),
+        mb = MicroBatch(name, module, args, kwargs or {}, StepStart.capture(self.device()),
                         torch.is_grad_enabled())
         self.batches.append(mb)
         self._current = mb

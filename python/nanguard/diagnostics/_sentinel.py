@@ -168,7 +168,7 @@ class Sentinel:
             return live, k_live
         self.replays += 1
         scale = w._forensics.loss_scale()
-        saved = StepStart.capture(_device(w.model)).rng
+        saved = StepStart.capture(w._forensics.recorder.device()).rng
         w._forensics.recorder.paused = True
         w._replaying = True
         self._error = None
@@ -301,11 +301,6 @@ class Sentinel:
         if first.module is not None and mb.name:  # the op checker names modules inside the entry
             first.module = mb.name + ("." + first.module if first.module else "")
         report.op, report.node, report.op_where = first.op, first.node, first.where()
-
-
-def _device(model: nn.Module) -> Optional[torch.device]:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else None
 
 
 def _unreproduced_note(loss_fn, scaler, batches: List[MicroBatch]) -> str:
