@@ -377,6 +377,45 @@ def test_flight_recorder_restores_the_steps_dropout(tmp_path):
     assert torch.equal(step_model(saved.args[0]), out)  # the same dropout mask
 
 
+class _AutocastWrapped(nn.Module):
+    """A model whose forward a wrapper runs under fp16 autocast, as
+    accelerate (and so the Trainer) wraps it: after the entry's pre-hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        inner = self.forward
+        self.forward = lambda x: _under_fp16(inner, x)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _under_fp16(f, x):
+    with torch.autocast("cpu", dtype=torch.float16):
+        return f(x)
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_flight_recorder_hooks_the_children_only_while_a_wrapper_needs_it(tmp_path, wrapped):
+    from nanguard.diagnostics._flight_recorder import FlightRecorder
+
+    model = _AutocastWrapped() if wrapped else nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    rec = FlightRecorder(model, tmp_path)
+    assert len(rec._hooked) == len(list(model.modules()))  # every module until the entry is known
+    for step in range(3):
+        # step 1 also enters fp16 autocast outside the model: the entry's pre-hook
+        # sees what its children see, and a wrapper seen before must still count
+        with torch.autocast("cpu", dtype=torch.float16, enabled=wrapped and step == 1):
+            model(torch.randn(2, 4))
+        assert rec.batches[0].start.autocast == ({"device_type": "cpu", "dtype": "float16"} if wrapped else None)
+        # no wrapper: the entry alone keeps a pre-hook; a wrapper: its children too, every step
+        assert len(rec._hooked) == (2 if wrapped else 1)
+        rec.drop()
+    rec.remove()
+    assert rec._hooked == {} and all(not m._forward_pre_hooks for m in model.modules())
+
+
 def test_flight_recorder_bad_arguments(tmp_path):
     from nanguard.diagnostics._flight_recorder import FlightRecorder
 
