@@ -27,6 +27,8 @@ from .amp import SkippedStep  # noqa: E402
 from . import diagnostics  # noqa: E402
 from .diagnostics import *  # noqa: E402,F401,F403  (watch, Watch, Report, NonFiniteError, ...)
 from . import patching  # noqa: E402
+from . import rewind  # noqa: E402
+from .rewind import Rewind, RewindError  # noqa: E402
 from .patching import PatchSummary, UnsupportedModuleError, patch, unpatch  # noqa: E402  (transformers is imported on first use)
 
 from ._version import __version__  # noqa: E402
@@ -35,3 +37,4 @@ __all__ = ["functional", "nn", "info", "__version__", "amp", "clip_grad_norm_"]
 __all__ += ["tensor_stats", "tensor_stats_", "new_stats_buffers", "SkippedStep", "diagnostics"]
 __all__ += diagnostics.__all__  # the diagnostic tools and the classes they raise or return
 __all__ += ["patching", "patch", "unpatch", "PatchSummary", "UnsupportedModuleError"]
+__all__ += ["rewind", "Rewind", "RewindError"]

@@ -70,6 +70,7 @@ class Config:
     n_head: int = 1  # one head of 64: the raw score is a sum of 64 products
     max_norm: float = 1.0
     seed: int = 0
+    rewind_every: int = 5  #: snapshot interval of the run with rewind
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -82,6 +83,7 @@ class Run:
     report: Optional[object] = None  #: first recorded nanguard.watch report (else the first), if any
     history: Optional[object] = None  #: nanguard.watch's magnitude history (the stock run)
     patch_summary: Optional[object] = None
+    rewind: Optional[object] = None  #: the nanguard.Rewind policy of a run with rewind
     seconds: float = 0.0
 
 
@@ -122,16 +124,19 @@ def build_model(cfg: Config):
 
 def train(cfg: Config, patched: bool, progress: Optional[Callable[[str], None]] = print,
           use_watch: bool = True, stop: Optional[Callable[[Run], bool]] = None,
-          record_dir: Optional[str] = None, watch_mode: Optional[str] = None) -> Run:
+          record_dir: Optional[str] = None, watch_mode: Optional[str] = None, rewind: bool = False) -> Run:
     """Train from the same seed on the same batches. Stock: the textbook
     fp16 loop (``GradScaler.unscale_`` then ``clip_grad_norm_``). nanguard:
     ``nanguard.patch(model)`` and ``GradScaler.unscale_and_clip_``. With
     ``record_dir``, the watcher keeps the magnitude history and saves the
     first non-finite step there. ``watch_mode``: ``nanguard.watch``'s
-    ``mode`` (default: sentinel with ``record_dir``, else eager)."""
+    ``mode`` (default: sentinel with ``record_dir``, else eager). With
+    ``rewind``, the loop runs under :class:`nanguard.Rewind` (a snapshot
+    every ``cfg.rewind_every`` steps): the run's curves are those of the
+    steps that stood, and ``run.rewind`` is the policy with its events."""
     import nanguard
 
-    run = Run("nanguard" if patched else "stock")
+    run = Run(("nanguard" if patched else "stock") + ("+rewind" if rewind else ""))
     model = build_model(cfg).train()
     if patched:
         run.patch_summary = nanguard.patch(model)
@@ -146,10 +151,12 @@ def train(cfg: Config, patched: bool, progress: Optional[Callable[[str], None]] 
         extra = dict(history=64, record_dir=record_dir, scaler=scaler) if record_dir is not None else {}
         watcher = nanguard.watch(model, policy="record", parameters=False, mode=watch_mode, **extra)
     data = batches(cfg, corpus())
+    rw = nanguard.Rewind(model, opt, scaler=scaler, every=cfg.rewind_every, keep=4) if rewind else None
+    steps = rw.loop(data, cfg.steps) if rw is not None else ((i, next(data)) for i in range(cfg.steps))
     skipped = 0
     t0 = time.perf_counter()
-    for step in range(cfg.steps):
-        ids = next(data).to(cfg.device)
+    for step, ids in steps:
+        ids = ids.to(cfg.device)
         with torch.autocast(dev, dtype=torch.float16):
             loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad(set_to_none=True)
@@ -169,6 +176,8 @@ def train(cfg: Config, patched: bool, progress: Optional[Callable[[str], None]] 
             gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_norm)
         scaler.step(opt)
         scaler.update()
+        if rw is not None and not rw.step(loss, gn):
+            continue  # rewound: the run goes on from an earlier snapshot
         if scaler.get_scale() < scale_before:  # update() backs off only after a skipped step
             skipped += 1
         run.losses.append(float(loss.item()))
@@ -180,6 +189,11 @@ def train(cfg: Config, patched: bool, progress: Optional[Callable[[str], None]] 
         if stop is not None and stop(run):
             break
     run.seconds = time.perf_counter() - t0
+    if rw is not None:  # the steps that stood
+        run.rewind = rw
+        run.losses = [r.loss for r in rw.history]
+        run.grad_norms = [r.grad_norm for r in rw.history]
+        run.skipped = [sum(r.skipped for r in rw.history[: i + 1]) for i in range(len(rw.history))]
     if watcher is not None:
         run.history = watcher.history
         watcher.remove()
