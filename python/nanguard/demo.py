@@ -1,6 +1,7 @@
-"""``python -m nanguard demo``: one small Hugging Face causal LM trained twice
-under the same seed and the same fp16 mixed-precision loop, stock and then
-with nanguard, side by side.
+"""``python -m nanguard demo``: one small Hugging Face causal LM trained
+three times under the same seed and the same fp16 mixed-precision loop:
+stock, stock under :class:`nanguard.Rewind`, and with nanguard's patch and
+gradient guard, side by side.
 
 The failure is the one nanguard exists for, produced for real, nothing
 injected:
@@ -30,7 +31,11 @@ fp32, the norms through ``stable_layernorm``, GPT-2's fp16-fragile
 ``gelu_new`` through PyTorch's fused tanh GELU) with the gradient guard
 (``nanguard.amp.GradScaler.unscale_and_clip_``) sees exactly the same
 weights, data and loop, and keeps learning. ``nanguard.watch`` names the
-module where the stock run first went non-finite.
+module where the stock run first went non-finite. The third run changes
+nothing in the stock model or loop; :class:`nanguard.Rewind` snapshots it
+every 5 steps, and when its loss goes NaN it goes back, finds the batch
+finite from the earlier state (the state is to blame, not the data) and
+lowers the learning rate until the run gets through.
 
 The data is bytes of text that ships with Python itself (the source of the
 standard library's ``argparse`` module): a byte-level language model,
@@ -224,31 +229,53 @@ def verdict(run: Run) -> str:
             f"(mean of first/last {k}: {first:.3f} -> {last:.3f}, {trend}); {_steps(run.skipped[-1])} skipped")
 
 
-def table(stock: Run, ours: Run) -> List[str]:
-    lines = [f"{'step':>5}  {'stock loss':>11}  {'nanguard loss':>13}  {'skipped (stock/ng)':>18}  "
-             f"{'grad norm (stock / nanguard)':>30}"]
+def rewind_verdict(run: Run) -> str:
+    """The verdict of a run with rewind, with what the rewinds did."""
+    rw = run.rewind
+    blames = ", ".join(f"{e.blame} blamed at step {e.trigger.step}" for e in rw.events)
+    lr = ", ".join(f"{x:g}" for x in rw.current_lr())
+    return (f"{verdict(run)}; {rw.rewinds} rewind{'s' if rw.rewinds != 1 else ''}"
+            f"{' (' + blames + ')' if blames else ''}, {len(rw.skipped_batches)} batches skipped, "
+            f"learning rate ended at {lr} (x{rw.lr_scale:g})")
+
+
+def _runs(stock: Run, ours: Run, rewound: Optional[Run]) -> List[Run]:
+    return [stock] + ([rewound] if rewound is not None else []) + [ours]
+
+
+def table(stock: Run, ours: Run, rewound: Optional[Run] = None) -> List[str]:
+    runs = _runs(stock, ours, rewound)
+    names = [r.name for r in runs]
+    lines = [f"{'step':>5}  " + "  ".join(f"{n + ' loss':>18}" for n in names) + "  "
+             + f"{'skipped (' + '/'.join(names) + ')':>26}  {'grad norm (' + ' / '.join(names) + ')':>40}"]
     n = len(stock.losses)
     every = max(1, n // 20)
     for i in range(n):
         if i % every and i != n - 1 and not (math.isfinite(stock.losses[i - 1]) and not math.isfinite(stock.losses[i])):
             continue
-        lines.append(f"{i + 1:5d}  {_f(stock.losses[i]):>11}  {_f(ours.losses[i]):>13}  "
-                     f"{stock.skipped[i]:>8d} / {ours.skipped[i]:<7d}  "
-                     f"{stock.grad_norms[i]:>13.4g} / {ours.grad_norms[i]:<13.4g}")
+        lines.append(f"{i + 1:5d}  " + "  ".join(f"{_f(r.losses[i]):>18}" for r in runs) + "  "
+                     + f"{' / '.join(str(r.skipped[i]) for r in runs):>26}  "
+                     + f"{' / '.join(f'{r.grad_norms[i]:.4g}' for r in runs):>40}")
     return lines
 
 
-def write_csv(path: str, stock: Run, ours: Run) -> None:
+def write_csv(path: str, stock: Run, ours: Run, rewound: Optional[Run] = None) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["step", "stock_loss", "nanguard_loss", "stock_skipped", "nanguard_skipped",
-                    "stock_grad_norm", "nanguard_grad_norm"])
+        head = ["step", "stock_loss", "nanguard_loss", "stock_skipped", "nanguard_skipped",
+                "stock_grad_norm", "nanguard_grad_norm"]
+        if rewound is not None:
+            head += ["rewind_loss", "rewind_skipped", "rewind_grad_norm"]
+        w.writerow(head)
         for i in range(len(stock.losses)):
-            w.writerow([i + 1, stock.losses[i], ours.losses[i], stock.skipped[i], ours.skipped[i],
-                        stock.grad_norms[i], ours.grad_norms[i]])
+            row = [i + 1, stock.losses[i], ours.losses[i], stock.skipped[i], ours.skipped[i],
+                   stock.grad_norms[i], ours.grad_norms[i]]
+            if rewound is not None:
+                row += [rewound.losses[i], rewound.skipped[i], rewound.grad_norms[i]]
+            w.writerow(row)
 
 
-def plot(path: str, stock: Run, ours: Run, cfg: Config) -> None:
+def plot(path: str, stock: Run, ours: Run, cfg: Config, rewound: Optional[Run] = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -257,8 +284,14 @@ def plot(path: str, stock: Run, ours: Run, cfg: Config) -> None:
     steps = list(range(1, len(stock.losses) + 1))
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     ax.plot(steps, ours.losses, label="nanguard (patched, gradient guard)", color="tab:green")
+    if rewound is not None:
+        rw = rewound.rewind
+        ax.plot(steps, rewound.losses, label=f"stock + nanguard.Rewind ({rw.rewinds} rewinds, "
+                f"lr x{rw.lr_scale:g})", color="tab:blue")
+        for e in rw.events:
+            ax.axvline(e.trigger.step + 1, color="tab:blue", alpha=0.25, linestyle=":")
     ax.plot(steps, [x if math.isfinite(x) else float("nan") for x in stock.losses], label="stock", color="tab:red")
-    fin = [x for x in stock.losses + ours.losses if math.isfinite(x)]
+    fin = [x for r in _runs(stock, ours, rewound) for x in r.losses if math.isfinite(x)]
     top = max(fin) if fin else 1.0
     bad = [s for s, x in zip(steps, stock.losses) if not math.isfinite(x)]
     if bad:
@@ -317,7 +350,7 @@ def print_norm_cases() -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nanguard demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m nanguard demo", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--steps", type=int, default=Config.steps, help="training steps per run (default %(default)s)")
     p.add_argument("--lr", type=float, default=Config.lr, help="AdamW learning rate, no warmup (default %(default)s)")
     p.add_argument("--device", default=Config.device, help="cpu or cuda (default %(default)s)")
@@ -346,18 +379,19 @@ def main(argv=None) -> int:
     record_dir = os.path.join(args.out, "nanguard_demo_records")
     stock = train(cfg, patched=False, use_watch=not args.no_watch,
                   record_dir=None if args.no_watch else record_dir)
+    rewound = train(cfg, patched=False, use_watch=False, rewind=True)
     ours = train(cfg, patched=True, use_watch=not args.no_watch)
     print()
     print(ours.patch_summary)
     print()
-    for line in table(stock, ours):
+    for line in table(stock, ours, rewound):
         print(line)
     print()
     os.makedirs(args.out, exist_ok=True)
     csv_path = os.path.join(args.out, "nanguard_demo.csv")
     png_path = os.path.join(args.out, "nanguard_demo.png")
-    write_csv(csv_path, stock, ours)
-    plot(png_path, stock, ours, cfg)
+    write_csv(csv_path, stock, ours, rewound)
+    plot(png_path, stock, ours, cfg, rewound)
     if stock.report is not None:
         print("nanguard.watch on the stock run (it counts steps from 0):")
         print(stock.report)
@@ -367,7 +401,10 @@ def main(argv=None) -> int:
         print("nanguard.watch on the nanguard run: "
               + ("every watched tensor finite" if ours.report is None else str(ours.report).splitlines()[0]))
     print()
+    for e in rewound.rewind.events:
+        print(f"on the stock+rewind run: {e}")
     print(f"verdict stock: {verdict(stock)}")
+    print(f"verdict stock+rewind: {rewind_verdict(rewound)}")
     print(f"verdict nanguard: {verdict(ours)}")
     files = f"table: {csv_path}  plot: {png_path}"
     if stock.history is not None:

@@ -635,9 +635,12 @@ def test_demo_short_mode_end_to_end(tmp_path):
     assert (tmp_path / "nanguard_demo_history.png").stat().st_size > 1000  # the stock run's magnitudes
     rows = table.read_text().strip().splitlines()
     assert rows[0].startswith("step,stock_loss,nanguard_loss") and len(rows) == 1 + 5
-    assert re.search(r"^\s*step\s+stock loss\s+nanguard loss", out, re.M), out
-    verdicts = dict(re.findall(r"^verdict (stock|nanguard): (.+)$", out, re.M))
-    assert set(verdicts) == {"stock", "nanguard"}, out
+    assert re.search(r"^\s*step\s+stock loss\s+stock\+rewind loss\s+nanguard loss", out, re.M), out
+    verdicts = dict(re.findall(r"^verdict (stock|stock\+rewind|nanguard): (.+)$", out, re.M))
+    assert set(verdicts) == {"stock", "stock+rewind", "nanguard"}, out
+    assert rows[0].endswith("rewind_loss,rewind_skipped,rewind_grad_norm")
+    assert all(math.isfinite(float(r.split(",")[7])) for r in rows[1:])  # 5 steps: no failure yet
+    assert verdicts["stock+rewind"].startswith("finite") and "rewind" in verdicts["stock+rewind"]
     # the verdicts printed are the ones the table supports
     stock_losses = [float(r.split(",")[1]) for r in rows[1:]]
     ours_losses = [float(r.split(",")[2]) for r in rows[1:]]

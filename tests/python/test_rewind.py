@@ -277,7 +277,7 @@ def test_grad_norm_spike_rule_is_off_by_default_and_fires_when_on():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         rw = Rewind(model, opt, every=50, loss_spike=None, min_history=5, **kw)
         norms = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 50.0, 1.0]
-        for (step, _), gn in zip(rw.loop(range(100), steps=len(norms)), norms):
+        for _, gn in zip(rw.loop(range(100), steps=len(norms)), norms):
             rw.step(1.0, grad_norm=gn)
         return rw
     assert run().rewinds == 0
