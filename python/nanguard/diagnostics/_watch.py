@@ -37,6 +37,7 @@ offence.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 import weakref
@@ -710,6 +711,24 @@ class Watch:
         return self._forensics.warnings if self._forensics is not None else []
 
     # ---- lifetime ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Inside, the watcher's hooks record nothing and count no forward
+        pass: the model can run outside the training step (an evaluation,
+        or :class:`nanguard.Rewind`'s data-versus-state test) without
+        touching the step's records."""
+        rec = self._forensics.recorder if self._forensics is not None else None
+        saved = (self._on, self._replaying, rec.paused if rec is not None else None)
+        self._on, self._replaying = False, True
+        if rec is not None:
+            rec.paused = True
+        try:
+            yield self
+        finally:
+            self._on, self._replaying = saved[0], saved[1]
+            if rec is not None:
+                rec.paused = saved[2]
 
     def remove(self) -> None:
         """Detach every hook and drop pending records (the buffers are freed)."""

@@ -70,7 +70,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -98,7 +98,7 @@ class StepRecord:
 
     step: int
     batch: int  #: the batch's index in the data
-    loss: float
+    loss: Optional[float]  #: None when the loop gave no loss
     grad_norm: Optional[float]
     skipped: bool  #: the optimizer step was skipped (a loss scaler's backoff)
 
@@ -108,7 +108,7 @@ class Probe:
     """One batch of the data-versus-state test, run from the earlier state."""
 
     batch: int
-    loss: float
+    loss: Optional[float]
     failed: bool
     why: str  #: what failed again, or "" when it was fine
 
@@ -147,8 +147,8 @@ class RewindEvent:
         return d
 
 
-def _json_float(x: float):
-    return x if math.isfinite(x) else str(x)
+def _json_float(x: Optional[float]):
+    return x if x is None or math.isfinite(x) else str(x)
 
 
 def _host_float(x, name: str) -> float:
@@ -229,7 +229,8 @@ class Rewind:
                  loss_spike: Optional[float] = 7.0, grad_spike: Optional[float] = None, window: int = 100,
                  min_history: int = 20, action: str = "auto", lr_factor: float = 0.5, max_rewinds: int = 10,
                  log_path: Optional[Union[str, os.PathLike]] = None,
-                 skip_batches: Union[None, str, os.PathLike, Iterable[int]] = None):
+                 skip_batches: Union[None, str, os.PathLike, Iterable[int]] = None,
+                 probe: Optional[Callable[[Any], Any]] = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -245,6 +246,9 @@ class Rewind:
             raise ValueError(f"lr_factor must be a number in (0, 1), got {lr_factor!r}")
         if directory is not None and not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path or None, got {type(directory).__name__}")
+        if probe is not None and not callable(probe):
+            raise TypeError(f"probe must be a callable (batch -> loss, or (loss, grad_norm)), got "
+                            f"{type(probe).__name__}")
         if log_path is not None and not isinstance(log_path, (str, os.PathLike)):
             raise TypeError(f"log_path must be a path or None, got {type(log_path).__name__}")
         self.model, self.optimizer, self.scaler, self.scheduler = model, optimizer, scaler, scheduler
@@ -279,6 +283,9 @@ class Rewind:
         self._scale_before: Optional[float] = None
         self._probe: Optional[Dict[str, Any]] = None  # the data-versus-state test under way
         self._incident: Optional[Tuple[int, int, int]] = None  # (trigger step, restored step, attempt)
+        self._probe_fn = probe
+        self._driver: Optional[str] = None  # "loop" (loop()) or "external" (begin())
+        self._next_index = 0  # external: the index the next batch gets by default
 
     # ---- what happened ------------------------------------------------------------------
 
@@ -321,6 +328,7 @@ class Rewind:
         window are held by reference to be replayed. Call :meth:`step` once
         per batch, after the optimizer step."""
         steps = _positive_int(steps, "steps", 0)
+        self._set_driver("loop")
         it = iter(data)
         while self.global_step < steps:
             if self._probe is None and self.global_step % self.every == 0 \
@@ -337,8 +345,37 @@ class Rewind:
                                    "optimizer step")
         self._write_log()
 
+    def begin(self, batch: Any, index: Optional[int] = None) -> None:
+        """For a loop that :meth:`loop` cannot drive (a framework's callbacks):
+        the step about to run trains on ``batch`` (held by reference for the
+        data-versus-state test), numbered ``index`` (default: one more than
+        the last). Takes the snapshot when one is due. Call :meth:`step`
+        after its optimizer step, as with :meth:`loop`. Such a run cannot
+        replay batches: after a rewind it goes on with the loop's next
+        batches, and the window's batches are left behind (listed as
+        "window"); the test runs each batch through ``probe``."""
+        self._set_driver("external")
+        if self._current is not None and not self._observed:
+            raise RuntimeError("nanguard.Rewind.begin: the previous batch has no rewind.step(loss) yet")
+        idx = self._next_index if index is None else int(index)
+        self._next_index = idx  # the snapshot's cursor: this batch is the first it has not trained on
+        if self.global_step % self.every == 0 and self._ring.get(self.global_step) is None:
+            self._snapshot()
+        self._next_index = idx + 1
+        self._held[idx] = batch
+        for i in [i for i in self._held if i < idx - self.patience]:  # only the trigger's batches are probed
+            del self._held[i]
+        self._current, self._observed = (idx, batch), False
+        self._scale_before = self._scale()
+
+    def _set_driver(self, kind: str) -> None:
+        if self._driver not in (None, kind):
+            raise RuntimeError("nanguard.Rewind: drive it with loop() or with begin()/step(), not both")
+        self._driver = kind
+
     def step(self, loss, grad_norm=None, *, skipped: Optional[bool] = None) -> bool:
-        """Report the step just taken: its ``loss``, and optionally its
+        """Report the step just taken: its ``loss`` (None when the loop has
+        none to give: only the gradient triggers apply), and optionally its
         gradient norm (before clipping) and whether its optimizer step was
         skipped (default: inferred from the scaler's scale, or from a
         non-finite ``grad_norm`` without one). True when the step stands;
@@ -348,7 +385,7 @@ class Rewind:
             raise RuntimeError("nanguard.Rewind.step: call it once per batch of rewind.loop(...), "
                                "after the optimizer step")
         self._observed = True
-        lv = _host_float(loss, "loss")
+        lv = _host_float(loss, "loss") if loss is not None else None
         gv = _host_float(grad_norm, "grad_norm") if grad_norm is not None else None
         if skipped is None:
             skipped = self._infer_skipped(gv)
@@ -406,6 +443,8 @@ class Rewind:
     def _cursor(self) -> int:
         """Index of the next batch the run will train on: the first one
         still to be replayed, else the next one to draw."""
+        if self._driver == "external":
+            return self._next_index
         return next((i for i in self._replay if i not in self._skip), self._drawn)
 
     def _run_state(self) -> Dict[str, Any]:
@@ -419,9 +458,10 @@ class Rewind:
         t0 = time.perf_counter()
         state = _snapshot.capture(self.model, self.optimizer, self.scaler, self.scheduler)
         self._ring.add(self.global_step, self._cursor(), self._run_state(), state)
-        oldest = self._ring.oldest_cursor()
-        for i in [i for i in self._held if i < oldest]:
-            del self._held[i]
+        if self._driver == "loop":
+            oldest = self._ring.oldest_cursor()
+            for i in [i for i in self._held if i < oldest]:
+                del self._held[i]
         self.snapshot_seconds += time.perf_counter() - t0
 
     def _restore(self, entry: _snapshot.Entry) -> None:
@@ -451,9 +491,9 @@ class Rewind:
             if hasattr(self.scheduler, "_last_lr"):
                 self.scheduler._last_lr = [float(g["lr"]) for g in self.optimizer.param_groups]
 
-    def _check(self, idx: int, lv: float, gv: Optional[float], skipped: bool) -> Optional[Trigger]:
+    def _check(self, idx: int, lv: Optional[float], gv: Optional[float], skipped: bool) -> Optional[Trigger]:
         step = self.global_step
-        if not math.isfinite(lv):
+        if lv is not None and not math.isfinite(lv):
             return Trigger(NONFINITE_LOSS, step, [idx], lv, f"loss {lv}")
         if skipped:
             self._streak += 1
@@ -462,7 +502,8 @@ class Rewind:
                 recent = [r.batch for r in self.history[len(self.history) - (n - 1):]] if n > 1 else []
                 detail = (f"{n} skipped steps in a row" if self._scale_before is not None
                           else "no loss scaler to back off")
-                return Trigger(NONFINITE_GRADS, step, recent + [idx], lv, detail, scale=self._scale())
+                return Trigger(NONFINITE_GRADS, step, recent + [idx], math.nan if gv is None else gv, detail,
+                               scale=self._scale())
             return None
         self._streak = 0
         for kind, rule, v in ((LOSS_SPIKE, self._loss_rule, lv), (GRAD_SPIKE, self._grad_rule, gv)):
@@ -471,10 +512,10 @@ class Rewind:
                 return Trigger(kind, step, [idx], v, why)
         return None
 
-    def _fails_again(self, trig: Trigger, lv: float, gv: Optional[float], skipped: bool) -> str:
+    def _fails_again(self, trig: Trigger, lv: Optional[float], gv: Optional[float], skipped: bool) -> str:
         """Why a probe of a batch of ``trig`` failed from the earlier state
         ("" when it did not). The test is the trigger's own rule."""
-        if not math.isfinite(lv):
+        if lv is not None and not math.isfinite(lv):
             return f"loss {lv}"
         if trig.kind == NONFINITE_GRADS and skipped:
             return "non-finite gradients"
@@ -508,15 +549,38 @@ class Rewind:
         self._probe_scale(trig)
         queue = collections.deque(b for b in trig.batches if b in self._held) if testable else collections.deque()
         self._probe = {"trigger": trig, "entry": entry, "queue": queue, "results": [], "attempt": attempt}
-        if not queue:
+        if self._driver == "external":
+            if self._probe_fn is None:
+                queue.clear()  # nothing can run the batches again: untested
+            if not queue:
+                self._finish()
+            while queue:
+                idx = queue.popleft()
+                got = self._call_probe(self._held[idx])
+                if got is None:  # the probe could not run this batch: untested
+                    self._restore(entry)
+                    if not queue:
+                        self._finish()
+                    continue
+                lv, gv = got
+                self._probe_done(idx, lv, gv, gv is not None and not math.isfinite(gv), last=not queue)
+        elif not queue:
             self._finish()
 
-    def _probe_done(self, idx: int, lv: float, gv: Optional[float], skipped: bool) -> None:
+    def _call_probe(self, batch) -> Optional[Tuple[float, Optional[float]]]:
+        out = self._probe_fn(batch)
+        if out is None:
+            return None
+        loss, gn = out if isinstance(out, tuple) else (out, None)
+        return _host_float(loss, "probe's loss"), (None if gn is None else _host_float(gn, "probe's grad_norm"))
+
+    def _probe_done(self, idx: int, lv: float, gv: Optional[float], skipped: bool,
+                    last: Optional[bool] = None) -> None:
         p = self._probe
         why = self._fails_again(p["trigger"], lv, gv, skipped)
         p["results"].append(Probe(idx, lv, bool(why), why))
         self._restore(p["entry"])  # undo the probe's optimizer step
-        if p["queue"]:
+        if p["queue"] if last is None else not last:
             self._probe_scale(p["trigger"])
         else:
             self._finish()
@@ -538,9 +602,9 @@ class Rewind:
             blame = DATA if any(q.failed for q in probes) else STATE
         blamed = [q.batch for q in probes if q.failed] if probes else list(trig.batches)
         skip: Dict[int, str] = {}
-        if self.action in ("skip", "skip_and_lower_lr"):
-            last = max(trig.batches)
-            skip.update({i: WINDOW for i in sorted(self._held) if entry.cursor <= i <= last})
+        if self.action in ("skip", "skip_and_lower_lr") or self._driver == "external":
+            # external: the loop goes on with its next batches, the window's are left behind
+            skip.update({i: WINDOW for i in range(entry.cursor, max(trig.batches) + 1) if i not in self._skip})
         if blame != STATE:
             skip.update({i: blame for i in blamed})
         # a failure that came back is the state's, whatever the batch did: lower the rate too
@@ -552,7 +616,9 @@ class Rewind:
             self.lr_scale *= self.lr_factor
             self._scale_lr(self.lr_factor)
         self._ring.drop_after(entry.step)
-        self._replay = collections.deque(i for i in sorted(self._held) if i >= entry.cursor and i not in self._skip)
+        if self._driver == "loop":
+            self._replay = collections.deque(i for i in sorted(self._held)
+                                             if i >= entry.cursor and i not in self._skip)
         self.events.append(RewindEvent(trig, entry.step, blame, probes, sorted(skip), self.lr_scale,
                                        p["attempt"]))
         self._write_log()
@@ -568,7 +634,9 @@ class Rewind:
         os.replace(tmp, self.log_path)
 
     def close(self) -> None:
-        """Delete the snapshot files (``directory``) and drop the held batches."""
+        """Write the log, delete the snapshots (their files with
+        ``directory``) and drop the held batches; the events stay."""
+        self._write_log()
         self._ring.clear()
         self._held.clear()
 
