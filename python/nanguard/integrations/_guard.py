@@ -73,6 +73,7 @@ class StepGuard:
         self.steps = 0  #: optimizer steps guarded
         self.skipped: List[SkippedStep] = []  #: steps skipped, oldest first
         self.last_grad_norm: Optional[float] = None  #: norm of the unscaled gradients of the last step
+        self.last_skipped = False  #: the last step was made a no-op
 
     @staticmethod
     def watch_kwargs_with(watch: bool, watch_kwargs: Optional[dict], record_dir) -> Optional[dict]:
@@ -149,6 +150,7 @@ class StepGuard:
             _scaler_state.end_unscale(state, found_inf)  # no gradient: no flag, as unscale_ leaves it
         report = self.watcher.step() if self.watcher is not None else None
         self.last_grad_norm = norm
+        self.last_skipped = not finite
         if finite:
             return True
         rec = SkippedStep(index, int(nan), int(inf), int(first_bad), scaler.get_scale() if use_scaler else None)

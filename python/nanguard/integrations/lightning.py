@@ -39,6 +39,17 @@ Resuming (``trainer.fit(..., ckpt_path=...)``) keeps the guard's history:
 the callback's ``state_dict`` (its step count and skipped-step records,
 without the watcher's report text) is saved in Lightning's checkpoints and
 restored before training starts again.
+
+``rewind=True`` (or a dict of :class:`nanguard.Rewind` arguments) adds the
+recovery policy (automatic optimization, one optimizer, no gradient
+accumulation): a snapshot every ``every`` steps (``on_train_batch_start``),
+the triggers judged at ``on_train_batch_end`` from ``training_step``'s loss
+and the guard's gradient norm, and on a trigger the run goes back to a
+snapshot after testing the batch from there (``training_step`` and a
+backward pass, under the precision plugin's autocast). Lightning's data goes
+on: the window's batches are left behind, ``trainer.global_step`` goes on
+counting, and ``callback.rewind`` holds the events and the skipped batches
+(numbered by ``trainer.global_step`` when they ran).
 """
 
 from __future__ import annotations
@@ -46,12 +57,15 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+import torch
+
 try:
     from lightning.pytorch import Callback as _Callback
 except ImportError:  # only the older package name is installed
     from pytorch_lightning import Callback as _Callback
 
 from ._guard import StepGuard
+from ._rewind import grad_norm_probe, make_rewind, rewind_kwargs
 
 __all__ = ["NanguardCallback", "PLNanguardCallback"]  # noqa: F822 (PLNanguardCallback: module __getattr__)
 
@@ -84,6 +98,11 @@ class _Guarded:
             :func:`nanguard.replay` (``watch(record_dir=...)``, sentinel
             watching by default: ``watch_kwargs={"mode": "eager"}`` for a
             census of every step).
+        rewind: True, or a dict of :class:`nanguard.Rewind` arguments
+            (``every``, ``keep``, ``directory``, ``patience``, ``loss_spike``,
+            ``grad_spike``, ``window``, ``min_history``, ``action``,
+            ``lr_factor``, ``max_rewinds``, ``log_path``): recover by
+            rewinding (module docstring); ``callback.rewind`` is the policy.
 
     ``callback.guard.skipped`` lists the skipped steps
     (:class:`nanguard.amp.SkippedStep`, numbered as Lightning's loggers
@@ -92,10 +111,12 @@ class _Guarded:
     """
 
     def __init__(self, max_grad_norm: Optional[float] = None, watch: bool = True,
-                 watch_kwargs: Optional[dict] = None, record_dir=None):
+                 watch_kwargs: Optional[dict] = None, record_dir=None, rewind=None):
         super().__init__()
         watch_kwargs = StepGuard.watch_kwargs_with(watch, watch_kwargs, record_dir)
         StepGuard.validate_args(max_grad_norm, watch=watch, watch_kwargs=watch_kwargs)
+        self._rewind_kw = rewind_kwargs(rewind)
+        self.rewind = None  #: the nanguard.Rewind policy of the run (rewind=)
         self._own_norm = max_grad_norm
         self._watch, self._watch_kwargs = watch, watch_kwargs
         self.guard: Optional[StepGuard] = None
@@ -131,6 +152,39 @@ class _Guarded:
         self._trainer, self._saved_clip = trainer, clip
         trainer.gradient_clip_val = None  # one clipping, by nanguard
         self.guard.attach(pl_module)
+        if self._rewind_kw is not None:
+            self.rewind = self._make_rewind(trainer, pl_module)
+
+    def _make_rewind(self, trainer, pl_module):
+        if not pl_module.automatic_optimization:
+            raise ValueError("NanguardCallback(rewind=...) needs automatic optimization: under manual "
+                             "optimization the LightningModule steps its optimizers itself")
+        if len(trainer.optimizers) != 1:
+            raise ValueError(f"NanguardCallback(rewind=...) supports one optimizer, the module has "
+                             f"{len(trainer.optimizers)}")
+        if getattr(trainer, "accumulate_grad_batches", 1) != 1:
+            raise ValueError("NanguardCallback(rewind=...) does not support accumulate_grad_batches > 1")
+        optimizer = trainer.optimizers[0]
+        configs = getattr(trainer, "lr_scheduler_configs", None) or []
+        scheduler = configs[0].scheduler if len(configs) == 1 else None
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+
+        def run(batch):
+            with trainer.precision_plugin.forward_context():
+                out = pl_module.training_step(batch, 0)
+            loss = out.get("loss") if isinstance(out, dict) else out
+            if not isinstance(loss, torch.Tensor):
+                return None
+            loss.backward()
+            return loss
+
+        probe = grad_norm_probe(params, run, self.guard)
+        return make_rewind(self._rewind_kw, pl_module, optimizer, scaler, scheduler, probe)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.rewind is not None:
+            self.rewind.begin(batch, index=trainer.global_step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
@@ -144,6 +198,14 @@ class _Guarded:
         pl_module.log("nanguard/skipped_steps", float(len(self.guard.skipped)), on_step=True, on_epoch=False)
         if self.guard.last_grad_norm is not None:
             pl_module.log("nanguard/grad_norm", float(self.guard.last_grad_norm), on_step=True, on_epoch=False)
+        if self.rewind is not None:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            n = self.rewind.rewinds
+            self.rewind.step(loss if isinstance(loss, torch.Tensor) else None, self.guard.last_grad_norm,
+                             skipped=self.guard.last_skipped)
+            if self.rewind.rewinds > n:
+                logging.getLogger(self._log_name).warning(str(self.rewind.events[-1]))
+            pl_module.log("nanguard/rewinds", float(self.rewind.rewinds), on_step=True, on_epoch=False)
 
     def on_fit_end(self, trainer, pl_module) -> None:
         self._restore()
@@ -160,6 +222,8 @@ class _Guarded:
             self._trainer = None
         if self.guard is not None:
             self.guard.detach()
+        if self.rewind is not None:
+            self.rewind.close()  # the snapshots; the events and skipped batches stay
 
 
 class NanguardCallback(_Guarded, _Callback):

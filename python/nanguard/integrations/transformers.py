@@ -47,6 +47,18 @@ The Trainer still logs ``grad_norm`` from its own norm computation.
 Under bf16 and fp32 a skipped step still advances the learning-rate
 schedule (the Trainer steps it unless accelerate's scaler skipped); under
 fp16 it does not, as with the Trainer alone.
+
+``rewind=True`` (or a dict of :class:`nanguard.Rewind` arguments) adds the
+recovery policy: a snapshot every ``every`` steps (``on_step_begin``), the
+triggers judged at ``on_step_end`` from the step's loss (the model output's
+``loss``, averaged over the step's micro-batches) and the guard's gradient
+norm, and on a trigger the run goes back to a snapshot, after testing the
+step's micro-batches from there (forward and backward through the model, with
+the inputs the Trainer gave it). The Trainer's data goes on: the window's
+batches are left behind, the Trainer's step counter goes on counting, and
+``callback.rewind`` holds the events and the skipped batches (numbered by the
+Trainer's step that trained on them). Without a ``loss`` in the model's
+output only the gradient triggers apply.
 """
 
 from __future__ import annotations
@@ -63,6 +75,7 @@ except ImportError:  # transformers before 4.41: no callback state in checkpoint
 from transformers.utils import logging as _hf_logging
 
 from ._guard import StepGuard
+from ._rewind import StepInputs, grad_norm_probe, make_rewind, rewind_kwargs
 
 __all__ = ["NanguardCallback"]
 
@@ -89,6 +102,11 @@ class NanguardCallback(TrainerCallback, ExportableState):
             :func:`nanguard.replay` (``watch(record_dir=...)``, sentinel
             watching by default: ``watch_kwargs={"mode": "eager"}`` for a
             census of every step).
+        rewind: True, or a dict of :class:`nanguard.Rewind` arguments
+            (``every``, ``keep``, ``directory``, ``patience``, ``loss_spike``,
+            ``grad_spike``, ``window``, ``min_history``, ``action``,
+            ``lr_factor``, ``max_rewinds``, ``log_path``): recover by
+            rewinding (module docstring); ``callback.rewind`` is the policy.
 
     After training, ``callback.guard.skipped`` lists the skipped steps
     (:class:`nanguard.amp.SkippedStep`, numbered as the Trainer numbers
@@ -97,9 +115,12 @@ class NanguardCallback(TrainerCallback, ExportableState):
     """
 
     def __init__(self, max_grad_norm: Optional[float] = None, watch: bool = True,
-                 watch_kwargs: Optional[dict] = None, record_dir=None):
+                 watch_kwargs: Optional[dict] = None, record_dir=None, rewind=None):
         watch_kwargs = StepGuard.watch_kwargs_with(watch, watch_kwargs, record_dir)
         StepGuard.validate_args(max_grad_norm, watch=watch, watch_kwargs=watch_kwargs)
+        self._rewind_kw = rewind_kwargs(rewind)
+        self.rewind = None  #: the nanguard.Rewind policy of the run (rewind=)
+        self._inputs: Optional[StepInputs] = None
         self._own_norm = max_grad_norm
         self._watch, self._watch_kwargs = watch, watch_kwargs
         self.guard: Optional[StepGuard] = None
@@ -115,6 +136,8 @@ class NanguardCallback(TrainerCallback, ExportableState):
         args = {"max_grad_norm": self._own_norm, "watch": self._watch}
         if self._watch_kwargs is not None and _json_safe(self._watch_kwargs):
             args["watch_kwargs"] = self._watch_kwargs
+        if self._rewind_kw is not None and _json_safe(self._rewind_kw):
+            args["rewind"] = self._rewind_kw
         return {"args": args, "attributes": {"guard_state": self.guard.state_dict() if self.guard else None}}
 
     def _resumed_state(self, state) -> Optional[dict]:
@@ -130,7 +153,7 @@ class NanguardCallback(TrainerCallback, ExportableState):
 
     # ---- events ------------------------------------------------------------------------
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         norm = self._own_norm if self._own_norm is not None else args.max_grad_norm
         self.guard = StepGuard(norm, watch=self._watch, watch_kwargs=self._watch_kwargs)
         resumed = self._resumed_state(state)
@@ -141,6 +164,33 @@ class NanguardCallback(TrainerCallback, ExportableState):
         args.max_grad_norm = 0.0
         if model is not None:
             self.guard.attach(model)
+        if self._rewind_kw is not None and model is not None and optimizer is not None:
+            scaler, inner = _scaler_and_optimizer(optimizer)
+            self._inputs = StepInputs(model)
+            params = [p for g in inner.param_groups for p in g["params"]]
+            self.rewind = make_rewind(self._rewind_kw, model, inner, scaler, lr_scheduler,
+                                      grad_norm_probe(params, self._inputs.run, self.guard))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.rewind is not None:  # the Trainer numbers this step global_step + 1 once done
+            self.rewind.begin(self._inputs.begin(), index=state.global_step + 1)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.rewind is None:
+            return
+        n = self.rewind.rewinds
+        self.rewind.step(self._inputs.loss(), self.guard.last_grad_norm, skipped=self.guard.last_skipped)
+        if self.rewind.rewinds > n:
+            ev = self.rewind.events[-1]
+            _logger.warning(str(ev))
+            state.log_history.append({
+                "step": state.global_step,
+                "nanguard_rewind": ev.trigger.kind,
+                "nanguard_rewound_to": ev.restored_step,
+                "nanguard_blame": ev.blame,
+                "nanguard_lr_scale": ev.lr_scale,
+                "nanguard_rewinds": self.rewind.rewinds,
+            })
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         scaler, inner = _scaler_and_optimizer(optimizer)
@@ -180,6 +230,13 @@ class NanguardCallback(TrainerCallback, ExportableState):
             line = self.guard.summary_line()
             if line:
                 _logger.warning(line)
+        if self._inputs is not None:
+            self._inputs.remove()
+            self._inputs = None
+        if self.rewind is not None:
+            self.rewind.close()  # the snapshots; the events and skipped batches stay
+            if self.rewind.rewinds:
+                _logger.warning(self.rewind.summary())
 
 
 def _json_safe(value) -> bool:
