@@ -395,3 +395,25 @@ def test_poisoned_batch_on_cuda():
     assert rw1.events[0].blame == "data"
     m2, _ = train([b for i, b in enumerate(data) if i != 12], 30, device="cuda")
     assert same_params(m1, m2)
+
+
+def test_snapshot_reuses_an_evicted_snapshots_memory_and_copies_exactly():
+    from nanguard.rewind import _snapshot
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = make_data(1)[0]
+    for _ in range(2):
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    first = _snapshot.capture(model, opt)
+    ptrs = [t.data_ptr() for t in first["model"].values()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    second = _snapshot.capture(model, opt, into=first)
+    assert [t.data_ptr() for t in second["model"].values()] == ptrs  # the same host memory, refilled
+    assert all(torch.equal(a, b) for a, b in zip(second["model"].values(), model.state_dict().values()))
+    moments = opt.state_dict()["state"]
+    assert all(torch.equal(second["optimizer"]["state"][k]["exp_avg"], v["exp_avg"]) for k, v in moments.items())
+    assert _snapshot.nbytes(second) >= 12 * sum(p.numel() for p in model.parameters())

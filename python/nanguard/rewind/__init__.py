@@ -251,6 +251,10 @@ class Rewind:
                             f"{type(probe).__name__}")
         if log_path is not None and not isinstance(log_path, (str, os.PathLike)):
             raise TypeError(f"log_path must be a path or None, got {type(log_path).__name__}")
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            raise RuntimeError("nanguard.Rewind runs in one process: under torch.distributed every rank would "
+                               "have to take the same rewind at the same step, which it does not arrange yet")
         self.model, self.optimizer, self.scaler, self.scheduler = model, optimizer, scaler, scheduler
         self.every = _positive_int(every, "every")
         self.keep = _positive_int(keep, "keep")
@@ -456,7 +460,7 @@ class Rewind:
         import time
 
         t0 = time.perf_counter()
-        state = _snapshot.capture(self.model, self.optimizer, self.scaler, self.scheduler)
+        state = _snapshot.capture(self.model, self.optimizer, self.scaler, self.scheduler, into=self._ring.recycle())
         self._ring.add(self.global_step, self._cursor(), self._run_state(), state)
         if self._driver == "loop":
             oldest = self._ring.oldest_cursor()

@@ -31,22 +31,36 @@ import torch
 __all__ = ["capture", "restore", "Entry", "Ring", "nbytes"]
 
 
-def _host_copy(obj: Any) -> Any:
+def _host_tensor(t: torch.Tensor, into: Any) -> torch.Tensor:
+    t = t.detach()
+    if isinstance(into, torch.Tensor) and into.shape == t.shape and into.dtype == t.dtype \
+            and into.device.type == "cpu" and into.is_contiguous():
+        return into.copy_(t, non_blocking=t.device.type == "cuda")  # a recycled slot: no allocation
+    if t.device.type == "cuda":  # pinned: the copy runs at the link's speed, asynchronously
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return out.copy_(t, non_blocking=True)
+    return t.to("cpu", copy=True, memory_format=torch.contiguous_format)
+
+
+def _host_copy(obj: Any, into: Any = None) -> Any:
     """``obj`` with every tensor copied to host memory (containers rebuilt,
-    other values kept: they are immutable or rebuilt by the loaders)."""
+    other values kept: they are immutable or rebuilt by the loaders). The
+    tensors of ``into`` (an older snapshot of the same structure) are reused
+    where they match."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return _host_tensor(obj, into)
     if isinstance(obj, dict):
-        out = {k: _host_copy(v) for k, v in obj.items()}
+        into = into if isinstance(into, dict) else {}
+        out = {k: _host_copy(v, into.get(k)) for k, v in obj.items()}
         meta = getattr(obj, "_metadata", None)  # a module state_dict's versions, read by its loaders
         if meta is not None:
             out = collections.OrderedDict(out)
             out._metadata = meta
         return out
-    if isinstance(obj, list):
-        return [_host_copy(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_host_copy(v) for v in obj)
+    if isinstance(obj, (list, tuple)):
+        into = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
+        out = [_host_copy(v, i) for v, i in zip(obj, into)]
+        return out if isinstance(obj, list) else tuple(out)
     return obj
 
 
@@ -83,21 +97,29 @@ def _set_rng_state(st: Dict[str, Any]) -> None:
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def capture(model, optimizer, scaler=None, scheduler=None) -> Dict[str, Any]:
-    """One snapshot of the run's state, in host memory."""
+def _sync_copies() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # the non-blocking device-to-host copies are done
+
+
+def capture(model, optimizer, scaler=None, scheduler=None, into: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """One snapshot of the run's state, in host memory; ``into``: an evicted
+    snapshot whose tensors are reused."""
     snap = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     if scaler is not None:
         snap["scaler"] = scaler.state_dict()
     if scheduler is not None:
         snap["scheduler"] = scheduler.state_dict()
-    snap = _host_copy(snap)
+    snap = _host_copy(snap, into)
     snap["rng"] = _host_copy(_rng_state())
+    _sync_copies()
     return snap
 
 
 def restore(snap: Dict[str, Any], model, optimizer, scaler=None, scheduler=None) -> None:
     """Put the run back in the state of ``snap`` (which stays intact)."""
     fresh = _host_copy(snap)  # the loaders may keep the tensors they are given
+    _sync_copies()
     model.load_state_dict(fresh["model"])
     optimizer.load_state_dict(fresh["optimizer"])
     if scaler is not None and "scaler" in fresh:
@@ -146,6 +168,15 @@ class Ring:
         while len(self.entries) > self.keep:
             self._drop(self.entries.pop(0))
         return entry
+
+    def recycle(self) -> Optional[Dict[str, Any]]:
+        """When the ring is full: evict the oldest snapshot now, and hand its
+        tensors back for the next one to reuse (host memory only)."""
+        if len(self.entries) < self.keep:
+            return None
+        e = self.entries.pop(0)
+        self._drop(e)
+        return e.state
 
     def get(self, step: int) -> Optional[Entry]:
         return next((e for e in self.entries if e.step == step), None)
