@@ -17,12 +17,16 @@ also at the top level (``nanguard.watch``, ``nanguard.doctor``, ...).
   the fp16 early warning (:class:`HeadroomWarning`); ``watch(record_dir=...)``
   saves the first non-finite step, and :func:`replay` runs it again op by op
   and (``triage=True``) under the standard checklist (:class:`ReplayResult`).
+* :class:`EarlyWarnings`: cause-based warnings in any precision (attention
+  logits, output logits, Adam's update RMS and eps, the loss scale), as
+  :class:`InstabilityWarning`.
 """
 
 from __future__ import annotations
 
 from ._batch import BadBatchError, BatchFinding, check_batch
 from ._doctor import Finding, doctor, format_findings
+from ._early_warnings import EarlyWarnings, InstabilityWarning
 from ._history import HeadroomWarning, History
 from ._flight_record import RecordError
 from ._replay import ReplayResult, StepOutcome, replay
@@ -32,4 +36,4 @@ from ._watch import Watch, watch
 __all__ = ["watch", "Watch", "Report", "TensorStats", "NonFiniteError", "FORWARD", "BACKWARD",
            "PARAM_GRAD", "check_batch", "BatchFinding", "BadBatchError", "doctor", "Finding",
            "format_findings", "History", "HeadroomWarning", "replay", "ReplayResult", "StepOutcome",
-           "RecordError"]
+           "RecordError", "EarlyWarnings", "InstabilityWarning"]
