@@ -591,14 +591,9 @@ def test_lightning_resume_keeps_the_guards_history(tmp_path):
     assert trainer2.callback_metrics["nanguard/skipped_steps"].item() == 1.0
 
 
-def test_lightning_record_dir_saves_the_failing_step_for_replay(tmp_path):
-    """NanguardCallback(record_dir=...): the NaN batch's step is saved with
-    the module training_step called (the transformers model inside the
-    LightningModule), which replay rebuilds from its config."""
-    L = pytest.importorskip("lightning.pytorch", reason="pip install lightning (scripts/setup.sh installs it)")
-    from nanguard.integrations.lightning import NanguardCallback
-
-    T, lm = _llama()
+def _lm_module(L, lm, scheduler: bool = False):
+    """A LightningModule training the transformers model ``lm`` with AdamW
+    (and a constant LambdaLR schedule, with ``scheduler``)."""
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -609,14 +604,28 @@ def test_lightning_record_dir_saves_the_failing_step_for_replay(tmp_path):
             return self.lm(**batch).loss
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            if not scheduler:
+                return opt
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)}
 
+    return Module()
+
+
+def test_lightning_record_dir_saves_the_failing_step_for_replay(tmp_path):
+    """NanguardCallback(record_dir=...): the NaN batch's step is saved with
+    the module training_step called (the transformers model inside the
+    LightningModule), which replay rebuilds from its config."""
+    L = pytest.importorskip("lightning.pytorch", reason="pip install lightning (scripts/setup.sh installs it)")
+    from nanguard.integrations.lightning import NanguardCallback
+
+    T, lm = _llama()
     loader = torch.utils.data.DataLoader(_Rows(BATCH * 5), batch_size=BATCH, collate_fn=_NaNAtCollator(32))
     cb = NanguardCallback(record_dir=tmp_path / "rec")
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
     with _records_of("lightning.pytorch.callbacks.nanguard"):
-        trainer.fit(Module(), loader)
+        trainer.fit(_lm_module(L, lm), loader)
     files = sorted(os.listdir(tmp_path / "rec"))
     assert len(files) == 1 and files[0].startswith("nanguard-step")
     from nanguard.diagnostics._flight_record import load_record

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from test_integrations import (BATCH, NAN_AT, _llama, _NaNAtCollator, _Rows, _records_of, _trainer,  # noqa: F401
-                               fresh_accelerate_state)
+from test_integrations import (BATCH, _llama, _lm_module, _NaNAtCollator, _Rows, _records_of,  # noqa: F401
+                               _trainer, fresh_accelerate_state)
 
 
 def _finite(model) -> bool:
@@ -69,19 +69,6 @@ def test_lightning_callback_rewinds_past_a_nan_batch(precision):
     from nanguard.integrations.lightning import NanguardCallback
 
     T, lm = _llama()
-
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.lm = lm
-
-        def training_step(self, batch, i):
-            return self.lm(**batch).loss
-
-        def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
-            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)}
-
     rows = _Rows(BATCH * 6)
     loader = torch.utils.data.DataLoader(rows, batch_size=BATCH, collate_fn=_NaNAtCollator(32, at=3))
     cb = NanguardCallback(rewind={"every": 2})
@@ -89,7 +76,7 @@ def test_lightning_callback_rewinds_past_a_nan_batch(precision):
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         precision=precision, callbacks=[cb])
     with _records_of("lightning.pytorch.callbacks.nanguard") as msgs:
-        trainer.fit(Module(), loader)
+        trainer.fit(_lm_module(L, lm, scheduler=True), loader)
     rw = cb.rewind
     assert rw.rewinds == 1, rw.events
     ev = rw.events[0]
@@ -108,21 +95,9 @@ def test_lightning_rewind_refuses_gradient_accumulation():
     from nanguard.integrations.lightning import NanguardCallback
 
     T, lm = _llama()
-
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.lm = lm
-
-        def training_step(self, batch, i):
-            return self.lm(**batch).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
     loader = torch.utils.data.DataLoader(_Rows(BATCH * 4), batch_size=BATCH, collate_fn=_NaNAtCollator(32, at=None))
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, accumulate_grad_batches=2,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[NanguardCallback(rewind=True)])
     with pytest.raises(ValueError, match="accumulate_grad_batches"):
-        trainer.fit(Module(), loader)
+        trainer.fit(_lm_module(L, lm), loader)
