@@ -229,3 +229,31 @@ def test_warnings_are_emitted_and_bad_arguments_name_themselves():
     assert nanguard.EarlyWarnings is EarlyWarnings and nanguard.InstabilityWarning is InstabilityWarning
     ew.remove()
     assert not model.head._forward_hooks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_signals_on_cuda_equal_the_cpus():
+    cpu = LM()
+    gpu = LM().cuda()
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(4))
+    series = []
+    for model, dev in ((cpu, "cpu"), (gpu, "cuda")):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ew = EarlyWarnings(model, opt, emit=False)
+        for _ in range(3):
+            _step(model, x.to(dev), opt=opt, ew=ew)
+        series.append({k: [v for _, v in d] for k, d in ew.series.items() if d})
+    assert series[0].keys() == series[1].keys()
+    for k in series[0]:  # same math, another device's reduction order: fp32 rounding
+        assert series[1][k] == pytest.approx(series[0][k], rel=1e-4), k
+
+
+def test_each_signal_turns_off_alone():
+    model = LM()
+    with torch.no_grad():
+        model.head.bias[0] = 80.0  # both the log Z and the logit rules would fire
+    for off, left in (("logz_excess", "output logit"), ("logit_max", "output log Z")):
+        ew = EarlyWarnings(model, attn_logit=None, emit=False, **{off: None})
+        _step(model, torch.randn(1, 3, 8), ew=ew)
+        assert [w.signal for w in ew.warnings] == [left]
+        ew.remove()

@@ -570,3 +570,22 @@ def test_hf_llama_clean_and_named_layer():
     assert r.module == "model.layers.1.mlp.down_proj" and r.pass_ == FORWARD
     assert r.cls == "Linear"
     w.remove()
+
+
+def test_paused_watcher_records_nothing_and_counts_no_forward():
+    """Watch.paused(): the model runs outside the step (an evaluation, or
+    Rewind's test) and the step's records are untouched: a NaN computed
+    inside is not reported, the forward count does not move."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    w = nanguard.watch(model)
+    model(torch.randn(2, 4)).sum().backward()
+    n = w._forwards
+    with w.paused():
+        model(torch.full((2, 4), float("nan"))).sum().backward()
+    assert w._forwards == n
+    assert w.step() is None  # the NaN forward inside paused() left no record
+    model(torch.full((2, 4), float("nan"))).sum().backward()
+    with pytest.raises(nanguard.NonFiniteError):
+        w.step()  # and watching goes on after it
+    w.remove()

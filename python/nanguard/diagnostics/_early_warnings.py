@@ -237,7 +237,8 @@ class EarlyWarnings:
         keys = list(vals)
         host = torch.stack([vals[k].to(vals[keys[0]].device) for k in keys]).tolist() if keys else []
         got = dict(zip(keys, host))
-        if self.scaler is not None and self.scaler.is_enabled():
+        if self.scaler is not None and self.scaler.is_enabled() and (self.thresholds[SCALE] is not None
+                                                                     or self.backoffs is not None):
             got[SCALE] = float(self.scaler.get_scale())
         new = []
         for sig, v in got.items():
@@ -257,6 +258,8 @@ class EarlyWarnings:
 
     def _rule(self, sig: str, v: float) -> Optional[InstabilityWarning]:
         thr, step = self.thresholds[sig], self._step
+        if thr is None and sig != SCALE:
+            return None  # turned off (its value is still in the series)
         if sig == ATTN:
             if v >= thr:
                 return InstabilityWarning(sig, step, v, thr, f"at or above {thr:g}, where every diverging run of "
@@ -283,11 +286,11 @@ class EarlyWarnings:
                 self._backoff_run += 1
             elif prev is not None and v > prev:
                 self._backoff_run = 0
-            if v <= thr:
+            if thr is not None and v <= thr:
                 return InstabilityWarning(sig, step, v, thr, f"the loss scale fell to {v:g} (<= {thr:g})")
             if self.backoffs is not None and self._backoff_run >= self.backoffs:
-                return InstabilityWarning(sig, step, v, thr, f"{self._backoff_run} backoffs in a row: the loss "
-                                          f"scale is collapsing")
+                return InstabilityWarning(sig, step, v, self.backoffs, f"{self._backoff_run} backoffs in a row: the "
+                                          f"loss scale is collapsing")
             return None
         return None
 
