@@ -149,3 +149,17 @@ def ranks_flagged(group, flag: bool) -> List[int]:
     dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
     ranks = dist.get_process_group_ranks(group)
     return [ranks[i] for i in flags.cpu().nonzero().flatten().tolist()]
+
+
+def max_over_ranks(group, values: List[int]) -> List[int]:
+    """One all-reduce over ``group``: the element-wise maximum of ``values``
+    (small non-negative ints) over its ranks. Every rank of the group must
+    call it with as many values."""
+    import torch.distributed as dist
+
+    dev = torch.device("cpu")
+    if "nccl" in str(dist.get_backend(group)).lower():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor(values, dtype=torch.int64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.cpu().tolist()

@@ -1089,6 +1089,67 @@ def scenario_four(rank, world):
             "tp": scenario_tp(rank, world)}
 
 
+# ---- Rewind under DDP (2 ranks) -------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class DdpRewindResult:
+    """scenario_ddp_rewind's record on one rank."""
+
+    events: list  # (trigger kind, trigger step, restored step, blame) per rewind
+    skipped: list  # the batch indices this rank skipped
+    global_step: int
+    history: list  # the batch index of each step that stood
+    params: list  # the final parameters
+    finite: bool
+
+
+def scenario_ddp_rewind(rank, world):
+    """A DDP MLP under nanguard.Rewind(every=5); rank 1's batch 6 holds a
+    NaN. Rank 1's loss is NaN; the all-reduced gradients make rank 0's
+    non-finite too: both ranks rewind to step 5 together, both test their
+    batch 6 from there (rank 0's gradients fail again with rank 1's), blame
+    the data, and train on in step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = DDP(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(100 + rank)
+    data = []
+    for i in range(30):
+        x = torch.randn(4, 8, generator=g)
+        y = x.sum(1, keepdim=True)
+        if rank == 1 and i == 6:
+            x[0, 0] = math.nan
+        data.append((x, y))
+    rw = nanguard.Rewind(model, opt, every=5, keep=3)
+    for _, (x, y) in rw.loop(data, 12):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = nanguard.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        rw.step(loss, gn)
+    return DdpRewindResult(
+        events=[(e.trigger.kind, e.trigger.step, e.restored_step, e.blame) for e in rw.events],
+        skipped=[d["batch"] for d in rw.skipped_batches], global_step=rw.global_step,
+        history=[r.batch for r in rw.history], params=[p.detach().clone() for p in net.parameters()],
+        finite=all(bool(torch.isfinite(p).all()) for p in net.parameters()))
+
+
+@dist_ok
+def test_rewind_under_ddp_every_rank_rewinds_together(runs):
+    r0, r1 = runs("ddp_rewind", 2)
+    assert r1.events == [("non-finite loss", 6, 5, "data")]
+    assert r0.events == [("non-finite gradients", 6, 5, "data")]  # rank 1's NaN reached its gradients
+    assert r1.skipped == [6] and r0.skipped == [6]
+    assert r0.global_step == r1.global_step == 12 and r0.history == r1.history == [i for i in range(13) if i != 6]
+    assert r0.finite and r1.finite
+    assert all(torch.equal(a, b) for a, b in zip(r0.params, r1.params))  # DDP's replicas still agree
+
+
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 

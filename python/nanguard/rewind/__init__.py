@@ -74,8 +74,11 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch
 
+from .. import distributed as _dist
 from . import _snapshot
 from ._triggers import GRAD_SPIKE, LOSS_SPIKE, NONFINITE_GRADS, NONFINITE_LOSS, SpikeRule, Trigger
+
+KINDS = (GRAD_SPIKE, LOSS_SPIKE, NONFINITE_GRADS, NONFINITE_LOSS)  # ranks agree on the last of these that fired
 
 __all__ = ["Rewind", "RewindError", "RewindEvent", "StepRecord", "Trigger"]
 
@@ -221,6 +224,14 @@ class Rewind:
         log_path: write the skipped batches and the rewinds here as JSON.
         skip_batches: batch indices (or a ``log_path`` file of an earlier
             run) never to train on.
+        probe: for :meth:`begin`-driven loops: ``probe(batch)`` runs the
+            batch's forward and backward and returns its loss, or
+            ``(loss, grad_norm)``, or None when it cannot.
+        process_group: under torch.distributed, the ranks that rewind
+            together (default: all): when one rank's rule fires, every rank
+            rewinds to the same snapshot, and the data is blamed when any
+            rank's batch fails again (each rank skips its own). One small
+            all-reduce per step, and one per rewind.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -230,7 +241,7 @@ class Rewind:
                  min_history: int = 20, action: str = "auto", lr_factor: float = 0.5, max_rewinds: int = 10,
                  log_path: Optional[Union[str, os.PathLike]] = None,
                  skip_batches: Union[None, str, os.PathLike, Iterable[int]] = None,
-                 probe: Optional[Callable[[Any], Any]] = None):
+                 probe: Optional[Callable[[Any], Any]] = None, process_group=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -251,10 +262,7 @@ class Rewind:
                             f"{type(probe).__name__}")
         if log_path is not None and not isinstance(log_path, (str, os.PathLike)):
             raise TypeError(f"log_path must be a path or None, got {type(log_path).__name__}")
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            raise RuntimeError("nanguard.Rewind runs in one process: under torch.distributed every rank would "
-                               "have to take the same rewind at the same step, which it does not arrange yet")
+        self._group = _dist.agreement_group(process_group)
         self.model, self.optimizer, self.scaler, self.scheduler = model, optimizer, scaler, scheduler
         self.every = _positive_int(every, "every")
         self.keep = _positive_int(keep, "keep")
@@ -400,6 +408,8 @@ class Rewind:
             self._probe_done(idx, lv, gv, skipped)
             return False
         trig = self._check(idx, lv, gv, skipped)
+        if self._group is not None:
+            trig = self._agree(trig, idx, lv, gv)
         if trig is None:
             self.history.append(StepRecord(self.global_step, idx, lv, gv, skipped))
             if not skipped:
@@ -516,6 +526,21 @@ class Rewind:
                 return Trigger(kind, step, [idx], v, why)
         return None
 
+    def _agree(self, trig: Optional[Trigger], idx: int, lv: Optional[float], gv: Optional[float]) -> Optional[Trigger]:
+        """Under torch.distributed: every rank rewinds when one rank's rule
+        fires (one all-reduce of the trigger's kind per step). Each rank
+        then tests its own current batch, so every rank runs as many probe
+        steps (and so as many collectives) as the others."""
+        code = KINDS.index(trig.kind) + 1 if trig is not None else 0
+        (top,) = _dist.max_over_ranks(self._group, [code])
+        if top == 0:
+            return None
+        if trig is None:
+            v = lv if lv is not None else (gv if gv is not None else math.nan)
+            return Trigger(KINDS[top - 1], self.global_step, [idx], v, "fired on another rank")
+        trig.batches = [idx]
+        return trig
+
     def _fails_again(self, trig: Trigger, lv: Optional[float], gv: Optional[float], skipped: bool) -> str:
         """Why a probe of a batch of ``trig`` failed from the earlier state
         ("" when it did not). The test is the trigger's own rule."""
@@ -600,10 +625,13 @@ class Rewind:
         """The test is done: blame, act, and go on from the snapshot."""
         p, self._probe = self._probe, None
         trig, entry, probes = p["trigger"], p["entry"], p["results"]
+        failed = any(q.failed for q in probes)
+        if self._group is not None:  # data when any rank's batch failed again; each skips its own
+            failed = bool(_dist.max_over_ranks(self._group, [int(failed)])[0])
         if not probes:
             blame = UNTESTED
         else:
-            blame = DATA if any(q.failed for q in probes) else STATE
+            blame = DATA if failed else STATE
         blamed = [q.batch for q in probes if q.failed] if probes else list(trig.batches)
         skip: Dict[int, str] = {}
         if self.action in ("skip", "skip_and_lower_lr") or self._driver == "external":
