@@ -30,7 +30,7 @@ from .. import grad_guard as _gg
 from ..amp import SkippedStep
 from ..diagnostics import watch as _watch
 
-__all__ = ["StepGuard"]
+__all__ = ["StepGuard", "ZLoss"]
 
 
 def _check_max_norm(max_grad_norm) -> float:
@@ -204,3 +204,56 @@ class StepGuard:
         :meth:`summary` go on from the saved ones."""
         self.steps = int(state["steps"])
         self.skipped = [SkippedStep.from_state(d) for d in state["skipped"]]
+
+
+class ZLoss:
+    """The callbacks' ``z_loss=``: forward hooks that add
+    :func:`nanguard.z_loss` of the output logits to the ``loss`` of every
+    Hugging Face model in the trained module (the outermost modules with
+    ``get_output_embeddings`` and a ``config``; a LightningModule's inner
+    model), where the output carries both ``loss`` and ``logits``. Positions
+    are those of the ``attention_mask`` the model was called with (all when
+    none). ``last`` is the last z-loss added (detached)."""
+
+    def __init__(self, coeff):
+        if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not 0 < coeff < math.inf:
+            raise ValueError(f"z_loss must be a coefficient > 0 (1e-4 is PaLM's), or None; got {coeff!r}")
+        self.coeff = float(coeff)
+        self.last: Optional[torch.Tensor] = None
+        self._handles: list = []
+
+    @staticmethod
+    def targets(model: nn.Module) -> List[nn.Module]:
+        prefixes: List[str] = []
+        found: List[nn.Module] = []
+        for name, m in model.named_modules():
+            if any(name.startswith(p) for p in prefixes):
+                continue  # inside a model already found (its own inner base model)
+            if callable(getattr(m, "get_output_embeddings", None)) and hasattr(m, "config"):
+                found.append(m)
+                prefixes.append(name + "." if name else "")
+        return found
+
+    def attach(self, model: nn.Module) -> None:
+        for m in self.targets(model):
+            self._handles.append(m.register_forward_hook(self._hook, with_kwargs=True))
+
+    def _hook(self, module, args, kwargs, out):
+        from .._losses import z_loss
+
+        if not torch.is_grad_enabled() or not isinstance(out, dict):
+            return None
+        loss, logits = out.get("loss"), out.get("logits")
+        if not isinstance(loss, torch.Tensor) or not isinstance(logits, torch.Tensor):
+            return None
+        mask = kwargs.get("attention_mask")
+        mask = mask.bool() if isinstance(mask, torch.Tensor) and mask.shape == logits.shape[:-1] else None
+        z = z_loss(logits, self.coeff, mask=mask)
+        out["loss"] = loss + z.to(loss.dtype)
+        self.last = z.detach()
+        return out
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

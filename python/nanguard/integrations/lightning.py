@@ -64,7 +64,7 @@ try:
 except ImportError:  # only the older package name is installed
     from pytorch_lightning import Callback as _Callback
 
-from ._guard import StepGuard
+from ._guard import StepGuard, ZLoss
 from ._rewind import grad_norm_probe, make_rewind, rewind_kwargs
 
 __all__ = ["NanguardCallback", "PLNanguardCallback"]  # noqa: F822 (PLNanguardCallback: module __getattr__)
@@ -103,6 +103,10 @@ class _Guarded:
             ``grad_spike``, ``window``, ``min_history``, ``action``,
             ``lr_factor``, ``max_rewinds``, ``log_path``): recover by
             rewinding (module docstring); ``callback.rewind`` is the policy.
+        z_loss: add ``nanguard.z_loss(logits, z_loss)`` to the ``loss`` of
+            the Hugging Face model(s) inside the LightningModule (over the
+            ``attention_mask``'s positions), e.g. ``1e-4``; logged as
+            ``nanguard/z_loss``.
 
     ``callback.guard.skipped`` lists the skipped steps
     (:class:`nanguard.amp.SkippedStep`, numbered as Lightning's loggers
@@ -111,12 +115,13 @@ class _Guarded:
     """
 
     def __init__(self, max_grad_norm: Optional[float] = None, watch: bool = True,
-                 watch_kwargs: Optional[dict] = None, record_dir=None, rewind=None):
+                 watch_kwargs: Optional[dict] = None, record_dir=None, rewind=None, z_loss=None):
         super().__init__()
         watch_kwargs = StepGuard.watch_kwargs_with(watch, watch_kwargs, record_dir)
         StepGuard.validate_args(max_grad_norm, watch=watch, watch_kwargs=watch_kwargs)
         self._rewind_kw = rewind_kwargs(rewind)
         self.rewind = None  #: the nanguard.Rewind policy of the run (rewind=)
+        self.z_loss = ZLoss(z_loss) if z_loss is not None else None  #: the z-loss hooks (z_loss=)
         self._own_norm = max_grad_norm
         self._watch, self._watch_kwargs = watch, watch_kwargs
         self.guard: Optional[StepGuard] = None
@@ -152,6 +157,8 @@ class _Guarded:
         self._trainer, self._saved_clip = trainer, clip
         trainer.gradient_clip_val = None  # one clipping, by nanguard
         self.guard.attach(pl_module)
+        if self.z_loss is not None:
+            self.z_loss.attach(pl_module)
         if self._rewind_kw is not None:
             self.rewind = self._make_rewind(trainer, pl_module)
 
@@ -198,6 +205,8 @@ class _Guarded:
         pl_module.log("nanguard/skipped_steps", float(len(self.guard.skipped)), on_step=True, on_epoch=False)
         if self.guard.last_grad_norm is not None:
             pl_module.log("nanguard/grad_norm", float(self.guard.last_grad_norm), on_step=True, on_epoch=False)
+        if self.z_loss is not None and self.z_loss.last is not None:
+            pl_module.log("nanguard/z_loss", float(self.z_loss.last), on_step=True, on_epoch=False)
         if self.rewind is not None:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             n = self.rewind.rewinds
@@ -224,6 +233,8 @@ class _Guarded:
             self.guard.detach()
         if self.rewind is not None:
             self.rewind.close()  # the snapshots; the events and skipped batches stay
+        if self.z_loss is not None:
+            self.z_loss.detach()
 
 
 class NanguardCallback(_Guarded, _Callback):

@@ -74,7 +74,7 @@ except ImportError:  # transformers before 4.41: no callback state in checkpoint
         pass
 from transformers.utils import logging as _hf_logging
 
-from ._guard import StepGuard
+from ._guard import StepGuard, ZLoss
 from ._rewind import StepInputs, grad_norm_probe, make_rewind, rewind_kwargs
 
 __all__ = ["NanguardCallback"]
@@ -107,6 +107,9 @@ class NanguardCallback(TrainerCallback, ExportableState):
             ``grad_spike``, ``window``, ``min_history``, ``action``,
             ``lr_factor``, ``max_rewinds``, ``log_path``): recover by
             rewinding (module docstring); ``callback.rewind`` is the policy.
+        z_loss: add ``nanguard.z_loss(logits, z_loss)`` to the model
+            output's ``loss`` (over the ``attention_mask``'s positions), e.g.
+            ``1e-4``; logged as ``nanguard_z_loss``.
 
     After training, ``callback.guard.skipped`` lists the skipped steps
     (:class:`nanguard.amp.SkippedStep`, numbered as the Trainer numbers
@@ -115,12 +118,14 @@ class NanguardCallback(TrainerCallback, ExportableState):
     """
 
     def __init__(self, max_grad_norm: Optional[float] = None, watch: bool = True,
-                 watch_kwargs: Optional[dict] = None, record_dir=None, rewind=None):
+                 watch_kwargs: Optional[dict] = None, record_dir=None, rewind=None, z_loss=None):
         watch_kwargs = StepGuard.watch_kwargs_with(watch, watch_kwargs, record_dir)
         StepGuard.validate_args(max_grad_norm, watch=watch, watch_kwargs=watch_kwargs)
         self._rewind_kw = rewind_kwargs(rewind)
         self.rewind = None  #: the nanguard.Rewind policy of the run (rewind=)
         self._inputs: Optional[StepInputs] = None
+        self._z_coeff = z_loss
+        self.z_loss = ZLoss(z_loss) if z_loss is not None else None  #: the z-loss hooks (z_loss=)
         self._own_norm = max_grad_norm
         self._watch, self._watch_kwargs = watch, watch_kwargs
         self.guard: Optional[StepGuard] = None
@@ -138,6 +143,8 @@ class NanguardCallback(TrainerCallback, ExportableState):
             args["watch_kwargs"] = self._watch_kwargs
         if self._rewind_kw is not None and _json_safe(self._rewind_kw):
             args["rewind"] = self._rewind_kw
+        if self._z_coeff is not None:
+            args["z_loss"] = self._z_coeff
         return {"args": args, "attributes": {"guard_state": self.guard.state_dict() if self.guard else None}}
 
     def _resumed_state(self, state) -> Optional[dict]:
@@ -164,6 +171,8 @@ class NanguardCallback(TrainerCallback, ExportableState):
         args.max_grad_norm = 0.0
         if model is not None:
             self.guard.attach(model)
+            if self.z_loss is not None:
+                self.z_loss.attach(model)
         if self._rewind_kw is not None and model is not None and optimizer is not None:
             scaler, inner = _scaler_and_optimizer(optimizer)
             self._inputs = StepInputs(model)
@@ -215,6 +224,8 @@ class NanguardCallback(TrainerCallback, ExportableState):
             extra = {"nanguard_skipped_steps": len(self.guard.skipped)}
             if self.guard.last_grad_norm is not None:
                 extra["nanguard_grad_norm"] = self.guard.last_grad_norm
+            if self.z_loss is not None and self.z_loss.last is not None:
+                extra["nanguard_z_loss"] = float(self.z_loss.last)
             logs.update(extra)
             # the Trainer appended this line to log_history before calling back
             if state.log_history and state.log_history[-1].get("step") == state.global_step \
@@ -233,6 +244,8 @@ class NanguardCallback(TrainerCallback, ExportableState):
         if self._inputs is not None:
             self._inputs.remove()
             self._inputs = None
+        if self.z_loss is not None:
+            self.z_loss.detach()
         if self.rewind is not None:
             self.rewind.close()  # the snapshots; the events and skipped batches stay
             if self.rewind.rewinds:
