@@ -91,7 +91,7 @@ __all__ = [
 
 
 def patch(model_or_class, *, attention: bool = True, norm: bool = True, max_score: Optional[float] = None,
-          softcap: Optional[float] = None, activation: bool = True) -> PatchSummary:
+          softcap: Optional[float] = None, activation: bool = True, qk_norm: bool = False) -> PatchSummary:
     """Make a model NaN-safe in place; returns a :class:`PatchSummary`.
 
     Args:
@@ -109,19 +109,26 @@ def patch(model_or_class, *, attention: bool = True, norm: bool = True, max_scor
         softcap: soft-cap scores with ``softcap * tanh(s / softcap)`` for models
             that have no soft-cap of their own (a model's own, like Gemma-2's,
             is always kept).
+        qk_norm: add an RMSNorm on every head's queries and keys before the
+            scores (``q_norm`` / ``k_norm`` submodules, their weights
+            calibrated on the first forward so that a pretrained model
+            changes little: ``nanguard.patching._qk_norm``). Off by default:
+            it adds parameters (patch before building the optimizer) and
+            ``state_dict`` keys.
 
-    The model's ``state_dict`` keys and values are unchanged. Patching a
+    The model's ``state_dict`` keys and values are unchanged (``qk_norm``
+    adds keys). Patching a
     patched model again with the same options does nothing and returns the
     same summary; with other options it re-patches, as if :func:`unpatch`
     had been called first. :func:`unpatch` undoes it exactly.
     """
-    for name, v in (("attention", attention), ("norm", norm), ("activation", activation)):
+    for name, v in (("attention", attention), ("norm", norm), ("activation", activation), ("qk_norm", qk_norm)):
         if not isinstance(v, bool):
             raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
     # safe_sdpa's own check: a finite number > 0, or None for off
     opts = _Options(attention, norm, activation,
                     None if max_score is None else _check_guard("max_score", max_score),
-                    None if softcap is None else _check_guard("softcap", softcap))
+                    None if softcap is None else _check_guard("softcap", softcap), qk_norm)
     if isinstance(model_or_class, type):
         return _patch_class(model_or_class, opts)
     if not isinstance(model_or_class, nn.Module):

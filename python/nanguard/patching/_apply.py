@@ -16,6 +16,7 @@ from ..nn import SafeMultiheadAttention, UnsupportedModuleError, _no_fastpath_ho
 from ._activations import _act_replacement
 from ._hf_attention import _OPTS_ATTR, _outermost_hf, _patch_hf_attention, _register
 from ._norm_forms import _is_norm_like, _norm_replacement
+from ._qk_norm import add_qk_norms
 from ._wrappers import _hf_pretrained_base, unwrap
 
 #: attribute of the (unwrapped) model holding its :class:`_Record`
@@ -63,6 +64,7 @@ class _Options:
     activation: bool = True
     max_score: Optional[float] = None
     softcap: Optional[float] = None
+    qk_norm: bool = False
 
 
 @dataclasses.dataclass
@@ -95,6 +97,8 @@ class _Record:
     opts_on: List[nn.Module] = dataclasses.field(default_factory=list)
     #: (object, attribute, value before) to restore
     attrs: List[Tuple[object, str, object]] = dataclasses.field(default_factory=list)
+    #: (module, name) of the submodules added (qk_norm)
+    modules_added: List[Tuple[nn.Module, str]] = dataclasses.field(default_factory=list)
 
     def __setstate__(self, state):
         # a patched model loaded in a new process (torch.load): its configs
@@ -183,6 +187,8 @@ def _patch_model(wrapped: nn.Module, opts: _Options) -> PatchSummary:
             _apply_change(change, record)
         if opts.attention:
             _patch_attention(model, record, base, is_hf)
+        if opts.qk_norm:
+            add_qk_norms(model, record, record.summary)
     except Exception:
         _undo(record)
         raise
@@ -227,6 +233,8 @@ def _patch_attention(model: nn.Module, record: _Record, base: Optional[type], is
 def _undo(record: _Record) -> None:
     for h in record.hooks:
         h.remove()
+    for m, name in reversed(record.modules_added):
+        delattr(m, name)
     for obj, attr, value in reversed(record.attrs):
         setattr(obj, attr, value)
     for m, old, added in reversed(record.classes):
