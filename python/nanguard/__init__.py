@@ -23,6 +23,7 @@ from .grad_guard import clip_grad_norm_  # noqa: E402
 from . import functional, nn  # noqa: E402
 from ._losses import z_loss  # noqa: E402
 from ._stability import rescale_residual_init, warmup  # noqa: E402
+from ._study import StudyConfig, study  # noqa: E402
 from ._info import info  # noqa: E402
 from ._tensor_stats import new_stats_buffers, tensor_stats, tensor_stats_  # noqa: E402
 from .amp import SkippedStep  # noqa: E402
@@ -36,7 +37,7 @@ from .patching import PatchSummary, UnsupportedModuleError, patch, unpatch  # no
 from ._version import __version__  # noqa: E402
 
 __all__ = ["functional", "nn", "info", "__version__", "amp", "clip_grad_norm_", "z_loss", "warmup",
-           "rescale_residual_init"]
+           "rescale_residual_init", "study", "StudyConfig"]
 __all__ += ["tensor_stats", "tensor_stats_", "new_stats_buffers", "SkippedStep", "diagnostics"]
 __all__ += diagnostics.__all__  # the diagnostic tools and the classes they raise or return
 __all__ += ["patching", "patch", "unpatch", "PatchSummary", "UnsupportedModuleError"]

@@ -18,6 +18,8 @@ def main(argv=None) -> int:
                    help="audit a model built from a config: python -m nanguard doctor --model-type llama")
     sub.add_parser("replay", add_help=False,
                    help="run a recorded failing step again: python -m nanguard replay PATH [--triage] [--json]")
+    sub.add_parser("study", add_help=False,
+                   help="why some seeds diverge: a seed grid, early predictors and LR sensitivity per fix")
     args, rest = parser.parse_known_args(argv)
     if args.command == "info":
         if rest:
@@ -38,6 +40,10 @@ def main(argv=None) -> int:
         from .diagnostics._replay import cli
 
         return cli(rest)
+    if args.command == "study":
+        from ._study import main as study_main
+
+        return study_main(rest)
     return 0
 
 

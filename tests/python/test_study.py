@@ -1,0 +1,103 @@
+"""nanguard.study: its statistics on constructed inputs (exact), and the
+study end to end on a tiny grid, resumed."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+import nanguard
+from nanguard import _study
+from nanguard._study import StudyConfig, divergence_step, lr_sensitivity, roc_auc, seed_decomposition
+
+
+def test_divergence_step():
+    assert divergence_step([5.0, 4.0, math.nan, 3.0]) == 2
+    assert divergence_step([5.0] + [4.0] * 20) is None
+    assert divergence_step([5.0] + [9.0] * 20) == 0  # never came back below the first loss
+    # 8-step means from step 0: 3.25, 3.0, 3.75, 4.5, 5.25, ...: the last one at or below 5 starts at step 3
+    assert divergence_step([5.0] + [3.0] * 8 + [9.0] * 12) == 4
+    assert divergence_step([5.0, 6.0]) is None  # too short to say
+
+
+def test_roc_auc_is_the_mann_whitney_probability():
+    assert roc_auc([3.0, 4.0], [1.0, 2.0]) == 1.0
+    assert roc_auc([1.0], [2.0]) == 0.0
+    assert roc_auc([1.0, 3.0], [2.0, 2.0]) == 0.5
+    assert roc_auc([2.0], [2.0]) == 0.5  # a tie counts half
+    assert roc_auc([], [1.0]) is None
+
+
+def test_seed_decomposition_attributes_pure_effects_exactly():
+    init_only = [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+    d = seed_decomposition(init_only, boot=200)
+    assert (d["init"], d["data"], d["rest"]) == pytest.approx((1.0, 0.0, 0.0))
+    data_only = [list(r) for r in zip(*init_only)]
+    d = seed_decomposition(data_only, boot=200)
+    assert (d["init"], d["data"], d["rest"]) == pytest.approx((0.0, 1.0, 0.0))
+    inter = [[1.0, 0.0], [0.0, 1.0]]  # neither alone: all interaction
+    d = seed_decomposition(inter, boot=200)
+    assert (d["init"], d["data"], d["rest"]) == pytest.approx((0.0, 0.0, 1.0))
+    lo, hi = d["rest_90"]
+    assert 0.0 <= lo <= hi <= 1.0
+
+
+def test_lr_sensitivity_is_wortsmans_definition():
+    # E[min(final, initial)] - min final; a NaN counts as the initial loss
+    assert lr_sensitivity({0.1: 3.0, 0.3: 4.0, 1.0: math.nan}, 5.0) == pytest.approx((3 + 4 + 5) / 3 - 3)
+    assert lr_sensitivity({0.1: 3.0, 0.3: 9.0}, 5.0) == pytest.approx(1.0)
+    assert lr_sensitivity({}, 5.0) is None
+
+
+def test_tiny_study_end_to_end_and_resumed(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    cfg = StudyConfig(init_seeds=2, data_seeds=2, steps=10, lr=0.3, lrs=(0.01, 0.3),
+                      fixes=("baseline", "z_loss", "qk_norm"), ks=(2, 4))
+    s = nanguard.study(cfg, str(tmp_path), workers=1, progress=False)
+    for f in ("runs.jsonl", "study.json", "study.md", "divergence_grid.png", "predictors.png",
+              "lr_sensitivity.png"):
+        assert (tmp_path / f).exists(), f
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert len(runs) == 4 + 2 * 3
+    assert s["runs"] == 4 and len(s["divergence_steps"]) == 2
+    assert set(s["lr_sensitivity"]) == {"baseline", "z_loss", "qk_norm"}
+    for v in s["lr_sensitivity"].values():
+        assert v["sensitivity"] is None or v["sensitivity"] >= 0
+    grid = [r for r in runs if r["key"].startswith("grid/")]
+    for r in grid:  # a run stopped by its first rewind has the blame of its probe
+        assert (r["blame"] is None) == (r["blamed_step"] is None)
+        if r["blame"] is not None:
+            assert r["diverged_at"] == r["blamed_step"]
+    assert s["summary"] in (tmp_path / "study.md").read_text()
+    doc = json.loads((tmp_path / "study.json").read_text())
+    assert doc["summary"] == s["summary"] and len(doc["runs_detail"]) == 10
+
+    def no_run(*a, **k):
+        raise AssertionError("a finished run was run again")
+
+    monkeypatch.setattr(_study, "run_one", no_run)
+    again = nanguard.study(cfg, str(tmp_path), workers=1, progress=False)
+    assert again["summary"] == s["summary"]
+
+
+def test_bad_configs_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match="fixes"):
+        nanguard.study(StudyConfig(fixes=("dropout",)), str(tmp_path))
+    with pytest.raises(ValueError, match="init_seeds"):
+        nanguard.study(StudyConfig(init_seeds=0), str(tmp_path))
+    with pytest.raises(ValueError, match="lrs"):
+        nanguard.study(StudyConfig(lrs=(0.0,)), str(tmp_path))
+    with pytest.raises(ValueError, match="model"):
+        nanguard.study(StudyConfig(model="bert"), str(tmp_path))
+    with pytest.raises(TypeError, match="cfg"):
+        nanguard.study({"init_seeds": 2}, str(tmp_path))
+    assert not os.listdir(tmp_path)
+
+
+def test_cli_help():
+    with pytest.raises(SystemExit) as e:
+        _study.main(["--help"])
+    assert e.value.code == 0
