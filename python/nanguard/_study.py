@@ -73,11 +73,12 @@ class StudyConfig:
     fixes: Tuple[str, ...] = FIXES
     ks: Tuple[int, ...] = (3, 5, 8, 12)  #: predictor horizons
     dtype: str = "fp16"
+    sweep_seeds: int = 3  #: seeds per (fix, learning rate) of the sweep (init and data seed alike)
 
     @classmethod
     def quick(cls, **kw) -> "StudyConfig":
         """A grid that finishes on 2 CPU cores in a few minutes."""
-        base = dict(init_seeds=3, data_seeds=3, steps=24, lrs=(0.03, 0.1, 0.3), ks=(3, 5, 8))
+        base = dict(init_seeds=3, data_seeds=3, steps=24, lrs=(0.03, 0.1, 0.3), ks=(3, 5, 8), sweep_seeds=1)
         base.update(kw)
         return cls(**base)
 
@@ -267,10 +268,13 @@ def _jobs(cfg: StudyConfig) -> List[Tuple[str, dict]]:
     jobs = []
     for i in range(cfg.init_seeds):
         for j in range(cfg.data_seeds):
-            jobs.append((f"grid/{i}/{j}", dict(init_seed=i, data_seed=j, lr=cfg.lr, fix="baseline", rewind=True)))
+            jobs.append((f"grid/{cfg.lr:g}/{i}/{j}", dict(init_seed=i, data_seed=j, lr=cfg.lr, fix="baseline",
+                                                         rewind=True)))
     for fix in cfg.fixes:
         for lr in cfg.lrs:
-            jobs.append((f"lr/{fix}/{lr:g}", dict(init_seed=0, data_seed=0, lr=lr, fix=fix, rewind=False)))
+            for seed in range(cfg.sweep_seeds):
+                jobs.append((f"lr/{fix}/{lr:g}/{seed}", dict(init_seed=seed, data_seed=seed, lr=lr, fix=fix,
+                                                             rewind=False)))
     return jobs
 
 
@@ -379,7 +383,7 @@ def study(cfg: Optional[StudyConfig] = None, out: str = "nanguard_study", worker
 
 
 def _summarise(cfg: StudyConfig, runs: Dict[str, dict]) -> dict:
-    grid = [[runs[f"grid/{i}/{j}"] for j in range(cfg.data_seeds)] for i in range(cfg.init_seeds)]
+    grid = [[runs[f"grid/{cfg.lr:g}/{i}/{j}"] for j in range(cfg.data_seeds)] for i in range(cfg.init_seeds)]
     div = [[1.0 if r["diverged_at"] is not None else 0.0 for r in row] for row in grid]
     flat = [r for row in grid for r in row]
     blames = {b: sum(1 for r in flat if r["blame"] == b) for b in ("data", "state", "untested")}
@@ -406,10 +410,18 @@ def _summarise(cfg: StudyConfig, runs: Dict[str, dict]) -> dict:
             auc[s][k] = {"auc": roc_auc(pos, neg), "diverged": len(pos), "finite": len(neg)}
     sens = {}
     for fix in cfg.fixes:
-        rs = {lr: runs[f"lr/{fix}/{lr:g}"] for lr in cfg.lrs}
-        initial = rs[cfg.lrs[0]]["initial_loss"]
-        sens[fix] = {"sensitivity": lr_sensitivity({lr: r["final_loss"] for lr, r in rs.items()}, initial),
-                     "final_loss": {f"{lr:g}": r["final_loss"] for lr, r in rs.items()}}
+        per_seed = []
+        for seed in range(cfg.sweep_seeds):
+            rs = {lr: runs[f"lr/{fix}/{lr:g}/{seed}"] for lr in cfg.lrs}
+            per_seed.append(lr_sensitivity({lr: r["final_loss"] for lr, r in rs.items()},
+                                           rs[cfg.lrs[0]]["initial_loss"]))
+
+        def mean_final(lr):
+            v = [runs[f"lr/{fix}/{lr:g}/{seed}"]["final_loss"] for seed in range(cfg.sweep_seeds)]
+            return sum(v) / len(v)  # NaN when a seed's run ended NaN
+
+        sens[fix] = {"sensitivity": sum(per_seed) / len(per_seed), "per_seed": per_seed,
+                     "final_loss": {f"{lr:g}": mean_final(lr) for lr in cfg.lrs}}
     return {"config": dataclasses.asdict(cfg), "diverged": int(sum(map(sum, div))), "runs": len(flat),
             "divergence_steps": [[r["diverged_at"] for r in row] for row in grid],
             "decomposition": seed_decomposition(div) if 0 < sum(map(sum, div)) < len(flat) else None,
@@ -445,11 +457,15 @@ def _paragraph(s: dict) -> str:
         a, sig, k, v = max(best)
         parts.append(f"The best early predictor was the {sig} over the first {k} steps (ROC AUC {a:.2f} on "
                      f"{v['diverged']} diverging and {v['finite']} finite runs).")
-    sens = {f: v["sensitivity"] for f, v in s["lr_sensitivity"].items() if v["sensitivity"] is not None}
+    sens = {f: v for f, v in s["lr_sensitivity"].items() if v["sensitivity"] is not None}
     if "baseline" in sens:
-        order = sorted(sens.items(), key=lambda kv: kv[1])
-        parts.append("LR sensitivity (lower is more robust): "
-                     + ", ".join(f"{f} {v:.3f}" for f, v in order) + f"; the baseline's is {sens['baseline']:.3f}.")
+        order = sorted(sens.items(), key=lambda kv: kv[1]["sensitivity"])
+        n = cfg["sweep_seeds"]
+        parts.append(f"LR sensitivity (lower is more robust; mean over {n} seed{'s' if n > 1 else ''}"
+                     + (", range in brackets" if n > 1 else "") + "): "
+                     + ", ".join(f"{f} {v['sensitivity']:.2f}"
+                                 + (f" [{min(v['per_seed']):.2f}-{max(v['per_seed']):.2f}]" if n > 1 else "")
+                                 for f, v in order) + ".")
     parts.append("These are measurements of this small model on this loop, not predictions for a large one.")
     return " ".join(parts)
 
@@ -521,11 +537,14 @@ def report(cfg: StudyConfig, runs: Dict[str, dict], out: str) -> dict:
         cells = [("-" if v["auc"] is None else f"{v['auc']:.2f}") + f" ({v['diverged']}/{v['finite']})"
                  for v in byk.values()]
         lines.append(f"| {sig} | " + " | ".join(cells) + " |")
-    lines += ["", "## LR sensitivity", "", "| fix | sensitivity | " + " | ".join(f"lr {lr:g}" for lr in cfg.lrs)
-              + " |", "|---|---|" + "---|" * len(cfg.lrs)]
+    lines += ["", f"## LR sensitivity (mean over {cfg.sweep_seeds} seeds; final loss: mean of the seeds' last 8 "
+              f"steps, nan when a seed's run ended non-finite)", "",
+              "| fix | sensitivity | per seed | " + " | ".join(f"lr {lr:g}" for lr in cfg.lrs)
+              + " |", "|---|---|---|" + "---|" * len(cfg.lrs)]
     for fix, v in s["lr_sensitivity"].items():
         sv = "-" if v["sensitivity"] is None else f"{v['sensitivity']:.3f}"
-        lines.append(f"| {fix} | {sv} | " + " | ".join(
+        ps = " ".join(f"{x:.2f}" for x in v["per_seed"])
+        lines.append(f"| {fix} | {sv} | {ps} | " + " | ".join(
             f"{x:.3f}" if math.isfinite(x) else "nan" for x in v["final_loss"].values()) + " |")
     with open(os.path.join(out, "study.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
