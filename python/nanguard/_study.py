@@ -387,11 +387,14 @@ def _summarise(cfg: StudyConfig, runs: Dict[str, dict]) -> dict:
     div = [[1.0 if r["diverged_at"] is not None else 0.0 for r in row] for row in grid]
     flat = [r for row in grid for r in row]
     blames = {b: sum(1 for r in flat if r["blame"] == b) for b in ("data", "state", "untested")}
-    by_data = {}
+    by_data, same, pairs = {}, 0, 0
     for j in range(cfg.data_seeds):
-        steps = sorted({r["diverged_at"] for r in (grid[i][j] for i in range(cfg.init_seeds))
-                        if r["diverged_at"] is not None})
-        by_data[j] = steps
+        steps = [r["diverged_at"] for r in (grid[i][j] for i in range(cfg.init_seeds)) if r["diverged_at"] is not None]
+        by_data[j] = sorted(steps)
+        for a in range(len(steps)):  # two init seeds, one data order: the same batch at the same step
+            for b in range(a + 1, len(steps)):
+                pairs += 1
+                same += steps[a] == steps[b]
     auc = {}
     for s, worse_up in SIGNALS.items():
         auc[s] = {}
@@ -416,16 +419,22 @@ def _summarise(cfg: StudyConfig, runs: Dict[str, dict]) -> dict:
             per_seed.append(lr_sensitivity({lr: r["final_loss"] for lr, r in rs.items()},
                                            rs[cfg.lrs[0]]["initial_loss"]))
 
-        def mean_final(lr):
-            v = [runs[f"lr/{fix}/{lr:g}/{seed}"]["final_loss"] for seed in range(cfg.sweep_seeds)]
-            return sum(v) / len(v)  # NaN when a seed's run ended NaN
+        def mean_final(lr, clip=False):
+            v = []
+            for seed in range(cfg.sweep_seeds):
+                r = runs[f"lr/{fix}/{lr:g}/{seed}"]
+                x, init = r["final_loss"], runs[f"lr/{fix}/{cfg.lrs[0]:g}/{seed}"]["initial_loss"]
+                v.append((min(x, init) if math.isfinite(x) else init) if clip else x)
+            return sum(v) / len(v)  # unclipped: NaN when a seed's run ended NaN
 
         sens[fix] = {"sensitivity": sum(per_seed) / len(per_seed), "per_seed": per_seed,
-                     "final_loss": {f"{lr:g}": mean_final(lr) for lr in cfg.lrs}}
+                     "final_loss": {f"{lr:g}": mean_final(lr) for lr in cfg.lrs},
+                     "clipped_loss": {f"{lr:g}": mean_final(lr, clip=True) for lr in cfg.lrs}}
     return {"config": dataclasses.asdict(cfg), "diverged": int(sum(map(sum, div))), "runs": len(flat),
             "divergence_steps": [[r["diverged_at"] for r in row] for row in grid],
             "decomposition": seed_decomposition(div) if 0 < sum(map(sum, div)) < len(flat) else None,
-            "blame": blames, "divergence_steps_by_data_seed": by_data, "auc": auc, "lr_sensitivity": sens}
+            "blame": blames, "divergence_steps_by_data_seed": by_data,
+            "same_batch_pairs": {"same": same, "pairs": pairs}, "auc": auc, "lr_sensitivity": sens}
 
 
 def _paragraph(s: dict) -> str:
@@ -441,6 +450,10 @@ def _paragraph(s: dict) -> str:
                      + f", and their interaction with noise {d['rest']:.0%}.")
     else:
         parts.append("With every run (or none) diverging, nothing is left to attribute.")
+    sb = s["same_batch_pairs"]
+    if sb["pairs"]:
+        parts.append(f"Of {sb['pairs']} pairs of diverging runs that share a data order, {sb['same']} diverged at "
+                     f"the same step (on the same batch).")
     b = s["blame"]
     if sum(b.values()):
         parts.append(f"Running each failing batch again from the last snapshot before it (1-5 steps earlier) "
@@ -506,12 +519,12 @@ def _plots(cfg: StudyConfig, s: dict, out: str) -> List[str]:
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
     for fix, v in s["lr_sensitivity"].items():
-        lrs = [float(x) for x in v["final_loss"]]
-        ax.plot(lrs, [y if math.isfinite(y) else float("nan") for y in v["final_loss"].values()], marker="o",
-                label=fix)
+        lrs = [float(x) for x in v["clipped_loss"]]
+        ax.plot(lrs, list(v["clipped_loss"].values()), marker="o", label=f"{fix} ({v['sensitivity']:.2f})")
     ax.set_xscale("log")
     ax.set_xlabel("learning rate")
-    ax.set_ylabel(f"final loss (mean of last 8 of {cfg.steps})")
+    ax.set_ylabel("min(final, initial) loss, mean of seeds")
+    ax.set_title("LR sensitivity per fix (in the legend: lower is more robust)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     files.append(os.path.join(out, "lr_sensitivity.png"))
@@ -521,12 +534,17 @@ def _plots(cfg: StudyConfig, s: dict, out: str) -> List[str]:
 
 
 def report(cfg: StudyConfig, runs: Dict[str, dict], out: str) -> dict:
+    from ._info import cpu_model
+
     s = _summarise(cfg, runs)
     s["summary"] = _paragraph(s)
+    s["machine"] = {"cpu": cpu_model()["model"], "torch": torch.__version__, "cores": os.cpu_count()}
     s["plots"] = _plots(cfg, s, out)
     with open(os.path.join(out, "study.json"), "w") as f:
         json.dump(_json_safe({**s, "runs_detail": list(runs.values())}), f)
-    lines = [f"# nanguard study: {cfg.model}, {cfg.dtype}", "", s["summary"], "", "## Divergence step per run",
+    lines = [f"# nanguard study: {cfg.model}, {cfg.dtype}", "",
+             f"{s['machine']['cpu']}, torch {s['machine']['torch']}, one thread per run.", "",
+             s["summary"], "", "## Divergence step per run",
              "", "| init \\ data | " + " | ".join(str(j) for j in range(cfg.data_seeds)) + " |",
              "|---|" + "---|" * cfg.data_seeds]
     for i, row in enumerate(s["divergence_steps"]):

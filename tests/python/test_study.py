@@ -67,12 +67,14 @@ def test_tiny_study_end_to_end_and_resumed(tmp_path, monkeypatch):
     for v in s["lr_sensitivity"].values():  # the mean of the seeds' sensitivities
         assert len(v["per_seed"]) == 2 and v["sensitivity"] == pytest.approx(sum(v["per_seed"]) / 2)
         assert all(x >= 0 for x in v["per_seed"])
+        assert all(math.isfinite(x) for x in v["clipped_loss"].values())  # a NaN run counts as the initial loss
     grid = [r for r in runs if r["key"].startswith("grid/")]
     for r in grid:  # a run stopped by its first rewind has the blame of its probe
         assert (r["blame"] is None) == (r["blamed_step"] is None)
         if r["blame"] is not None:
             assert r["diverged_at"] == r["blamed_step"]
-    assert s["summary"] in (tmp_path / "study.md").read_text()
+    assert s["summary"] in (tmp_path / "study.md").read_text() and s["machine"]["cpu"]
+    assert s["same_batch_pairs"]["same"] <= s["same_batch_pairs"]["pairs"]
     doc = json.loads((tmp_path / "study.json").read_text())
     assert doc["summary"] == s["summary"] and len(doc["runs_detail"]) == 12
 
