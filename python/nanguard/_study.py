@@ -59,12 +59,21 @@ SIGNALS = {"attention logit": True, "output log Z": True, "Adam update RMS": Tru
 
 @dataclasses.dataclass
 class StudyConfig:
-    """What :func:`study` runs. The model is the demo's GPT-2 (``"gpt2"``)
-    or a Llama of the same size (``"llama"``), trained by the demo's loop:
-    fp16 autocast with torch's GradScaler, eager attention, AdamW without
-    warmup, clip 1.0, byte-level batches of ``argparse.py``."""
+    """What :func:`study` runs, with the demo's loop: fp16 autocast with
+    torch's GradScaler (or bf16 / fp32), AdamW without warmup, clip 1.0.
 
-    model: str = "gpt2"
+    ``model``: the demo's GPT-2 (``"gpt2"``), a Llama of the same size
+    (``"llama"``), a transformers config (``AutoModelForCausalLM.from_config``
+    after ``torch.manual_seed(init_seed)``), or a callable
+    ``model(init_seed) -> causal LM`` (called with ``input_ids=`` and
+    ``labels=``, returning ``.loss`` and ``.logits``). ``data``: None for the
+    demo's byte-level batches of ``argparse.py``, or a callable
+    ``data(data_seed) -> iterator of input_ids batches``. Callables must be
+    importable (module-level functions): the runs execute in other
+    processes."""
+
+    model: object = "gpt2"
+    data: object = None
     init_seeds: int = 8
     data_seeds: int = 8
     steps: int = 40
@@ -161,6 +170,13 @@ def lr_sensitivity(final: Dict[float, float], initial: float) -> Optional[float]
 def _build(cfg: StudyConfig, init_seed: int):
     from . import _demo_model as demo
 
+    if callable(cfg.model):
+        return cfg.model(init_seed)
+    if not isinstance(cfg.model, str):  # a transformers config
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(init_seed)
+        return AutoModelForCausalLM.from_config(cfg.model)
     dcfg = demo.Config(seed=init_seed, device="cpu")
     if cfg.model == "gpt2":
         return demo.build_model(dcfg)
@@ -208,7 +224,7 @@ def _run(cfg: StudyConfig, init_seed: int, data_seed: int, lr: float, fix: str, 
     ew = EarlyWarnings(model, opt, scaler if fp16 else None, emit=False)
     rw = Rewind(model, opt, scaler=scaler, scheduler=sched, every=5, keep=2, loss_spike=None,
                          max_rewinds=1) if rewind else None
-    data = demo.batches(demo.Config(seed=data_seed), demo.corpus())
+    data = cfg.data(data_seed) if cfg.data is not None else demo.batches(demo.Config(seed=data_seed), demo.corpus())
     losses, sig = [], {s: [] for s in SIGNALS}
     blame, blamed_step, failing = None, None, None
     ctx = dict(device_type="cpu", dtype=torch.float16 if fp16 else torch.bfloat16, enabled=cfg.dtype != "fp32")
@@ -342,9 +358,15 @@ def study(cfg: Optional[StudyConfig] = None, out: str = "nanguard_study", worker
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if not cfg.lrs or any(not 0 < lr < math.inf for lr in cfg.lrs):
         raise ValueError(f"lrs must be learning rates > 0, got {cfg.lrs!r}")
-    if cfg.model not in ("gpt2", "llama") or cfg.dtype not in ("fp16", "bf16", "fp32"):
-        raise ValueError(f"model must be 'gpt2' or 'llama' and dtype fp16, bf16 or fp32; got {cfg.model!r}, "
-                         f"{cfg.dtype!r}")
+    if isinstance(cfg.model, str) and cfg.model not in ("gpt2", "llama"):
+        raise ValueError(f"model must be 'gpt2', 'llama', a transformers config or a callable; got {cfg.model!r}")
+    if not isinstance(cfg.model, str) and not callable(cfg.model) and not hasattr(cfg.model, "model_type"):
+        raise TypeError(f"model must be 'gpt2', 'llama', a transformers config or a callable; got "
+                        f"{type(cfg.model).__name__}")
+    if cfg.data is not None and not callable(cfg.data):
+        raise TypeError(f"data must be None or a callable data(seed) -> batches, got {type(cfg.data).__name__}")
+    if cfg.dtype not in ("fp16", "bf16", "fp32"):
+        raise ValueError(f"dtype must be fp16, bf16 or fp32; got {cfg.dtype!r}")
     os.makedirs(out, exist_ok=True)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     paths = [os.path.join(out, "runs.jsonl" if world == 1 else f"runs.rank{r}.jsonl") for r in range(world)]
@@ -430,11 +452,21 @@ def _summarise(cfg: StudyConfig, runs: Dict[str, dict]) -> dict:
         sens[fix] = {"sensitivity": sum(per_seed) / len(per_seed), "per_seed": per_seed,
                      "final_loss": {f"{lr:g}": mean_final(lr) for lr in cfg.lrs},
                      "clipped_loss": {f"{lr:g}": mean_final(lr, clip=True) for lr in cfg.lrs}}
-    return {"config": dataclasses.asdict(cfg), "diverged": int(sum(map(sum, div))), "runs": len(flat),
+    conf = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    conf["model"], conf["data"] = _name(cfg.model), _name(cfg.data) if cfg.data is not None else "demo"
+    return {"config": conf, "diverged": int(sum(map(sum, div))), "runs": len(flat),
             "divergence_steps": [[r["diverged_at"] for r in row] for row in grid],
             "decomposition": seed_decomposition(div) if 0 < sum(map(sum, div)) < len(flat) else None,
             "blame": blames, "divergence_steps_by_data_seed": by_data,
             "same_batch_pairs": {"same": same, "pairs": pairs}, "auc": auc, "lr_sensitivity": sens}
+
+
+def _name(x) -> str:
+    if isinstance(x, str):
+        return x
+    if callable(x):
+        return f"{getattr(x, '__module__', '?')}.{getattr(x, '__qualname__', type(x).__name__)}"
+    return f"{type(x).__name__} ({getattr(x, 'model_type', '?')})"
 
 
 def _paragraph(s: dict) -> str:
@@ -542,7 +574,7 @@ def report(cfg: StudyConfig, runs: Dict[str, dict], out: str) -> dict:
     s["plots"] = _plots(cfg, s, out)
     with open(os.path.join(out, "study.json"), "w") as f:
         json.dump(_json_safe({**s, "runs_detail": list(runs.values())}), f)
-    lines = [f"# nanguard study: {cfg.model}, {cfg.dtype}", "",
+    lines = [f"# nanguard study: {_name(cfg.model)}, {cfg.dtype}", "",
              f"{s['machine']['cpu']}, torch {s['machine']['torch']}, one thread per run.", "",
              s["summary"], "", "## Divergence step per run",
              "", "| init \\ data | " + " | ".join(str(j) for j in range(cfg.data_seeds)) + " |",

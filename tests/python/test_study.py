@@ -104,3 +104,41 @@ def test_cli_help():
     with pytest.raises(SystemExit) as e:
         _study.main(["--help"])
     assert e.value.code == 0
+
+
+def tiny_gpt2(seed):
+    """A model factory of the user's (module-level: the study's processes import it)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16,
+                                                                n_layer=1, n_head=2))
+
+
+def tiny_data(seed):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randint(0, 32, (2, 16), generator=g)
+
+
+def test_a_model_and_data_of_the_users(tmp_path):
+    pytest.importorskip("transformers")
+    import transformers
+
+    cfg = StudyConfig(model=tiny_gpt2, data=tiny_data, init_seeds=2, data_seeds=1, steps=8, lrs=(0.01,),
+                      fixes=("baseline",), ks=(2,), sweep_seeds=1)
+    s = nanguard.study(cfg, str(tmp_path / "callable"), workers=1, progress=False)
+    assert s["config"]["model"].endswith("tiny_gpt2") and s["config"]["data"].endswith("tiny_data")
+    assert s["runs"] == 2 and json.loads((tmp_path / "callable" / "study.json").read_text())["config"]["model"]
+    conf = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+    s = nanguard.study(StudyConfig(model=conf, init_seeds=1, data_seeds=1, steps=6, lrs=(0.01,),
+                                   fixes=("baseline",), ks=(2,), sweep_seeds=1),
+                       str(tmp_path / "config"), workers=1, progress=False)
+    assert s["config"]["model"].startswith("GPT2Config")
+    with pytest.raises(TypeError, match="data"):
+        nanguard.study(StudyConfig(data=3), str(tmp_path / "bad"))
+    with pytest.raises(TypeError, match="model"):
+        nanguard.study(StudyConfig(model=3), str(tmp_path / "bad"))
