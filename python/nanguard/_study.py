@@ -523,7 +523,14 @@ def _plots(cfg: StudyConfig, s: dict, out: str) -> List[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    files = []
+    files: List[str] = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        files.append(os.path.join(out, name))
+        fig.savefig(files[-1])
+        plt.close(fig)
+
     steps = [[cfg.steps if v is None else v for v in row] for row in s["divergence_steps"]]
     fig, ax = plt.subplots(figsize=(5, 4), dpi=100)
     im = ax.imshow(steps, cmap="viridis", vmin=0, vmax=cfg.steps)
@@ -531,10 +538,7 @@ def _plots(cfg: StudyConfig, s: dict, out: str) -> List[str]:
     ax.set_ylabel("init seed")
     ax.set_title(f"divergence step ({cfg.steps} = finite)")
     fig.colorbar(im)
-    fig.tight_layout()
-    files.append(os.path.join(out, "divergence_grid.png"))
-    fig.savefig(files[-1])
-    plt.close(fig)
+    save(fig, "divergence_grid.png")
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
     for sig, byk in s["auc"].items():
         pts = [(k, v["auc"]) for k, v in byk.items() if v["auc"] is not None]
@@ -545,10 +549,7 @@ def _plots(cfg: StudyConfig, s: dict, out: str) -> List[str]:
     ax.set_ylabel("ROC AUC for divergence")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    files.append(os.path.join(out, "predictors.png"))
-    fig.savefig(files[-1])
-    plt.close(fig)
+    save(fig, "predictors.png")
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
     for fix, v in s["lr_sensitivity"].items():
         lrs = [float(x) for x in v["clipped_loss"]]
@@ -558,10 +559,7 @@ def _plots(cfg: StudyConfig, s: dict, out: str) -> List[str]:
     ax.set_ylabel("min(final, initial) loss, mean of seeds")
     ax.set_title("LR sensitivity per fix (in the legend: lower is more robust)", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    files.append(os.path.join(out, "lr_sensitivity.png"))
-    fig.savefig(files[-1])
-    plt.close(fig)
+    save(fig, "lr_sensitivity.png")
     return files
 
 
