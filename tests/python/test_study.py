@@ -142,3 +142,25 @@ def test_a_model_and_data_of_the_users(tmp_path):
         nanguard.study(StudyConfig(data=3), str(tmp_path / "bad"))
     with pytest.raises(TypeError, match="model"):
         nanguard.study(StudyConfig(model=3), str(tmp_path / "bad"))
+
+
+def test_ranks_deal_the_runs_out(tmp_path):
+    """Under torchrun (RANK / WORLD_SIZE), each rank runs its share of the
+    runs into its own file and rank 0 reports once all are in."""
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+
+    code = ("import sys, nanguard; from nanguard._study import StudyConfig; "
+            "cfg = StudyConfig(init_seeds=2, data_seeds=1, steps=6, lrs=(0.01,), fixes=('baseline',), ks=(2,), "
+            "sweep_seeds=1); s = nanguard.study(cfg, sys.argv[1], workers=1, progress=False); "
+            "print('REPORT' if s else 'DONE')")
+    env = dict(os.environ, WORLD_SIZE="2", PYTHONPATH=os.pathsep.join(sys.path))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert outs[0].strip().endswith("REPORT") and outs[1].strip().endswith("DONE")
+    lines = [(tmp_path / f"runs.rank{r}.jsonl").read_text().splitlines() for r in (0, 1)]
+    assert sorted(len(x) for x in lines) == [1, 2]  # 3 runs: 2 grid + 1 sweep, dealt out
+    assert json.loads((tmp_path / "study.json").read_text())["runs"] == 2
