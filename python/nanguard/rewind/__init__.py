@@ -70,6 +70,7 @@ import dataclasses
 import json
 import math
 import os
+import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -467,8 +468,6 @@ class Rewind:
                 "grad_rule": self._grad_rule.state() if self._grad_rule else None}
 
     def _snapshot(self) -> None:
-        import time
-
         t0 = time.perf_counter()
         state = _snapshot.capture(self.model, self.optimizer, self.scaler, self.scheduler, into=self._ring.recycle())
         self._ring.add(self.global_step, self._cursor(), self._run_state(), state)
