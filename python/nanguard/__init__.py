@@ -2,7 +2,8 @@
 
 The kernels are C and CUDA C registered as ``torch.ops.nanguard.*`` through
 PyTorch's stable C ABI. Importing this package loads them and registers their
-autograd formulas and fake (meta) kernels.
+autograd formulas and fake (meta) kernels, and the composite path (the same
+ops in PyTorch operations) for every device without a kernel of nanguard's.
 
 Every public name is either a function or class, or the module of the same
 name, never both: the diagnostic tools' code is in ``nanguard.diagnostics``
@@ -15,6 +16,10 @@ from __future__ import annotations
 from . import _lib
 
 _lib.load()
+
+from . import composite  # noqa: E402
+
+composite.register(define=_lib.composite_only() is not None)
 
 from . import layernorm  # noqa: E402  (registers autograd / fake kernels)
 from . import attention  # noqa: E402
@@ -36,7 +41,7 @@ from .patching import PatchSummary, UnsupportedModuleError, patch, unpatch  # no
 
 from ._version import __version__  # noqa: E402
 
-__all__ = ["functional", "nn", "info", "__version__", "amp", "clip_grad_norm_", "z_loss", "warmup",
+__all__ = ["functional", "nn", "info", "composite", "__version__", "amp", "clip_grad_norm_", "z_loss", "warmup",
            "rescale_residual_init", "study", "StudyConfig"]
 __all__ += ["tensor_stats", "tensor_stats_", "new_stats_buffers", "SkippedStep", "diagnostics"]
 __all__ += diagnostics.__all__  # the diagnostic tools and the classes they raise or return

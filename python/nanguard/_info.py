@@ -12,8 +12,6 @@ import torch
 from . import _lib
 from ._version import __version__
 
-_KEYS = ("CPU", "CUDA")
-
 #: CPU flags (as /proc/cpuinfo spells them) that decide a kernel path or
 #: PyTorch's own: the x86 SIMD widths, and half-precision arithmetic.
 ISA_FLAGS = (
@@ -125,11 +123,10 @@ def info(as_dict: bool = False):
     """Print (or return, with ``as_dict=True``) versions, loaded libraries,
     the CPU (model, ISA flags, the kernels' code path) and, for each op, the
     devices it has kernels for and its CPU path."""
-    ops = {}
-    for name in _ops():
-        ops[name] = [
-            k.lower() for k in _KEYS if torch._C._dispatch_has_kernel_for_dispatch_key(name, k)
-        ]
+    from . import composite
+
+    op_paths = {name: {dev: composite.path(name, dev) for dev in composite.DEVICE_KEYS} for name in _ops()}
+    ops = {name: [dev for dev, p in paths.items() if p == "kernel"] for name, paths in op_paths.items()}
 
     cpu = {**cpu_model(), **cpu_paths()}
     op_cpu_paths = {}
@@ -147,6 +144,8 @@ def info(as_dict: bool = False):
         "library_errors": _lib.errors(),
         "cpu": cpu,
         "ops": ops,
+        "op_paths": op_paths,
+        "composite_reason": _lib.composite_only(),
         "op_cpu_paths": op_cpu_paths,
     }
     if as_dict:
@@ -157,6 +156,8 @@ def info(as_dict: bool = False):
         print(f"loaded {lib}: {path}")
     for lib, err in d["library_errors"].items():
         print(f"not loaded {lib}: {err}")
+    if d["composite_reason"]:
+        print(f"no C library ({d['composite_reason']}): every op on every device runs its composite path")
     print(f"CPU: {cpu['model']}; flags: {' '.join(cpu['flags']) or '-'}")
     if "error" in cpu:
         print(f"CPU kernels: unknown ({cpu['error']})")
@@ -166,9 +167,14 @@ def info(as_dict: bool = False):
             by = f"NANGUARD_CPU_ISA={cpu['requested']}" if cpu.get("requested") else "ng_cpu_isa_set"
             why = f"capped by {by}; this CPU supports {cpu.get('supported')}"
         print(f"CPU kernels: {cpu.get('active')} ({why})")
+    print("ops (kernel: nanguard's C kernel; composite: PyTorch operations, the same numerics):")
     width = max((len(n) for n in ops), default=0)
-    for name, devs in ops.items():
+    for name, paths in op_paths.items():
+        groups: dict[str, list[str]] = {}
+        for dev, p in paths.items():
+            groups.setdefault(p, []).append(dev)
+        where = "; ".join(f"{p} on {', '.join(devs)}" for p, devs in groups.items())
         path = op_cpu_paths.get(name)
         tail = f"  [cpu: {_path_summary(path)}]" if path else ""
-        print(f"  {name:<{width}}  {', '.join(devs) or '-'}{tail}")
+        print(f"  {name:<{width}}  {where}{tail}")
     return None

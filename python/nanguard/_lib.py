@@ -13,6 +13,12 @@ the core library's is refused with an ImportError that names both files and
 both ids (the CUDA library also refuses, in C, to register its kernels).
 A core library that could not register every schema and kernel makes the
 import fail too.
+
+A core library that is not there, or that the platform cannot load, does
+not: nanguard then runs every op on its composite path
+(``nanguard.composite``) and warns once, naming the reason.
+``NANGUARD_COMPOSITE=1`` asks for that path on purpose (no library is
+loaded, no warning): the test suite runs the op suites through it on the CPU.
 """
 
 from __future__ import annotations
@@ -20,14 +26,28 @@ from __future__ import annotations
 import ctypes
 import os
 import pathlib
+import warnings
 
 import torch
 
 #: The oldest PyTorch whose stable C ABI nanguard's libraries follow.
 MIN_TORCH = (2, 11)
 
+#: NG_ATTN_MAX_HEAD_DIM (kernels/attention.h), for when no library is loaded:
+#: the composite path keeps the kernels' limit, so a model behaves the same
+#: on every device
+ATTENTION_MAX_HEAD_DIM = 256
+
+_ENV_COMPOSITE = "NANGUARD_COMPOSITE"
+
 _loaded: dict[str, str] = {}
 _errors: dict[str, str] = {}
+#: why the core library is not loaded (None: it is)
+_composite_reason: str | None = None
+
+
+class LibraryUnavailableWarning(UserWarning):
+    """The core library could not be loaded; every op runs its composite path."""
 
 
 def _parse_version(v: str) -> tuple[int, int]:
@@ -74,6 +94,10 @@ class BuildMismatchError(ImportError):
     """libnanguard.so and libnanguard_cuda.so come from different builds."""
 
 
+class LibraryNotFoundError(ImportError):
+    """No file of that name in any folder looked in."""
+
+
 def build_id(path: str) -> str | None:
     """The ``ng_build_id()`` of a nanguard library (None for a library built
     before build ids existed)."""
@@ -89,6 +113,8 @@ def build_id(path: str) -> str | None:
 
 def attention_max_head_dim() -> int:
     """The largest head dim the loaded library's attention kernels take."""
+    if "libnanguard.so" not in _loaded:
+        return ATTENTION_MAX_HEAD_DIM
     fn = ctypes.CDLL(_loaded["libnanguard.so"]).ng_attention_max_head_dim
     fn.restype = ctypes.c_int
     return int(fn())
@@ -114,7 +140,7 @@ def _load(name: str, paths: list[pathlib.Path]) -> str:
                 raise ImportError(f"{path.name}: {msg.decode()}")
             _loaded[name] = str(path)
             return str(path)
-    raise ImportError(
+    raise LibraryNotFoundError(
         f"nanguard: {name} not found (looked in: "
         + ", ".join(str(p.parent) for p in paths)
         + "). Build it with `pip install --no-build-isolation .` or point NANGUARD_LIB_DIR at a "
@@ -124,10 +150,31 @@ def _load(name: str, paths: list[pathlib.Path]) -> str:
 
 def load() -> None:
     """Load the core library and, when PyTorch has CUDA, the CUDA one from the
-    same folder."""
+    same folder. Without a loadable core library, record why (the caller
+    then defines the schemas on the composite path)."""
+    global _composite_reason
     check_torch_version()
+    if _composite_reason is not None:
+        return
+    if os.environ.get(_ENV_COMPOSITE, "0") not in ("", "0"):
+        _composite_reason = f"{_ENV_COMPOSITE}={os.environ[_ENV_COMPOSITE]}"
+        return
     if "libnanguard.so" not in _loaded:
-        _load("libnanguard.so", _candidates("libnanguard.so"))
+        try:
+            _load("libnanguard.so", _candidates("libnanguard.so"))
+        except (LibraryNotFoundError, OSError) as e:
+            # absent, or not loadable here (another platform's build, a missing
+            # dependency). A library that loaded but failed to register is not
+            # caught: its schemas may be half defined.
+            _composite_reason = str(e)
+            _errors["libnanguard.so"] = str(e)
+            warnings.warn(
+                f"nanguard: the C library could not be loaded ({e}); every op runs its "
+                "composite path (PyTorch operations, the same numerics, slower)",
+                LibraryUnavailableWarning,
+                stacklevel=3,
+            )
+            return
     if torch.version.cuda is not None and "libnanguard_cuda.so" not in _loaded:
         beside = pathlib.Path(_loaded["libnanguard.so"]).parent / "libnanguard_cuda.so"
         try:
@@ -136,6 +183,11 @@ def load() -> None:
             raise
         except (ImportError, OSError) as e:  # CPU ops keep working without it
             _errors["libnanguard_cuda.so"] = str(e)
+
+
+def composite_only() -> str | None:
+    """Why no core library is loaded (every op on the composite path), or None."""
+    return _composite_reason
 
 
 def loaded() -> dict[str, str]:

@@ -88,11 +88,19 @@ requires_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device on this mach
 
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 
+#: NANGUARD_COMPOSITE=1 (or no loadable C library): every op runs its
+#: composite path, and the op suites run against it. A test of something
+#: only the C kernels have (their messages, code paths, build) is marked
+#: ``requires_kernels``.
+COMPOSITE_ONLY = nanguard._lib.composite_only() is not None
+requires_kernels = pytest.mark.skipif(COMPOSITE_ONLY, reason="the C library is not loaded (composite path)")
+
 
 def pytest_report_header(config):
     from nanguard import _delegate
 
-    return f"nanguard safe_sdpa backend: {_delegate.DEFAULT} (NANGUARD_SDPA_BACKEND)"
+    path = "composite path only" if COMPOSITE_ONLY else "C kernels"
+    return f"nanguard safe_sdpa backend: {_delegate.DEFAULT} (NANGUARD_SDPA_BACKEND); ops: {path}"
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -109,7 +109,7 @@ def test_cli_info_names_the_isa_and_the_cap_changes_it(cpu_info_lib, cap):
     else:
         assert line.group(2) == "the widest this CPU supports"
     # "[cpu: f32 avx512; ..." or, with fp64 on the same path, "[cpu: f32, f64 avx2; ..."
-    sdpa = re.search(r"^  nanguard::safe_sdpa +cpu +\[cpu: f32(?:, f64)? (\w+);", out, re.M)
+    sdpa = re.search(r"^  nanguard::safe_sdpa +kernel on cpu;[^[]* +\[cpu: f32(?:, f64)? (\w+);", out, re.M)
     assert sdpa and sdpa.group(1) == want, out
     assert re.search(r"^CPU: .+; flags: ", out, re.M)
 
@@ -149,6 +149,6 @@ def _sdpa_line(env):
     out = subprocess.run([sys.executable, "-m", "nanguard", "info"], capture_output=True, text=True,
                          timeout=120, env=env)
     assert out.returncode == 0, out.stderr
-    sdpa = re.search(r"^  nanguard::safe_sdpa +cpu +\[(.*)\]$", out.stdout, re.M)
+    sdpa = re.search(r"^  nanguard::safe_sdpa +kernel on cpu;[^[]* +\[(.*)\]$", out.stdout, re.M)
     assert sdpa, out.stdout
     return sdpa.group(1)

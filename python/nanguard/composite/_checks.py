@@ -1,0 +1,38 @@
+"""Argument checks shared by the composite kernels.
+
+The C kernels validate every argument again behind the Python wrappers, so
+that a direct ``torch.ops.nanguard`` call can never crash or give a silently
+wrong answer; the composite kernels keep that promise with the same
+messages, raised as ``RuntimeError`` (what a failing C check raises).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check(cond: bool, op: str, msg: str) -> None:
+    if not cond:
+        raise RuntimeError(f"{op}: {msg}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float16``, as the C kernels' messages spell a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+def check_device_dtype(op: str, name: str, t: torch.Tensor) -> None:
+    """A floating tensor nanguard takes (any device: the composite path has
+    no device of its own)."""
+    check(
+        t.dtype in FLOAT_DTYPES,
+        op,
+        f"{name} must be float16, bfloat16, float32 or float64 (got {dtype_name(t.dtype)})",
+    )
+
+
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation and statistics dtype: fp64 for fp64, fp32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
