@@ -1,7 +1,7 @@
 """Argument checks shared by the composite kernels.
 
 The C kernels validate every argument again behind the Python wrappers, so
-that a direct ``torch.ops.nanguard`` call can never crash or give a silently
+that a direct call of an op (not through the wrappers) can never crash or give a silently
 wrong answer; the composite kernels keep that promise with the same
 messages, raised as ``RuntimeError`` (what a failing C check raises).
 """

@@ -57,11 +57,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ._checks import FLOAT_DTYPES
+from ._checks import check as _check
+from ._checks import dtype_name as _dtype_name
+
 __all__ = ["KERNELS"]
 
 _FWD = "nanguard::safe_sdpa"
 _BWD = "nanguard::safe_sdpa_backward"
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT_DTYPES = FLOAT_DTYPES
 
 #: the most elements of one [B, Hq, rows, S] block of scores (64 MiB in fp32);
 #: the backward holds about six such blocks at once, the dropout mask one int64
@@ -77,15 +81,6 @@ _U32 = 0xFFFFFFFF
 
 
 # ---- argument checks (ops/attention.c) -----------------------------------------------
-
-
-def _check(cond: bool, op: str, msg: str) -> None:
-    if not cond:
-        raise RuntimeError(f"{op}: {msg}")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _check_float(op: str, t: torch.Tensor, name: str) -> None:
