@@ -14,6 +14,12 @@ registered for the CPU or CUDA key takes precedence, so the path a call
 takes depends on its device alone; the autograd formulas and fake kernels
 registered by the Python layer are the same on both paths.
 
+Each kernel runs with autocast turned off on its tensors' devices. A
+dispatcher kernel's own calls dispatch from the top again, so under
+``torch.autocast`` a composite ``q @ k.T`` in fp32 would run as an fp16
+matmul: the very overflow the op exists to prevent. A C kernel calls no
+operator, so it needs nothing of the kind.
+
 When the core library is not loaded (``NANGUARD_COMPOSITE=1``, or a platform
 where it cannot be built or loaded) the schemas, which the C library would
 define, are defined here from the same strings (``SCHEMAS``; a test compares
@@ -22,9 +28,11 @@ them with the library's), and the composite kernels then serve the CPU too.
 
 from __future__ import annotations
 
-import torch
-
+import contextlib
+import functools
 import importlib
+
+import torch
 
 __all__ = ["SCHEMAS", "KERNELS", "register", "path"]
 
@@ -63,6 +71,25 @@ KERNELS: dict = {}
 for _stem in ("layernorm", "grad_guard", "attention", "tensor_stats"):
     KERNELS.update(importlib.import_module(f"{__name__}.{_stem}").KERNELS)
 
+def _without_autocast(fn):
+    """``fn`` run with autocast off on every device type of its tensor arguments."""
+
+    @functools.wraps(fn)
+    def run(*args):
+        devices = set()
+        for a in args:
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, torch.Tensor):
+                    devices.add(t.device.type)
+        with contextlib.ExitStack() as stack:
+            for d in devices:
+                if torch.amp.is_autocast_available(d) and torch.is_autocast_enabled(d):
+                    stack.enter_context(torch.autocast(d, enabled=False))
+            return fn(*args)
+
+    return run
+
+
 _libs: list = []  # the registrations must live as long as the process
 _defined = False
 
@@ -82,7 +109,7 @@ def register(define: bool) -> None:
     lib = torch.library.Library("nanguard", "IMPL")
     _libs.append(lib)
     for name, fn in KERNELS.items():
-        lib.impl(name, fn, "CompositeExplicitAutograd")
+        lib.impl(name, _without_autocast(fn), "CompositeExplicitAutograd")
 
 
 def schemas_defined_here() -> bool:
