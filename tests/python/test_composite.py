@@ -159,6 +159,42 @@ def test_layernorm_degenerate_rows():
     assert (y == 0).all()
 
 
+@pytest.mark.parametrize("case", ["offset", "near_constant", "constant_eps", "huge", "tiny_eps0"])
+def test_layernorm_fused_path_is_only_taken_where_it_is_exact(case):
+    """On the CPU the composite LayerNorm runs ATen's fused kernel when every
+    row passes its check, else the exact formulas. Each case holds one row
+    the fused kernel gets wrong next to healthy rows: the whole call must be
+    as accurate as the kernels' tolerance, and the check must refuse it."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 64, generator=g, dtype=torch.float64)
+    eps = 1e-5
+    if case == "offset":  # |mean| * rstd = 1e3: fused error ~1e-4, exact ~5e-7
+        x[1] = 1e3 + x[1]
+    elif case == "near_constant":  # var << eps: fused gives noise around b
+        x[1] = 0.3 + 1e-6 * x[1]
+    elif case == "constant_eps":
+        x[1] = 0.01
+    elif case == "huge":  # rstd 1e-19: fused backward's rstd^3 underflows
+        x[1] = 1e19 * x[1]
+    else:  # eps 0, variance 1e-30: rstd 1e15, its cube overflows fp32
+        eps = 0.0
+        x[1] = 1e-15 * x[1]
+    x = x.float()
+    w, b = torch.randn(64, generator=g) + 1, torch.randn(64, generator=g)
+    y, mean, rstd = comp_ln.layernorm_weight_bias(x, w, b, eps, False)
+    assert not comp_ln._fused_rows_ok(mean, rstd, eps)
+    assert comp_ln._fused_rows_ok(mean[[0, 2, 3]], rstd[[0, 2, 3]], eps)
+    assert_close(y, _ref_norm(x, w, b, eps, False), "layernorm", torch.float32)
+    if case == "constant_eps":
+        torch.testing.assert_close(y[1], b, rtol=0, atol=0)
+    dy = torch.randn(x.shape, generator=g)
+    dx, dw, db = comp_ln.layernorm_backward_weight(dy, x, w, mean, rstd, False, True)
+    x64, w64, b64 = (t.double().requires_grad_() for t in (x, w, b))
+    _ref_norm(x64, w64, b64, eps, False).backward(dy.double())
+    for got, want in ((dx, x64.grad), (dw, w64.grad), (db, b64.grad)):
+        assert_close(got, want, "layernorm_grad", torch.float32, scale=float(want.abs().max()))
+
+
 def test_layernorm_empty_shapes():
     for shape in [(0, 5), (3, 0), (0,)]:
         x = torch.randn(shape)
@@ -181,6 +217,31 @@ def test_layernorm_bad_arguments_name_the_argument():
     _, mean, rstd = comp_ln.layernorm(x, 1e-5, False)
     with pytest.raises(RuntimeError, match="rstd must be the float32 statistics"):
         comp_ln.layernorm_backward(x, x, mean, rstd[:2], False, False)
+
+
+@pytest.mark.parametrize("key", ["XPU", "CPU"])
+def test_composite_kernels_ignore_autocast(key):
+    """Under torch.autocast the composite kernels still compute in fp32. A
+    dispatcher kernel's own calls dispatch from the top again, so without
+    autocast turned off inside them q @ k.T would run as an fp16 matmul:
+    here it overflows (60 * 60 * 64 > 65504) and every row is NaN. The CPU
+    key is the composite's only in composite mode; with the C library it is
+    the C kernel, which must agree."""
+    torch.manual_seed(0)
+    q = (60 + torch.rand(1, 2, 6, 64)).half()
+    k = (60 + torch.rand(1, 2, 6, 64)).half()
+    v = torch.randn(1, 2, 6, 64).half()
+    rng = torch.zeros(2, dtype=torch.int64)
+    args = (q, k, v, 0.0, True, 0.125, 0.0, 0.0, rng)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert (q @ k.transpose(-1, -2)).isinf().all()  # what the kernel must not do
+        out, lse = _via(key, "safe_sdpa", *args)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True,
+                                                           scale=0.125)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    # fp16 output: one rounding of a value |v| <= 4 (2^-9 relative), plus the fp32 softmax's
+    # error amplified by score differences of up to ~100 (about 1e-5 relative)
+    torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=2e-3)
 
 
 def _child(code: str, env: dict) -> subprocess.CompletedProcess:

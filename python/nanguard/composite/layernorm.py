@@ -13,6 +13,19 @@ The composite path of kernels/layernorm.c, with its numerics
   largest centred magnitude, as the C kernel's rare path does;
 - fp32 parameters of a 16-bit input are applied in fp32; the output has the
   input's dtype, the parameter gradients the parameters' dtype.
+
+On the CPU, LayerNorm (not RMSNorm) first runs ATen's fused
+``native_layer_norm`` (and its backward) on the fp32 / fp64 values, and keeps
+the result only when every row passes a check of its statistics
+(``_fused_rows_ok``); otherwise the whole call is recomputed as above. The
+check exists because the fused kernel computes ``x * rstd - mean * rstd``:
+its error grows with ``|mean| * rstd`` (0.18 for rows of mean 1e4 and
+standard deviation 1e-2, against 5e-7 here), a constant row comes out as
+rounding noise instead of exactly 0, its backward's ``rstd^3`` leaves the
+fp32 range beyond ``rstd`` of 1e-12 or 1e12, and a NaN, an overflow or
+``eps = 0`` on a constant row gives it non-finite statistics. Reading the
+check is a host read of one flag, free on the CPU; on every other device it
+would stall the queue, so they always take the path above.
 """
 
 from __future__ import annotations
@@ -80,6 +93,34 @@ def _statistics(xa: torch.Tensor, eps: float, rms: bool):
     return c, mean, rstd
 
 
+#: Rows whose ``|mean| * rstd`` is above this take the exact path: the fused
+#: kernel's cancellation error is at most about this many fp32 ulps of 1.
+_FUSED_MAX_OFFSET = 8.0
+
+
+def _fused_rows_ok(mean: torch.Tensor, rstd: torch.Tensor, eps: float) -> bool:
+    """Whether ATen's fused LayerNorm is as accurate as the exact path on every row.
+
+    ``rstd`` finite within [1e-12, 1e12], ``|mean| * rstd <= 8``, and
+    ``var > eps`` (``rstd^2 * eps <= 1/2``) unless the mean is 0: a row of
+    variance near 0 and a nonzero mean is where ``x * rstd - mean * rstd``
+    leaves rounding noise instead of the exact 0 of a constant row.
+    """
+    ok = (rstd >= 1e-12) & (rstd <= 1e12) & (mean.abs() * rstd <= _FUSED_MAX_OFFSET)
+    ok &= (rstd * rstd * eps <= 0.5) | (mean == 0)
+    return bool(ok.all())
+
+
+def _fused_forward(xa, w, b, eps: float):
+    """(y, mean, rstd) from ATen's fused kernel, or None where a row fails the check."""
+    n = xa.shape[-1]
+    y, mean, rstd = torch.native_layer_norm(
+        xa, [n], _acc(w) if w is not None else None, _acc(b) if b is not None else None, eps
+    )
+    mean, rstd = mean.reshape(xa.shape[:-1]), rstd.reshape(xa.shape[:-1])
+    return (y, mean, rstd) if _fused_rows_ok(mean, rstd, eps) else None
+
+
 def _forward(op: str, x, w, b, eps: float, rms: bool):
     _check_input(op, x, eps)
     if w is not None:
@@ -97,6 +138,11 @@ def _forward(op: str, x, w, b, eps: float, rms: bool):
     if x.shape[-1] == 0:  # empty rows: var = mean([]) is NaN in PyTorch; the C kernel writes rstd 1/sqrt(eps)
         mean = torch.zeros(x.shape[:-1], dtype=xa.dtype, device=x.device)
         return torch.empty_like(x, memory_format=torch.contiguous_format), mean, _rstd(mean, eps)
+    if not rms and x.device.type == "cpu" and x.numel():
+        fused = _fused_forward(xa, w, b, eps)
+        if fused is not None:
+            y, mean, rstd = fused
+            return y.to(x.dtype).contiguous(), mean, rstd
     c, mean, rstd = _statistics(xa, eps, rms)
     y = c * rstd.unsqueeze(-1)
     if w is not None:
@@ -145,6 +191,12 @@ def _backward(dy, x, w, mean, rstd, rms: bool, with_bias: bool):
     pdt = w.dtype if w is not None else x.dtype
     lead = x.shape[:-1]
     xa, dya = _acc(x), _acc(dy)
+    if not rms and cols and x.device.type == "cpu" and _fused_rows_ok(mean, rstd, 0.0):
+        dx, dw = _fused_backward(dya, xa, w, mean, rstd)
+        flat = (_rows(x), cols)
+        db = dya.reshape(flat).sum(0).to(pdt) if with_bias else torch.empty(0, dtype=pdt, device=x.device)
+        dx = dx.to(x.dtype).contiguous()
+        return (dx, dw.to(pdt), db) if dw is not None else (dx, db)
     m = mean.reshape(lead).unsqueeze(-1)
     r = rstd.reshape(lead).unsqueeze(-1)
     xhat = (xa if rms else xa - m) * r
@@ -159,6 +211,41 @@ def _backward(dy, x, w, mean, rstd, rms: bool, with_bias: bool):
     db = dya.reshape(flat).sum(0).to(pdt) if with_bias else torch.empty(0, dtype=pdt, device=x.device)
     dx = dx.to(x.dtype).contiguous()
     return (dx, dw, db) if w is not None else (dx, db)
+
+
+#: elements per block of _fused_backward's weight-gradient sum
+_DW_BLOCK = 1 << 16
+
+
+def _fused_backward(dya, xa, w, mean, rstd):
+    """dx from ATen's fused LayerNorm backward, and dw (None without a weight).
+
+    Only for statistics that pass ``_fused_rows_ok``: the forward's check, which
+    also bounds the cancellation of its ``b * x + c`` form. The eps term of the
+    check is the forward's concern (exact zeros), so the backward passes 0.
+    dw is summed here: ATen's splits the rows over threads, so its sum would
+    change with the thread count.
+    """
+    lead = xa.shape[:-1]
+    shape = (*lead, 1)
+    m, r = mean.reshape(shape), rstd.reshape(shape)
+    dx = torch.ops.aten.native_layer_norm_backward(
+        dya, xa, [xa.shape[-1]], m, r, _acc(w) if w is not None else None, None, [True, False, False]
+    )[0]
+    if w is None:
+        return dx, None
+    # sum(dy * (x - mean) * rstd) over the rows, in blocks of rows: a block's
+    # temporary stays in cache, where one of the input's size would be a new
+    # allocation (page faults) per pass. The blocks add in a fixed order.
+    n = xa.shape[-1]
+    xf, dyf, mf, rf = xa.reshape(-1, n), dya.reshape(-1, n), m.reshape(-1, 1), r.reshape(-1, 1)
+    rows = max(1, _DW_BLOCK // max(1, n))
+    dw = None
+    for i in range(0, xf.shape[0], rows):
+        t = xf[i : i + rows] - mf[i : i + rows]
+        part = t.mul_(rf[i : i + rows]).mul_(dyf[i : i + rows]).sum(0)
+        dw = part if dw is None else dw.add_(part)
+    return dx, dw if dw is not None else torch.zeros(n, dtype=xa.dtype, device=xa.device)
 
 
 def _rows(x: torch.Tensor) -> int:
