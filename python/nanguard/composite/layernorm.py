@@ -134,22 +134,24 @@ def _forward(op: str, x, w, b, eps: float, rms: bool):
             f"bias must have the dtype of weight ({dtype_name(w.dtype) if w is not None else ''}), "
             f"got {dtype_name(b.dtype)}",
         )
-    xa = _acc(x)
     if x.shape[-1] == 0:  # empty rows: var = mean([]) is NaN in PyTorch; the C kernel writes rstd 1/sqrt(eps)
-        mean = torch.zeros(x.shape[:-1], dtype=xa.dtype, device=x.device)
+        mean = torch.zeros(x.shape[:-1], dtype=stat_dtype(x.dtype), device=x.device)
         return torch.empty_like(x, memory_format=torch.contiguous_format), mean, _rstd(mean, eps)
-    if not rms and x.device.type == "cpu" and x.numel():
-        fused = _fused_forward(xa, w, b, eps)
-        if fused is not None:
-            y, mean, rstd = fused
-            return y.to(x.dtype).contiguous(), mean, rstd
-    c, mean, rstd = _statistics(xa, eps, rms)
-    y = c * rstd.unsqueeze(-1)
-    if w is not None:
-        y = y * _acc(w)
-    if b is not None:
-        y = y + _acc(b)
-    return y.to(x.dtype).contiguous(), mean, rstd
+    # the rows of a contiguous copy, as the C kernel reads them: the same bits
+    # whatever the caller's layout, and any number of dimensions
+    shape, lead = x.shape, x.shape[:-1]
+    xa = _acc(x.contiguous()).reshape(-1, shape[-1])
+    fused = _fused_forward(xa, w, b, eps) if not rms and x.device.type == "cpu" and x.numel() else None
+    if fused is not None:
+        y, mean, rstd = fused
+    else:
+        c, mean, rstd = _statistics(xa, eps, rms)
+        y = c * rstd.unsqueeze(-1)
+        if w is not None:
+            y = y * _acc(w)
+        if b is not None:
+            y = y + _acc(b)
+    return y.to(x.dtype).reshape(shape), mean.reshape(lead), rstd.reshape(lead)
 
 
 def layernorm(x, eps, rms):
@@ -170,6 +172,7 @@ def layernorm_weight_bias(x, w, b, eps, rms):
 
 def _backward(dy, x, w, mean, rstd, rms: bool, with_bias: bool):
     op = "nanguard::stable_layernorm_backward"
+    check_device_dtype(op, "grad_out", dy)  # the C op reads grad_out first
     _check_input(op, x, 0.0)
     check(dy.device == x.device, op, f"grad_out is on {dy.device} but input is on {x.device}")
     check(
@@ -189,28 +192,31 @@ def _backward(dy, x, w, mean, rstd, rms: bool, with_bias: bool):
         )
     cols = x.shape[-1]
     pdt = w.dtype if w is not None else x.dtype
-    lead = x.shape[:-1]
-    xa, dya = _acc(x), _acc(dy)
-    if not rms and cols and x.device.type == "cpu" and _fused_rows_ok(mean, rstd, 0.0):
-        dx, dw = _fused_backward(dya, xa, w, mean, rstd)
-        flat = (_rows(x), cols)
-        db = dya.reshape(flat).sum(0).to(pdt) if with_bias else torch.empty(0, dtype=pdt, device=x.device)
-        dx = dx.to(x.dtype).contiguous()
-        return (dx, dw.to(pdt), db) if dw is not None else (dx, db)
-    m = mean.reshape(lead).unsqueeze(-1)
-    r = rstd.reshape(lead).unsqueeze(-1)
-    xhat = (xa if rms else xa - m) * r
-    g = dya * _acc(w) if w is not None else dya
-    if cols:
-        b_ = (g * xhat).mean(-1, keepdim=True)
-        dx = r * (g - xhat * b_) if rms else r * (g - g.mean(-1, keepdim=True) - xhat * b_)
+    # rows of contiguous copies, as in the forward
+    rows = _rows(x)
+    xa, dya = _acc(x.contiguous()).reshape(rows, cols), _acc(dy.contiguous()).reshape(rows, cols)
+    m, r = mean.contiguous().reshape(rows, 1), rstd.contiguous().reshape(rows, 1)
+    db = dya.sum(0).to(pdt) if with_bias else torch.empty(0, dtype=pdt, device=x.device)
+    if not rms and cols and x.device.type == "cpu" and _fused_rows_ok(m, r, 0.0):
+        dx, dw = _fused_backward(dya, xa, w, m, r)
     else:
-        dx = g
-    flat = (_rows(x), cols)
-    dw = (dya * xhat).reshape(flat).sum(0).to(pdt)
-    db = dya.reshape(flat).sum(0).to(pdt) if with_bias else torch.empty(0, dtype=pdt, device=x.device)
-    dx = dx.to(x.dtype).contiguous()
-    return (dx, dw, db) if w is not None else (dx, db)
+        xhat = (xa if rms else xa - m) * r
+        g = dya * _acc(w) if w is not None else dya
+        if cols:
+            b_ = (g * xhat).mean(-1, keepdim=True)
+            dx = r * (g - xhat * b_) if rms else r * (g - g.mean(-1, keepdim=True) - xhat * b_)
+        else:
+            dx = g
+        dw = (dya * xhat).sum(0) if w is not None else None
+    dx = dx.to(x.dtype).reshape(x.shape)
+    return (dx, dw.to(pdt), db) if w is not None else (dx, db)
+
+
+def _rows(x: torch.Tensor) -> int:
+    n = 1
+    for d in x.shape[:-1]:
+        n *= d
+    return n
 
 
 #: elements per block of _fused_backward's weight-gradient sum
@@ -246,13 +252,6 @@ def _fused_backward(dya, xa, w, mean, rstd):
         part = t.mul_(rf[i : i + rows]).mul_(dyf[i : i + rows]).sum(0)
         dw = part if dw is None else dw.add_(part)
     return dx, dw if dw is not None else torch.zeros(n, dtype=xa.dtype, device=xa.device)
-
-
-def _rows(x: torch.Tensor) -> int:
-    n = 1
-    for d in x.shape[:-1]:
-        n *= d
-    return n
 
 
 def layernorm_backward(dy, x, mean, rstd, rms, with_bias):
