@@ -3,8 +3,8 @@
 # the C / CUDA C / C++ sources), then run every test: the ctest suite of the build pip
 # just made (kernels, the CUDA kernels on the CPU emulator of the CUDA
 # execution model, shim ABI check), the kernel suite again under
-# AddressSanitizer + UndefinedBehaviorSanitizer, and pytest against the
-# installed package.
+# AddressSanitizer + UndefinedBehaviorSanitizer, pytest against the
+# installed package, and the op suites once more on the composite path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,3 +24,9 @@ ctest --test-dir build/sanitize --output-on-failure -j2
 
 # run from outside the source tree so the installed package is what is tested
 cd tests/python && "$PY" -m pytest -q -p no:cacheprovider "$@" .
+
+# the op suites and replay again on the composite path (every op in PyTorch
+# operations, what a device without nanguard kernels runs); the tests of
+# what only the C library has are marked requires_kernels and skip
+NANGUARD_COMPOSITE=1 "$PY" -m pytest -q -p no:cacheprovider "$@" test_layernorm.py test_attention.py \
+  test_grad_guard.py test_tensor_stats.py test_misuse.py test_replay.py

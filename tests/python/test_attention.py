@@ -18,7 +18,7 @@ from nanguard.nn import SafeAttention
 
 import conftest
 from conftest import assert_close as _assert_close
-from conftest import requires_cuda
+from conftest import requires_cuda, requires_kernels
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 ops = torch.ops.nanguard
@@ -254,7 +254,10 @@ def test_default_matches_pytorch_sdpa():
                                    atol=2e-5, rtol=2e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+# fp64: the composite's fp64 matmuls sum in an order that depends on the key
+# count, so only the kernels' tiling keeps every bit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, pytest.param(torch.float64, marks=requires_kernels)],
+                         ids=str)
 @pytest.mark.parametrize("L,scale", [(256, None), (130, None), (130, 0.3)])
 def test_masked_tiles_are_skipped_without_changing_a_bit(dtype, L, scale):
     """A key tile that the mask masks for every query of a block is skipped,

@@ -1,5 +1,6 @@
 """nanguard.info() / ``python -m nanguard info``: the CPU, its ISA flags and
-which CPU code path each op's kernel takes (ng_cpu_info of the C library)."""
+which CPU code path each op's kernel takes (ng_cpu_info of the C library).
+Every test reads the C library: none runs on the composite path."""
 
 import ctypes
 import os
@@ -12,6 +13,9 @@ import pytest
 
 import nanguard
 from nanguard import _info, _lib
+from conftest import requires_kernels
+
+pytestmark = requires_kernels
 
 ORDER = ("baseline", "avx2", "avx512")
 

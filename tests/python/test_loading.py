@@ -11,6 +11,7 @@ import torch
 
 import nanguard
 from nanguard import _lib
+from conftest import requires_kernels
 
 
 def test_refuses_old_torch_with_clear_message():
@@ -25,6 +26,7 @@ def test_accepts_supported_torch(v):
     _lib.check_torch_version(v)
 
 
+@requires_kernels
 def test_c_library_reports_no_load_error_and_targets_2_11():
     import ctypes
 
@@ -36,6 +38,7 @@ def test_c_library_reports_no_load_error_and_targets_2_11():
     assert (v >> 56, (v >> 48) & 0xFF) == (2, 11)
 
 
+@requires_kernels
 def test_info_lists_ops_and_devices():
     d = nanguard.info(as_dict=True)
     assert d["torch"] == torch.__version__
@@ -70,6 +73,7 @@ def _import_after(prelude: str, env_extra: dict) -> subprocess.CompletedProcess:
     )
 
 
+@requires_kernels
 def test_failed_registration_makes_import_fail():
     """A schema the core library cannot define (here: the name is already
     taken in this process) must fail the import, not only print to stderr."""
@@ -82,11 +86,13 @@ def test_failed_registration_makes_import_fail():
     assert "could not define the schema stable_layernorm(Tensor input" in out.stdout
 
 
+@requires_kernels
 def test_build_id_names_the_target_abi_and_schemas():
     bid = _lib.build_id(_lib.loaded()["libnanguard.so"])
     assert re.fullmatch(r"stable-abi-2\.11/schemas-[0-9a-f]{16}", bid), bid
 
 
+@requires_kernels
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build a stand-in library")
 def test_cuda_library_of_another_build_is_refused(tmp_path):
     """A libnanguard_cuda.so beside the core library but from another build
@@ -111,6 +117,7 @@ def test_cuda_library_of_another_build_is_refused(tmp_path):
     assert "libnanguard.so" in msg and core_id in msg and "different builds" in msg
 
 
+@requires_kernels
 def test_cuda_library_is_only_taken_from_beside_the_core_library(tmp_path):
     """The CUDA library is looked for in the core library's folder only, so
     a development build of the core library never pairs with an installed

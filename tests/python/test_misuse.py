@@ -32,6 +32,7 @@ import torch
 
 import nanguard
 from nanguard import _lib
+from conftest import requires_kernels
 from nanguard.functional import layer_norm, rms_norm, safe_sdpa
 
 ops = torch.ops.nanguard
@@ -251,6 +252,7 @@ def test_read_only_inputs_stay_copy_on_write():
     assert is_cow(x)
 
 
+@requires_kernels
 def test_a_failing_thread_pool_never_applies_work_twice():
     """When PyTorch's parallel_for fails after part of the range ran, the
     op raises instead of re-running the whole range (which would scale
