@@ -14,6 +14,7 @@ the op ``tensor_stats_``'s in the private ``nanguard._tensor_stats``.
 from __future__ import annotations
 
 from . import _lib
+from ._lib import LibraryUnavailableWarning
 
 _lib.load()
 
@@ -46,4 +47,4 @@ __all__ = ["functional", "nn", "info", "composite", "__version__", "amp", "clip_
 __all__ += ["tensor_stats", "tensor_stats_", "new_stats_buffers", "SkippedStep", "diagnostics"]
 __all__ += diagnostics.__all__  # the diagnostic tools and the classes they raise or return
 __all__ += ["patching", "patch", "unpatch", "PatchSummary", "UnsupportedModuleError"]
-__all__ += ["rewind", "Rewind", "RewindError"]
+__all__ += ["rewind", "Rewind", "RewindError", "LibraryUnavailableWarning"]
