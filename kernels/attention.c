@@ -39,8 +39,8 @@
  *
  * The tile type NG_R is fp32 for fp32/fp16/bf16 inputs and fp64 for fp64
  * (gradcheck). Each is compiled for baseline x86-64 and for AVX2+FMA, fp32
- * also for AVX-512 (attention_cpu.inc, chosen at run time through cpu_isa.h
- * from a table indexed by the CPU path); only the micro-kernel, the decode
+ * also for AVX-512, and on aarch64 fp32 for NEON (attention_cpu.inc, chosen
+ * at run time through cpu_isa.h from a table indexed by the CPU path); only the micro-kernel, the decode
  * path's dots and P V (attention_dec_f32.inc, over simd_f32.h), the
  * forward's column softmax (attention_f32.inc, over simd_f32.h) and
  * the row exp differ between them.
@@ -354,6 +354,19 @@ NG_PV_PLAIN(ng_pv_f64_base, double)
 #include "kernels/attention_dec_f32.inc"
 #endif
 
+#if NG_NEON
+/* The same loops at NEON's 4 lanes, over fp32, bf16 and fp16 K / V. */
+#define NG_F32_W 4
+#define NG_DEC_KV f32
+#include "kernels/attention_dec_f32.inc"
+#define NG_F32_W 4
+#define NG_DEC_KV bf16
+#include "kernels/attention_dec_f32.inc"
+#define NG_F32_W 4
+#define NG_DEC_KV f16
+#include "kernels/attention_dec_f32.inc"
+#endif
+
 /* p[j] = exp(x[j] - m) in place, returns the sum (m finite or NaN). Kept
  * out of line: inlined into the tile loop, GCC 12 leaves it scalar. */
 #define NG_EXP_ROW_F32(NAME, ATTRS)                                                                \
@@ -437,6 +450,11 @@ NG_COLS_SOFTMAX_PLAIN(ng_cols_softmax_f64_base, double, exp, ng_attn_max_nan_f64
 
 #endif
 
+#if NG_NEON
+#define NG_F32_W 4
+#include "kernels/attention_f32.inc"
+#endif
+
 /* ---- the tile kernels, once per variant --------------------------------- */
 
 typedef float ng_attn_real_f32;
@@ -501,6 +519,18 @@ static inline int64_t ng_pad32(int64_t n) { return NG_CEIL_DIV(n, 32) * 32; }
 #include "kernels/attention_cpu.inc"
 #endif
 
+#if NG_NEON
+/* NEON: the fp32 micro-kernel, the decode path's dots and P V (over fp32,
+ * bf16 and fp16 K / V) and the row exp at 4 lanes; fp64 takes the
+ * baseline variant */
+#define NG_T f32
+#define NG_ISA neon
+#define NG_ATTR NG_TARGET_NEON
+#define NG_DOTS_ALIGN 4
+#define NG_DEC_16 1
+#include "kernels/attention_cpu.inc"
+#endif
+
 /* ---- dispatch ------------------------------------------------------------ */
 
 typedef struct ng_attn_variant {
@@ -515,11 +545,19 @@ typedef struct ng_attn_variant {
 #else
 #define NG_ATTN_X86_VARIANT(T, ISA) NG_ATTN_VARIANT(T, base) /* never picked */
 #endif
+#if NG_NEON
+#define NG_ATTN_NEON_VARIANT(T, ISA) NG_ATTN_VARIANT(T, ISA)
+#else
+#define NG_ATTN_NEON_VARIANT(T, ISA) NG_ATTN_VARIANT(T, base) /* never picked */
+#endif
 
-/* [fp64?][cpu path]; fp64 has no AVX-512 variant of its own. */
-static const ng_attn_variant ng_attn_variants[2][NG_ISA_AVX512 + 1] = {
-    {NG_ATTN_VARIANT(f32, base), NG_ATTN_X86_VARIANT(f32, avx2), NG_ATTN_X86_VARIANT(f32, avx512)},
-    {NG_ATTN_VARIANT(f64, base), NG_ATTN_X86_VARIANT(f64, avx2), NG_ATTN_X86_VARIANT(f64, avx2)},
+/* [fp64?][cpu path]; fp64 has no AVX-512 variant of its own, and no NEON
+ * one (the baseline's). */
+static const ng_attn_variant ng_attn_variants[2][NG_ISA_COUNT] = {
+    {NG_ATTN_VARIANT(f32, base), NG_ATTN_X86_VARIANT(f32, avx2), NG_ATTN_X86_VARIANT(f32, avx512),
+     NG_ATTN_NEON_VARIANT(f32, neon)},
+    {NG_ATTN_VARIANT(f64, base), NG_ATTN_X86_VARIANT(f64, avx2), NG_ATTN_X86_VARIANT(f64, avx2),
+     NG_ATTN_VARIANT(f64, base)},
 };
 
 static ng_attn_variant ng_attn_pick(ng_dtype t) {

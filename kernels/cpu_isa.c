@@ -29,7 +29,19 @@ ng_cpu_isa ng_cpu_isa_supported(void) {
         __builtin_cpu_supports("f16c"))
         return NG_ISA_AVX2;
 #endif
+#if NG_NEON
+    return NG_ISA_NEON;
+#endif
     return NG_ISA_BASELINE;
+}
+
+/* Whether this CPU can run path isa: baseline always; an x86 path up to the
+ * widest supported; neon on aarch64. */
+static int ng_cpu_isa_runs(ng_cpu_isa isa) {
+    const ng_cpu_isa sup = ng_cpu_isa_supported();
+    if (isa == NG_ISA_BASELINE) return 1;
+    if (isa == NG_ISA_NEON || sup == NG_ISA_NEON) return isa == sup;
+    return (unsigned)isa <= (unsigned)sup;
 }
 
 const char *ng_cpu_isa_name(ng_cpu_isa isa) {
@@ -37,6 +49,7 @@ const char *ng_cpu_isa_name(ng_cpu_isa isa) {
     case NG_ISA_BASELINE: return "baseline";
     case NG_ISA_AVX2: return "avx2";
     case NG_ISA_AVX512: return "avx512";
+    case NG_ISA_NEON: return "neon";
     }
     return "?";
 }
@@ -54,7 +67,10 @@ ng_cpu_isa ng_cpu_isa_active(void) {
                 want = NG_ISA_AVX2;
             else if (strcmp(env, "avx512") == 0)
                 want = NG_ISA_AVX512;
-            if (want < isa) isa = want;
+            else if (strcmp(env, "neon") == 0)
+                want = NG_ISA_NEON;
+            /* a cap below the widest path, of this CPU's architecture */
+            if (want == NG_ISA_BASELINE || (want < isa && ng_cpu_isa_runs(want))) isa = want;
         }
         g_isa = (int)isa;
     }
@@ -62,7 +78,7 @@ ng_cpu_isa ng_cpu_isa_active(void) {
 }
 
 ng_status ng_cpu_isa_set(ng_cpu_isa isa) {
-    if (isa > ng_cpu_isa_supported()) return NG_ERR_UNSUPPORTED;
+    if ((unsigned)isa >= NG_ISA_COUNT || !ng_cpu_isa_runs(isa)) return NG_ERR_UNSUPPORTED;
     g_isa = (int)isa;
     return NG_OK;
 }
@@ -70,7 +86,7 @@ ng_status ng_cpu_isa_set(ng_cpu_isa isa) {
 int ng_cpu_bf16_dot_supported(void) {
 #if NG_X86
     __builtin_cpu_init();
-    return ng_cpu_isa_supported() >= NG_ISA_AVX512 && __builtin_cpu_supports("avx512bf16");
+    return ng_cpu_isa_supported() == NG_ISA_AVX512 && __builtin_cpu_supports("avx512bf16");
 #else
     return 0;
 #endif
@@ -86,7 +102,7 @@ int ng_cpu_bf16_dot(void) {
         if (env && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0)) on = env[0] == '1';
         g_bf16_dot = on && ng_cpu_bf16_dot_supported();
     }
-    return g_bf16_dot && ng_cpu_isa_active() >= NG_ISA_AVX512;
+    return g_bf16_dot && ng_cpu_isa_active() == NG_ISA_AVX512;
 }
 
 ng_status ng_cpu_bf16_dot_set(int on) {
@@ -110,7 +126,7 @@ int ng_cpu_is_intel(void) {
 static int ng_amx_probe(void) {
 #if NG_AMX && defined(__linux__)
     unsigned a, b, c, d;
-    if (ng_cpu_isa_supported() < NG_ISA_AVX512 || !__get_cpuid_count(7, 0, &a, &b, &c, &d))
+    if (ng_cpu_isa_supported() != NG_ISA_AVX512 || !__get_cpuid_count(7, 0, &a, &b, &c, &d))
         return 0;
     if (!(d & (1u << 22)) || !(d & (1u << 24))) return 0;
     if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0; /* OSXSAVE */
@@ -134,7 +150,7 @@ int ng_cpu_amx(void) {
         const char *env = getenv("NANGUARD_CPU_AMX");
         g_amx = !(env && strcmp(env, "0") == 0) && ng_cpu_amx_supported();
     }
-    return g_amx && ng_cpu_isa_active() >= NG_ISA_AVX512;
+    return g_amx && ng_cpu_isa_active() == NG_ISA_AVX512;
 }
 
 ng_status ng_cpu_amx_set(int on) {

@@ -7,6 +7,13 @@
  * __builtin_cpu_supports. NANGUARD_CPU_ISA=baseline|avx2|avx512 caps the
  * choice (tests use it to run every path the machine has); a request the
  * CPU cannot serve falls back to the widest path it can.
+ *
+ * On aarch64 NEON (Advanced SIMD) is part of the base architecture: the
+ * neon path needs no target attribute and no detection, and is the one
+ * supported there. NANGUARD_CPU_ISA=baseline still forces the scalar loops
+ * (tests run both); an x86 name asked of an aarch64 CPU, or neon of an x86
+ * one, is a request it cannot serve. The paths are not ordered across the
+ * two architectures: compare with >= only among the x86 ones, under NG_X86.
  */
 #ifndef NG_KERNELS_CPU_ISA_H
 #define NG_KERNELS_CPU_ISA_H
@@ -17,7 +24,10 @@ typedef enum ng_cpu_isa {
     NG_ISA_BASELINE = 0,
     NG_ISA_AVX2 = 1,   /* AVX2 + FMA */
     NG_ISA_AVX512 = 2, /* AVX-512 F/BW/VL */
+    NG_ISA_NEON = 3,   /* aarch64 Advanced SIMD */
 } ng_cpu_isa;
+
+#define NG_ISA_COUNT 4
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__)
 #define NG_X86 1
@@ -39,6 +49,14 @@ typedef enum ng_cpu_isa {
 #ifndef NG_AMX
 #define NG_AMX 0
 #define NG_TARGET_AMX
+#endif
+
+#if defined(__aarch64__) && defined(__ARM_NEON) && !defined(__CUDACC__)
+#define NG_NEON 1
+#define NG_TARGET_NEON /* NEON is baseline on aarch64 */
+#else
+#define NG_NEON 0
+#define NG_TARGET_NEON
 #endif
 
 /* Widest path this CPU supports. */

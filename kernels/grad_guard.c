@@ -12,7 +12,11 @@
  * twice: for baseline x86-64 and with AVX2+FMA+F16C. On the AVX2 path the
  * norm-2 reduce of fp32 / fp16 is written with intrinsics (F16C widening in
  * registers, two fp64 accumulators). Machines with AVX-512 take the AVX2
- * path: the loops are bound by memory bandwidth.
+ * path: the loops are bound by memory bandwidth. On aarch64 the neon path
+ * has the same norm-2 reduce in NEON (fcvtl widening of fp16, four fp64
+ * accumulators) and fp16 widening / narrowing by fcvtl / fcvtn; its other
+ * loops are the baseline's `omp simd` loops, which NEON serves as it is
+ * (fp64 is the baseline's).
  */
 #include "kernels/grad_guard.h"
 
@@ -24,6 +28,9 @@
 
 #if NG_X86
 #include <immintrin.h>
+#endif
+#if NG_NEON
+#include <arm_neon.h>
 #endif
 
 #if defined(__GNUC__) || defined(__clang__)
@@ -388,6 +395,103 @@ NG_TARGET_AVX2 static void gg_apply_f16_avx2(void *x, int64_t n, float cf, doubl
 
 #endif /* NG_X86 */
 
+/* ---- NEON (aarch64) ---------------------------------------------------------- */
+#if NG_NEON
+
+/* fcvtl fp16 -> fp32 (exact, as ng_f16_to_f32). */
+static void gg_widen_f16_neon(const uint16_t *x, float *buf, int64_t n) {
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        vst1q_f32(buf + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(x + i))));
+    for (; i < n; i++) buf[i] = ng_f16_to_f32(x[i]);
+}
+
+static inline float32x4_t gg_load4_neon(const void *x, int64_t i, int is_f16) {
+    if (is_f16) return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)x + i)));
+    return vld1q_f32((const float *)x + i);
+}
+
+static inline float gg_load1_neon(const void *x, int64_t i, int is_f16) {
+    return is_f16 ? ng_f16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+/* gg_reduce_norm2_avx2 in NEON: 8 values per step, unscaled in fp32 (one
+ * rounding, as ng_gg_unscale), widened to fp64 and squared into four fp64
+ * accumulators (exact squares: fma == mul + add), the NaN sentinel carried
+ * in fp32 lanes. */
+static void gg_reduce_norm2_neon(const void *h, int64_t n, float s, int is_f16, ng_gg_partial *o) {
+    float64x2_t a0 = vdupq_n_f64(0.0), a1 = a0, a2 = a0, a3 = a0;
+    float32x4_t z = vdupq_n_f32(0.0f), z1 = z;
+    const float32x4_t zero = vdupq_n_f32(0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const float32x4_t v = gg_load4_neon(h, i, is_f16), w = gg_load4_neon(h, i + 4, is_f16);
+        const float32x4_t u = vmulq_n_f32(v, s), t = vmulq_n_f32(w, s);
+        const float64x2_t l0 = vcvt_f64_f32(vget_low_f32(u)), h0 = vcvt_high_f64_f32(u);
+        const float64x2_t l1 = vcvt_f64_f32(vget_low_f32(t)), h1 = vcvt_high_f64_f32(t);
+        a0 = vfmaq_f64(a0, l0, l0);
+        a1 = vfmaq_f64(a1, h0, h0);
+        a2 = vfmaq_f64(a2, l1, l1);
+        a3 = vfmaq_f64(a3, h1, h1);
+        z = vaddq_f32(z, vmulq_f32(v, zero)); /* NaN iff a NaN / Inf was seen */
+        z1 = vaddq_f32(z1, vmulq_f32(w, zero));
+    }
+    double ad[2], acc = 0.0;
+    float zf[4], zz = 0.0f;
+    vst1q_f64(ad, vaddq_f64(vaddq_f64(a0, a2), vaddq_f64(a1, a3)));
+    vst1q_f32(zf, vaddq_f32(z, z1));
+    for (int k = 0; k < 2; k++) acc += ad[k];
+    for (int k = 0; k < 4; k++) zz += zf[k];
+    for (; i < n; i++) {
+        float v = gg_load1_neon(h, i, is_f16);
+        acc += ng_gg_sq(ng_gg_unscale(v, s));
+        zz += v * 0.0f;
+    }
+    o->norm += acc;
+    if (zz != 0.0f)
+        for (int64_t k = 0; k < n; k++) {
+            float v = gg_load1_neon(h, k, is_f16);
+            o->nan_count += ng_gg_isnan_f(v);
+            o->inf_count += ng_gg_isinf_f(v);
+        }
+}
+
+static void gg_reduce_f32_neon(const void *x, int64_t n, float s, ng_gg_norm p, ng_gg_partial *o) {
+    if (p == NG_GG_NORM_2)
+        gg_reduce_norm2_neon(x, n, s, 0, o);
+    else
+        gg_reduce_f32_body((const float *)x, n, s, p, o);
+}
+
+static void gg_reduce_f16_neon(const void *x, int64_t n, float s, ng_gg_norm p, ng_gg_partial *o) {
+    float buf[GG_SUB];
+    const uint16_t *h = (const uint16_t *)x;
+    if (p == NG_GG_NORM_2) {
+        gg_reduce_norm2_neon(h, n, s, 1, o);
+        return;
+    }
+    for (int64_t i = 0; i < n; i += GG_SUB) {
+        int64_t m = NG_MIN(GG_SUB, n - i);
+        gg_widen_f16_neon(h + i, buf, m);
+        gg_reduce_f32_body(buf, m, s, p, o);
+    }
+}
+
+/* fp16 * c rounded back to fp16 by fcvtn, nearest even under the default
+ * rounding mode (as ng_f32_to_f16). */
+static void gg_apply_f16_neon(void *x, int64_t n, float cf, double cd) {
+    (void)cd;
+    uint16_t *h = (uint16_t *)x;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t v = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i)));
+        vst1_u16(h + i, vreinterpret_u16_f16(vcvt_f16_f32(vmulq_n_f32(v, cf))));
+    }
+    for (; i < n; i++) h[i] = ng_f32_to_f16(ng_f16_to_f32(h[i]) * cf);
+}
+
+#endif /* NG_NEON */
+
 static ng_status gg_pick(ng_dtype dt, gg_reduce_fn *r, gg_apply_fn *a) {
     int avx2 = 0;
 #if NG_X86
@@ -435,6 +539,18 @@ static ng_status gg_pick(ng_dtype dt, gg_reduce_fn *r, gg_apply_fn *a) {
     }
 #else
     (void)avx2;
+#endif
+#if NG_NEON
+    if (ng_cpu_isa_active() == NG_ISA_NEON) {
+        switch (dt) {
+        case NG_F32: *r = gg_reduce_f32_neon; break;
+        case NG_F16:
+            *r = gg_reduce_f16_neon;
+            *a = gg_apply_f16_neon;
+            break;
+        default: break; /* the baseline's loops */
+        }
+    }
 #endif
     return NG_OK;
 }

@@ -13,7 +13,9 @@
  * and narrowed on the way out; their weight / bias (16-bit, or fp32 with
  * params_f32) are used as fp32, so fp32 parameters are applied unrounded. fp64 has its own plain loops (it exists for
  * gradcheck and references, not speed). The fp32 loops are compiled for
- * baseline x86-64 and again for AVX2+FMA (+F16C), chosen at run time.
+ * baseline x86-64 and again for AVX2+FMA (+F16C), chosen at run time; on
+ * aarch64 for the baseline and for NEON (NANGUARD_CPU_ISA=baseline picks the
+ * former).
  */
 #include "kernels/layernorm.h"
 
@@ -22,34 +24,59 @@
 
 #include "kernels/cpu_isa.h"
 #include "kernels/layernorm_math.h"
-
-#if NG_X86
-#include <immintrin.h>
-#endif
+#include "kernels/simd_f32.h"
 
 #define NG_LN_BLOCKS 64
 
 /* ---- the fp32 row loops, once per CPU path ------------------------------ */
 #define NG_SFX _base
 #define NG_ATTR
+#define NG_USE_SIMD 0
 #define NG_USE_F16C 0
 #define NG_USE_AVX2 0
+#define NG_USE_NEON 0
 #include "kernels/layernorm_rows.inc"
 #undef NG_SFX
 #undef NG_ATTR
+#undef NG_USE_SIMD
 #undef NG_USE_F16C
 #undef NG_USE_AVX2
+#undef NG_USE_NEON
 
 #if NG_X86
 #define NG_SFX _avx2
 #define NG_ATTR NG_TARGET_AVX2
+#define NG_F32_W 8
+#define NG_USE_SIMD 1
 #define NG_USE_F16C 1
 #define NG_USE_AVX2 1
+#define NG_USE_NEON 0
 #include "kernels/layernorm_rows.inc"
 #undef NG_SFX
 #undef NG_ATTR
+#undef NG_F32_W
+#undef NG_USE_SIMD
 #undef NG_USE_F16C
 #undef NG_USE_AVX2
+#undef NG_USE_NEON
+#endif
+
+#if NG_NEON
+#define NG_SFX _neon
+#define NG_ATTR NG_TARGET_NEON
+#define NG_F32_W 4
+#define NG_USE_SIMD 1
+#define NG_USE_F16C 0
+#define NG_USE_AVX2 0
+#define NG_USE_NEON 1
+#include "kernels/layernorm_rows.inc"
+#undef NG_SFX
+#undef NG_ATTR
+#undef NG_F32_W
+#undef NG_USE_SIMD
+#undef NG_USE_F16C
+#undef NG_USE_AVX2
+#undef NG_USE_NEON
 #endif
 
 typedef struct ln_path {
@@ -67,6 +94,11 @@ static ln_path pick_path(void) {
     if (ng_cpu_isa_active() >= NG_ISA_AVX2)
         return (ln_path){ln_row_fwd__avx2, ln_row_bwd__avx2, row_to_f32__avx2, row_from_f32__avx2,
                          sum_blocks__avx2};
+#endif
+#if NG_NEON
+    if (ng_cpu_isa_active() == NG_ISA_NEON)
+        return (ln_path){ln_row_fwd__neon, ln_row_bwd__neon, row_to_f32__neon, row_from_f32__neon,
+                         sum_blocks__neon};
 #endif
     return (ln_path){ln_row_fwd__base, ln_row_bwd__base, row_to_f32__base, row_from_f32__base,
                      sum_blocks__base};

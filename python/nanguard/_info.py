@@ -103,7 +103,8 @@ def cpu_paths() -> dict:
             out["paths"].setdefault(family, {})[dtype] = val
         elif key:
             out[key] = val
-    order = ("baseline", "avx2", "avx512")
+    # the x86 paths are ordered; aarch64 has baseline and neon
+    order = ("baseline", "neon") if out.get("supported") == "neon" else ("baseline", "avx2", "avx512")
     if out.get("active") in order and out.get("supported") in order:
         out["capped"] = order.index(out["active"]) < order.index(out["supported"])
     return out

@@ -81,7 +81,9 @@ static inline int ng_expect_close(const char *what, const double *got, const dou
         }                                                                                          \
     } while (0)
 
-/* Run body once per CPU path this machine supports. */
+/* Run body once per CPU path this machine supports (baseline and the x86
+ * ones up to the widest; baseline and neon on aarch64, where
+ * ng_cpu_isa_set refuses the x86 ones). */
 #define NG_FOR_EACH_ISA(isa_var)                                                                   \
     for (int isa_var = NG_ISA_BASELINE; isa_var <= (int)ng_cpu_isa_supported(); isa_var++)         \
         if (ng_cpu_isa_set((ng_cpu_isa)isa_var) == NG_OK)

@@ -1,8 +1,10 @@
 /* tests/c/test_common.c - fp16 / bf16 conversions against the compiler's own
- * _Float16 / exhaustive bit patterns, and the status strings. */
+ * _Float16 / exhaustive bit patterns, the status strings, and the CPU path
+ * rules of kernels/cpu_isa.h. */
 #include <string.h>
 
 #include "kernels/common.h"
+#include "kernels/cpu_isa.h"
 #include "tests/c/ng_test.h"
 
 static uint16_t ref_f32_to_bf16(float f) {
@@ -71,5 +73,22 @@ int main(void) {
     NG_EXPECT(strcmp(ng_status_str(NG_OK), "ok") == 0);
     NG_EXPECT(strcmp(ng_status_str(NG_ERR_CUDA), "CUDA error") == 0);
     NG_EXPECT(NG_CEIL_DIV(7, 3) == 3 && NG_CEIL_DIV(6, 3) == 2);
+
+    /* CPU paths: baseline everywhere; on aarch64 neon and no x86 path, on
+     * x86 the paths up to the widest supported and no neon */
+    const ng_cpu_isa sup = ng_cpu_isa_supported();
+    NG_EXPECT(ng_cpu_isa_set(NG_ISA_BASELINE) == NG_OK && ng_cpu_isa_active() == NG_ISA_BASELINE);
+    NG_EXPECT(ng_cpu_isa_set(sup) == NG_OK && ng_cpu_isa_active() == sup);
+    NG_EXPECT(ng_cpu_isa_set((ng_cpu_isa)NG_ISA_COUNT) == NG_ERR_UNSUPPORTED);
+    NG_EXPECT(strcmp(ng_cpu_isa_name(NG_ISA_NEON), "neon") == 0);
+#if NG_NEON
+    NG_EXPECT(sup == NG_ISA_NEON);
+    NG_EXPECT(ng_cpu_isa_set(NG_ISA_AVX2) == NG_ERR_UNSUPPORTED);
+    NG_EXPECT(ng_cpu_isa_set(NG_ISA_AVX512) == NG_ERR_UNSUPPORTED);
+    NG_EXPECT(!ng_cpu_bf16_dot_supported() && !ng_cpu_amx_supported());
+#else
+    NG_EXPECT(sup != NG_ISA_NEON && ng_cpu_isa_set(NG_ISA_NEON) == NG_ERR_UNSUPPORTED);
+#endif
+    NG_EXPECT(ng_cpu_isa_active() == sup);
     return ng_test_finish("test_common");
 }
