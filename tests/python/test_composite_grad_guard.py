@@ -109,11 +109,18 @@ def compare_total_norm(got, want):
 # ---- fused_unscale_clip_ (both passes) against the C ------------------------------------
 
 
+#: _BUCKET as shipped (all 14 tensors in one bucket), and 7 elements (the
+#: small tensors in buckets of a few, the large ones alone)
+BUCKETS = [cgg._BUCKET, 7]
+
+
 @requires_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm_type", NORMS)
 @pytest.mark.parametrize("where", [None, "first", "later", "both"])
-def test_fused_matches_c(dtype, norm_type, where):
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_fused_matches_c(dtype, norm_type, where, bucket, monkeypatch):
+    monkeypatch.setattr(cgg, "_BUCKET", bucket)
     grads, (nan, inf, first) = grad_set(dtype, seed=len(str(where)), where=where)
     skipped = where is not None
     for inv_scale in (1.0, 1.0 / 1024, 0.3):
@@ -148,7 +155,9 @@ def test_fused_matches_c(dtype, norm_type, where):
 @requires_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm_type", NORMS)
-def test_apply_from_the_same_stats_is_bitwise_the_cs(dtype, norm_type):
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_apply_from_the_same_stats_is_bitwise_the_cs(dtype, norm_type, bucket, monkeypatch):
+    monkeypatch.setattr(cgg, "_BUCKET", bucket)
     grads, _ = grad_set(dtype, seed=7)
     for inv_scale in (1.0, 1.0 / 1024, 0.3, 3.0):
         s = torch.tensor([inv_scale])

@@ -27,8 +27,8 @@ multiply by a multiplier picked on the device: the product of two fp32
 numbers is exact in fp64, so rounding it to fp32 gives exactly the fp32
 product. A multiplier of exactly 1 leaves every bit as it was, as in C.
 
-The per-tensor sums of squares come from ``vector_norm(u, dtype=float64)``
-squared (fp64 squares of the fp32 ``u``, as the C, then a square root and a
+The sums of squares, per bucket of gradients concatenated (``_BUCKET``),
+come from ``vector_norm(u, dtype=float64)`` squared (fp64 squares of the fp32 ``u``, as the C, then a square root and a
 square): the summation order and those two roundings make the last bits of
 the sum differ from the C's (about 1e-15 relative); the NaN / Inf counts, the
 first offending tensor and the max-|u| norm are exact.
@@ -138,23 +138,45 @@ def _unscale_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+#: elements per bucket of _reduce: small gradients are concatenated up to this
+#: many (one set of operations per bucket instead of per tensor); a larger one
+#: is its own bucket, so the extra memory stays one bucket's
+_BUCKET = 1 << 22
+
+
+def _buckets(grads):
+    """Lists of (tensor index, flat gradient), nonempty gradients only, each
+    list at most _BUCKET elements unless it is one larger tensor."""
+    out, cur, size = [], [], 0
+    for k, g in enumerate(grads):
+        n = g.numel()
+        if n == 0:  # owns no block in the C: contributes nothing
+            continue
+        if cur and size + n > _BUCKET:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append((k, g.reshape(-1)))
+        size += n
+    if cur:
+        out.append(cur)
+    return out
+
+
 def _reduce(grads, inv_scale: torch.Tensor, dtype: torch.dtype, norm2: bool) -> torch.Tensor:
     """Pass 1: the float64 [4] stats of grads."""
     dev = inv_scale.device
-    if not grads:
+    n = len(grads)
+    buckets = _buckets(grads)
+    if not buckets:
         stats = torch.zeros(NSTATS, dtype=torch.float64, device=dev)
         stats[FIRST_BAD] = -1.0
         return stats
     s = inv_scale.reshape(()).to(_unscale_dtype(dtype))
-    zero_norm = torch.zeros((), dtype=torch.float64, device=dev)
-    zero_counts = torch.zeros(2, dtype=torch.int64, device=dev)
     norms, counts = [], []
-    for g in grads:
-        if g.numel() == 0:  # owns no block in the C: contributes nothing
-            norms.append(zero_norm)
-            counts.append(zero_counts)
-            continue
-        x = g.reshape(-1)
+    no = torch.zeros((), dtype=torch.bool, device=dev)
+    flags = [no] * n  # per tensor: holds a NaN or Inf (zero-size ones never do)
+    for bucket in buckets:
+        x = bucket[0][1] if len(bucket) == 1 else torch.cat([t for _, t in bucket])
         u = x.to(s.dtype) * s
         if norm2:
             norms.append(torch.linalg.vector_norm(u, 2, dtype=torch.float64).square())
@@ -163,15 +185,20 @@ def _reduce(grads, inv_scale: torch.Tensor, dtype: torch.dtype, norm2: bool) -> 
             # NaN never wins the C's `a > m ? a : m` (it is reported by the counts)
             norms.append(torch.where(torch.isnan(a), 0.0, a).amax().to(torch.float64))
         # NaN / Inf are classified on the stored x, not on u
-        counts.append(torch.stack((torch.isnan(x).sum(), torch.isinf(x).sum())))
-    norms_t = torch.stack(norms)
-    counts_t = torch.stack(counts)  # [n, 2] int64: NaN, Inf
-    acc = norms_t.sum() if norm2 else norms_t.amax()
-    n = len(grads)
-    bad = counts_t.sum(1) > 0
-    first = torch.where(bad, torch.arange(n, device=dev), n).amin()
+        nan, inf = torch.isnan(x), torch.isinf(x)
+        counts.append(torch.stack((nan.sum(), inf.sum())))
+        # which tensors hold one: views of the bucket's mask, no copy
+        bad = nan | inf
+        sizes = [t.numel() for _, t in bucket]
+        for (k, _), b in zip(bucket, bad.split(sizes) if len(bucket) > 1 else (bad,)):
+            flags[k] = b.any()
+    acc = torch.stack(norms).sum() if norm2 else torch.stack(norms).amax()
+    total = torch.stack(counts).sum(0).to(torch.float64)  # NaN, Inf
+    # the first tensor holding one, -1 when none; arange is made on the device:
+    # a host list copied there would wait for the device's queue
+    first = torch.where(torch.stack(flags), torch.arange(n, device=dev), n).amin()
     first = torch.where(first < n, first, -1)
-    return torch.cat((acc.reshape(1), counts_t.sum(0).to(torch.float64), first.reshape(1).to(torch.float64)))
+    return torch.cat((acc.reshape(1), total, first.reshape(1).to(torch.float64)))
 
 
 def _apply(grads, inv_scale: torch.Tensor, stats: torch.Tensor, found_inf: torch.Tensor,
@@ -192,14 +219,17 @@ def _apply(grads, inv_scale: torch.Tensor, stats: torch.Tensor, found_inf: torch
         wide = (coef != 0) & (coef.abs() < _FLT_MIN)
         m = torch.where(wide, coef, coef.to(torch.float32).to(torch.float64))
     write = ok & (m != 1.0)
-    for g in grads:
-        if g.numel() == 0:
-            continue
+    for bucket in _buckets(grads):
+        views = [t for _, t in bucket]
+        x = views[0] if len(views) == 1 else torch.cat(views)
         if dtype == torch.float64:
-            y = g * m
+            y = x * m
         else:
-            y = (g.to(torch.float64) * m).to(torch.float32).to(dtype)
-        torch.where(write, y, g, out=g)
+            y = (x.to(torch.float64) * m).to(torch.float32).to(dtype)
+        if len(views) == 1:
+            torch.where(write, y, x, out=x)
+        else:  # back into each gradient: the unwritten ones get their own bits again
+            torch._foreach_copy_(views, list(torch.where(write, y, x).split([t.numel() for t in views])))
     found_inf.masked_fill_(~ok, 1.0)
     return total.to(_unscale_dtype(dtype))
 
