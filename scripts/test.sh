@@ -2,7 +2,8 @@
 # Set everything up, check the style (ruff over the Python, clang-format over
 # the C / CUDA C / C++ sources), then run every test: the ctest suite of the build pip
 # just made (kernels, the CUDA kernels on the CPU emulator of the CUDA
-# execution model, shim ABI check), the kernel suite again under
+# execution model, shim ABI check), the wheel of that build installed in a
+# fresh venv and smoke-tested, the kernel suite again under
 # AddressSanitizer + UndefinedBehaviorSanitizer, pytest against the
 # installed package, and the op suites once more on the composite path.
 set -euo pipefail
@@ -16,6 +17,12 @@ bash scripts/format.sh --check
 
 # -j2: the CUDA emulator's runs (tests/cuda_emu) are single-threaded
 ctest --test-dir build/pip --output-on-failure -j2
+
+# the wheel of that build (nothing compiled again), tagged and checked by
+# auditwheel, installed in a fresh venv with torch 2.13 and smoke-tested
+# (scripts/wheel.sh without NANGUARD_WHEEL_DEV builds the release fatbin)
+NANGUARD_WHEEL_DEV=1 bash scripts/wheel.sh >/dev/null
+NANGUARD_WHEEL_DEV=1 bash scripts/wheel_smoke.sh
 
 cmake -S . -B build/sanitize -G Ninja -DNG_SANITIZE=ON -DNG_TORCH=OFF -DNG_CUDA=OFF \
       -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null

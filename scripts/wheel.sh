@@ -5,7 +5,13 @@
 # py3-none-manylinux_2_XX_x86_64 by auditwheel.
 #
 #   bash scripts/wheel.sh [extra pip wheel arguments]
-#   NANGUARD_WHEEL_ARCHS="90" bash scripts/wheel.sh   # a reduced fatbin (CI)
+#   NANGUARD_WHEEL_ARCHS="90" bash scripts/wheel.sh   # a reduced fatbin
+#   NANGUARD_WHEEL_DEV=1 bash scripts/wheel.sh        # from the development build (CI)
+#
+# NANGUARD_WHEEL_DEV=1 packs the build scripts/setup.sh made in build/pip, as
+# configured there (sm_75, 80, 90 and PTX of 90, the spill check on, the
+# ctest suite built but not installed): nothing is compiled again, so CI
+# checks the packaging, tagging and installation without a second CUDA build.
 #
 # Built against the installed torch with no build isolation (an isolated
 # environment would download a CUDA torch), in build/wheel so that the
@@ -24,6 +30,9 @@ if ! command -v nvcc >/dev/null 2>&1; then
   echo "wheel: nvcc not found; the wheel holds the CUDA library, so it needs the CUDA toolkit (>= 12.1)" >&2
   exit 1
 fi
+if [[ "${NANGUARD_WHEEL_DEV:-0}" == 1 ]]; then
+  export NANGUARD_WHEEL_ARCHS="75 80 90" # CMakeLists.txt's default architectures
+fi
 source scripts/wheel_archs.sh
 echo "wheel: SASS for sm_${NG_WHEEL_SASS// /, sm_}; PTX for compute_$NG_WHEEL_PTX"
 
@@ -38,13 +47,21 @@ start=$(date +%s)
 # The ctest suite is not built (NG_TESTS=OFF): nothing of it is installed.
 # The spill check is off: some kernels spill a few bytes on architectures
 # outside the default build (CMakeLists.txt, NG_CUDA_SPILL_CHECK).
-"$PY" -m pip wheel --no-build-isolation --no-deps -w build/wheel/raw \
-  -C build-dir=build/wheel \
-  -C cmake.define.NG_CUDA=ON \
-  -C cmake.define.NG_TESTS=OFF \
-  -C cmake.define.NG_CUDA_SPILL_CHECK=OFF \
-  -C "cmake.define.CMAKE_CUDA_ARCHITECTURES=$NG_WHEEL_CMAKE_ARCHS" \
-  "$@" .
+if [[ "${NANGUARD_WHEEL_DEV:-0}" == 1 ]]; then
+  if [[ ! -f build/pip/CMakeCache.txt ]]; then
+    echo "wheel: NANGUARD_WHEEL_DEV=1 packs build/pip, which scripts/setup.sh makes; there is none" >&2
+    exit 1
+  fi
+  "$PY" -m pip wheel --no-build-isolation --no-deps -w build/wheel/raw -C cmake.define.NG_CUDA=ON "$@" .
+else
+  "$PY" -m pip wheel --no-build-isolation --no-deps -w build/wheel/raw \
+    -C build-dir=build/wheel \
+    -C cmake.define.NG_CUDA=ON \
+    -C cmake.define.NG_TESTS=OFF \
+    -C cmake.define.NG_CUDA_SPILL_CHECK=OFF \
+    -C "cmake.define.CMAKE_CUDA_ARCHITECTURES=$NG_WHEEL_CMAKE_ARCHS" \
+    "$@" .
+fi
 echo "wheel: built in $(($(date +%s) - start)) s"
 raw=$(ls build/wheel/raw/nanguard-*.whl)
 

@@ -21,6 +21,9 @@ if [[ -z "$whl" || ! -f "$whl" ]]; then
   exit 1
 fi
 whl=$(cd "$(dirname "$whl")" && pwd)/$(basename "$whl")
+if [[ "${NANGUARD_WHEEL_DEV:-0}" == 1 ]]; then # a wheel of the development build (scripts/wheel.sh)
+  export NANGUARD_WHEEL_ARCHS="75 80 90"
+fi
 source scripts/wheel_archs.sh
 
 tmp=$(mktemp -d)
