@@ -27,7 +27,7 @@ multiply by a multiplier picked on the device: the product of two fp32
 numbers is exact in fp64, so rounding it to fp32 gives exactly the fp32
 product. A multiplier of exactly 1 leaves every bit as it was, as in C.
 
-The sums of squares, per bucket of gradients concatenated (``_BUCKET``),
+The sums of squares, per bucket of gradients concatenated or cut (``_BUCKET``),
 come from ``vector_norm(u, dtype=float64)`` squared (fp64 squares of the fp32 ``u``, as the C, then a square root and a
 square): the summation order and those two roundings make the last bits of
 the sum differ from the C's (about 1e-15 relative); the NaN / Inf counts, the
@@ -138,25 +138,27 @@ def _unscale_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-#: elements per bucket of _reduce: small gradients are concatenated up to this
-#: many (one set of operations per bucket instead of per tensor); a larger one
-#: is its own bucket, so the extra memory stays one bucket's
-_BUCKET = 1 << 22
+#: elements per bucket: small gradients are concatenated up to this many (one
+#: set of operations per bucket instead of per tensor), a larger one is cut
+#: into pieces of this many, so every temporary (fp64 ones included) stays
+#: small enough to be reused from cache rather than freshly mapped
+_BUCKET = 1 << 18
 
 
 def _buckets(grads):
-    """Lists of (tensor index, flat gradient), nonempty gradients only, each
-    list at most _BUCKET elements unless it is one larger tensor."""
+    """Lists of (tensor index, flat piece of that gradient), nonempty
+    gradients only, each list of at most _BUCKET elements."""
     out, cur, size = [], [], 0
     for k, g in enumerate(grads):
-        n = g.numel()
-        if n == 0:  # owns no block in the C: contributes nothing
-            continue
-        if cur and size + n > _BUCKET:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append((k, g.reshape(-1)))
-        size += n
+        flat = g.reshape(-1)
+        for i in range(0, flat.numel(), _BUCKET):  # no piece of a zero-size one
+            piece = flat[i : i + _BUCKET]
+            n = piece.numel()
+            if cur and size + n > _BUCKET:
+                out.append(cur)
+                cur, size = [], 0
+            cur.append((k, piece))
+            size += n
     if cur:
         out.append(cur)
     return out
@@ -186,12 +188,12 @@ def _reduce(grads, inv_scale: torch.Tensor, dtype: torch.dtype, norm2: bool) -> 
             norms.append(torch.where(torch.isnan(a), 0.0, a).amax().to(torch.float64))
         # NaN / Inf are classified on the stored x, not on u
         nan, inf = torch.isnan(x), torch.isinf(x)
-        counts.append(torch.stack((nan.sum(), inf.sum())))
+        counts.append(torch.stack((torch.count_nonzero(nan), torch.count_nonzero(inf))))
         # which tensors hold one: views of the bucket's mask, no copy
         bad = nan | inf
         sizes = [t.numel() for _, t in bucket]
         for (k, _), b in zip(bucket, bad.split(sizes) if len(bucket) > 1 else (bad,)):
-            flags[k] = b.any()
+            flags[k] = b.any() if flags[k] is no else flags[k] | b.any()
     acc = torch.stack(norms).sum() if norm2 else torch.stack(norms).amax()
     total = torch.stack(counts).sum(0).to(torch.float64)  # NaN, Inf
     # the first tensor holding one, -1 when none; arange is made on the device:
