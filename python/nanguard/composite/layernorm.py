@@ -223,8 +223,9 @@ def _rows(x: torch.Tensor) -> int:
 _DW_BLOCK = 1 << 16
 
 
-def _fused_backward(dya, xa, w, mean, rstd):
-    """dx from ATen's fused LayerNorm backward, and dw (None without a weight).
+def _fused_backward(dya, xa, w, m, r):
+    """dx from ATen's fused LayerNorm backward, and dw (None without a weight),
+    of rows ``xa`` / ``dya`` [R, n] with statistics ``m`` / ``r`` [R, 1].
 
     Only for statistics that pass ``_fused_rows_ok``: the forward's check, which
     also bounds the cancellation of its ``b * x + c`` form. The eps term of the
@@ -232,24 +233,20 @@ def _fused_backward(dya, xa, w, mean, rstd):
     dw is summed here: ATen's splits the rows over threads, so its sum would
     change with the thread count.
     """
-    lead = xa.shape[:-1]
-    shape = (*lead, 1)
-    m, r = mean.reshape(shape), rstd.reshape(shape)
+    n = xa.shape[-1]
     dx = torch.ops.aten.native_layer_norm_backward(
-        dya, xa, [xa.shape[-1]], m, r, _acc(w) if w is not None else None, None, [True, False, False]
+        dya, xa, [n], m, r, _acc(w) if w is not None else None, None, [True, False, False]
     )[0]
     if w is None:
         return dx, None
     # sum(dy * (x - mean) * rstd) over the rows, in blocks of rows: a block's
     # temporary stays in cache, where one of the input's size would be a new
     # allocation (page faults) per pass. The blocks add in a fixed order.
-    n = xa.shape[-1]
-    xf, dyf, mf, rf = xa.reshape(-1, n), dya.reshape(-1, n), m.reshape(-1, 1), r.reshape(-1, 1)
-    rows = max(1, _DW_BLOCK // max(1, n))
+    rows = max(1, _DW_BLOCK // n)
     dw = None
-    for i in range(0, xf.shape[0], rows):
-        t = xf[i : i + rows] - mf[i : i + rows]
-        part = t.mul_(rf[i : i + rows]).mul_(dyf[i : i + rows]).sum(0)
+    for i in range(0, xa.shape[0], rows):
+        t = xa[i : i + rows] - m[i : i + rows]
+        part = t.mul_(r[i : i + rows]).mul_(dya[i : i + rows]).sum(0)
         dw = part if dw is None else dw.add_(part)
     return dx, dw if dw is not None else torch.zeros(n, dtype=xa.dtype, device=xa.device)
 
