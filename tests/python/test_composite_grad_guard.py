@@ -106,6 +106,19 @@ def compare_total_norm(got, want):
     torch.testing.assert_close(got, want, rtol=max(2 * ULP[got.dtype], SSQ_RTOL), atol=0, equal_nan=True)
 
 
+# ---- the two paths of the composite guard ------------------------------------------------
+
+
+@pytest.fixture(params=["cpu", "general"])
+def guard_path(request, monkeypatch):
+    """Each guard test runs on both roads of the composite: the CPU's
+    shortcut (host reads allowed) and the general one every other device
+    takes (no host read), forced on the CPU here."""
+    if request.param == "general":
+        monkeypatch.setattr(cgg, "_READ_FREE", frozenset())
+    return request.param
+
+
 # ---- fused_unscale_clip_ (both passes) against the C ------------------------------------
 
 
@@ -119,7 +132,7 @@ BUCKETS = [cgg._BUCKET, 1000]
 @pytest.mark.parametrize("norm_type", NORMS)
 @pytest.mark.parametrize("where", [None, "first", "later", "both"])
 @pytest.mark.parametrize("bucket", BUCKETS)
-def test_fused_matches_c(dtype, norm_type, where, bucket, monkeypatch):
+def test_fused_matches_c(dtype, norm_type, where, bucket, monkeypatch, guard_path):
     monkeypatch.setattr(cgg, "_BUCKET", bucket)
     grads, (nan, inf, first) = grad_set(dtype, seed=len(str(where)), where=where)
     skipped = where is not None
@@ -156,7 +169,7 @@ def test_fused_matches_c(dtype, norm_type, where, bucket, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm_type", NORMS)
 @pytest.mark.parametrize("bucket", BUCKETS)
-def test_apply_from_the_same_stats_is_bitwise_the_cs(dtype, norm_type, bucket, monkeypatch):
+def test_apply_from_the_same_stats_is_bitwise_the_cs(dtype, norm_type, bucket, monkeypatch, guard_path):
     monkeypatch.setattr(cgg, "_BUCKET", bucket)
     grads, _ = grad_set(dtype, seed=7)
     for inv_scale in (1.0, 1.0 / 1024, 0.3, 3.0):
@@ -185,7 +198,7 @@ def test_apply_from_the_same_stats_is_bitwise_the_cs(dtype, norm_type, bucket, m
 
 @requires_kernels
 @pytest.mark.parametrize("init", [0.0, 1.0, 0.5])
-def test_found_inf_is_set_never_cleared(init):
+def test_found_inf_is_set_never_cleared(init, guard_path):
     for where in (None, "first"):
         grads, _ = grad_set(torch.float32, seed=3, where=where)
         for shape in ((), (1,), (1, 1)):
@@ -201,7 +214,7 @@ def test_found_inf_is_set_never_cleared(init):
 
 @requires_kernels
 @pytest.mark.parametrize("norm_type", NORMS)
-def test_empty_list_and_zero_size_tensors(norm_type):
+def test_empty_list_and_zero_size_tensors(norm_type, guard_path):
     s = torch.tensor([0.5])
     for grads in ([], [torch.empty(0)], [torch.empty(0, 3, dtype=torch.float16), torch.empty(0, dtype=torch.float16)],
                   [torch.empty(0, dtype=torch.float64)]):
@@ -246,7 +259,7 @@ def _apply_both(grads, inv_scale, max_norm, norm_type):
 @requires_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm_type", NORMS)
-def test_huge_gradients_and_a_multiplier_below_fp32_normals(dtype, norm_type):
+def test_huge_gradients_and_a_multiplier_below_fp32_normals(dtype, norm_type, guard_path):
     """|g| ~ 1e30: the fp32 square is inf but the fp64 sum is finite; clipped
     to 1e-20 with inv_scale 1e-3 the multiplier is ~1e-51, below FLT_MIN (an
     fp32 subnormal, 0 here): the product is formed in fp64."""
@@ -264,7 +277,7 @@ def test_huge_gradients_and_a_multiplier_below_fp32_normals(dtype, norm_type):
 
 
 @requires_kernels
-def test_inv_scale_above_one():
+def test_inv_scale_above_one(guard_path):
     # fp16 60000 * 4 is finite in fp32: the norm is finite, the fp16 result is inf (as in C)
     g16 = [torch.tensor([60000.0, -1.0, 2.0], dtype=torch.float16)]
     a, b, st_c, st, fa, fb = _apply_both(g16, 4.0, math.inf, 2.0)
@@ -280,7 +293,7 @@ def test_inv_scale_above_one():
 
 
 @requires_kernels
-def test_fp64_sum_of_squares_overflow_skips():
+def test_fp64_sum_of_squares_overflow_skips(guard_path):
     g = [torch.tensor([1e200, 1.0], dtype=torch.float64), torch.tensor([-3.0], dtype=torch.float64)]
     a, b, st_c, st, fa, fb = _apply_both(g, 1.0, 1.0, 2.0)
     assert st.tolist() == [math.inf, 0.0, 0.0, -1.0] and fb.item() == 1.0
@@ -288,6 +301,74 @@ def test_fp64_sum_of_squares_overflow_skips():
     # norm inf does not square: finite, clipped
     a, b, st_c, st, fa, fb = _apply_both(g, 1.0, 1.0, math.inf)
     assert st[0].item() == 1e200 and fb.item() == 0.0
+
+
+# ---- the CPU road's shortcut against the general road ---------------------------------------
+
+
+def _both_roads(grads, inv_scale, max_norm, norm_type, monkeypatch):
+    """fused_unscale_clip_ on the CPU road and on the general one: (total_norm,
+    stats, found_inf, grads) of each."""
+    out = []
+    for free in (frozenset({"cpu"}), frozenset()):
+        monkeypatch.setattr(cgg, "_READ_FREE", free)
+        g, f = clones(grads), torch.zeros(())
+        tn, st = cgg.fused_unscale_clip_(g, torch.tensor([inv_scale]), f, max_norm, norm_type)
+        out.append((tn, st, f, g))
+    return out
+
+
+def _shortcut(grads, inv_scale, norm_type):
+    """What _reduce_cpu gives: stats, or None where it hands over to the general pass."""
+    s = torch.tensor(inv_scale, dtype=torch.float64 if grads[0].dtype == torch.float64 else torch.float32)
+    return cgg._reduce_cpu(cgg._buckets(grads), s, grads[0].dtype, norm_type == 2.0)
+
+
+#: (grads, inv_scale, whether the shortcut may keep its result): at the edges
+#: of the scaled shortcut (inv_scale 2**k: u = x * s exact unless it leaves the
+#: fp32 normal range) and off it
+_EDGES = [
+    # |u| = 1.5 * 2**127 <= FLT_MAX: exact, kept
+    ([torch.tensor([1.5 * 2.0**100, -3.0]), torch.tensor([7.0])], 2.0**27, True),
+    # |u| = 2**128 overflows fp32: the C's sum is inf, the step skipped
+    ([torch.tensor([2.0**101, -3.0]), torch.tensor([7.0])], 2.0**27, False),
+    # every u subnormal (bits lost): the sum is below 2**-100, the max below
+    # FLT_MIN, handed over
+    ([torch.tensor([2.0**-110 * (1 + 2.0**-23), -(2.0**-112)])], 2.0**-20, False),
+    # one normal u among subnormal ones: kept, their share is below 2**-130
+    ([torch.tensor([1.0, 2.0**-110 * (1 + 2.0**-23)]), torch.tensor([2.0**-115])], 2.0**-20, True),
+    # not a power of two: u formed in fp32 first, kept
+    ([torch.tensor([3.0e38, 1.0])], 0.3, True),
+    # fp16 widened exactly, scaled by 2**-16 (GradScaler's), kept
+    ([torch.tensor([60000.0, -1e-7, 2.0], dtype=torch.float16)], 2.0**-16, True),
+    # fp32 u overflows for a non-power-of-two scale: inf, handed over
+    ([torch.tensor([3.0e38, 1.0])], 3.0, False),
+]
+
+
+@pytest.mark.parametrize("case", range(len(_EDGES)))
+@pytest.mark.parametrize("norm_type", NORMS)
+def test_cpu_shortcut_equals_the_general_road(case, norm_type, monkeypatch):
+    grads, inv_scale, kept = _EDGES[case]
+    st = _shortcut(grads, inv_scale, norm_type)
+    assert (st is not None) == kept, st
+    (tn_a, st_a, f_a, g_a), (tn_b, st_b, f_b, g_b) = _both_roads(grads, inv_scale, 1.0, norm_type, monkeypatch)
+    compare_stats(st_a, st_b, norm_type)
+    assert_same_bits(f_a, f_b)
+    compare_total_norm(tn_a, tn_b)
+    for x, y in zip(g_a, g_b):
+        assert_same_bits(x, y)
+
+
+def test_cpu_shortcut_is_taken_on_healthy_grads():
+    """The shortcut's whole point: finite gradients need no counting pass."""
+    for dtype in DTYPES:
+        grads, _ = grad_set(dtype, seed=2)
+        for inv_scale in (1.0, 2.0**-16, 0.3):
+            for norm_type in NORMS:
+                assert _shortcut(grads, inv_scale, norm_type) is not None, (dtype, inv_scale, norm_type)
+        poisoned, _ = grad_set(dtype, seed=2, where="later")
+        assert _shortcut(poisoned, 1.0, 2.0) is None
 
 
 # ---- tensor_stats_ ------------------------------------------------------------------------
@@ -466,6 +547,8 @@ def _run_every_kernel(inputs):
 
 
 def test_no_host_reads(monkeypatch):
+    """The road every device but the CPU takes reads nothing on the host."""
+    monkeypatch.setattr(cgg, "_READ_FREE", frozenset())
     inputs = _inputs("cpu")
     _no_reads(monkeypatch)
     _run_every_kernel(inputs)

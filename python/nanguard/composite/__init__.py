@@ -71,14 +71,23 @@ KERNELS: dict = {}
 for _stem in ("layernorm", "grad_guard", "attention", "tensor_stats"):
     KERNELS.update(importlib.import_module(f"{__name__}.{_stem}").KERNELS)
 
+#: whether autocast is on for any device type (one C call; the per-device
+#: test below only when it is)
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
 def _without_autocast(fn):
     """``fn`` run with autocast off on every device type of its tensor arguments."""
 
     @functools.wraps(fn)
     def run(*args):
+        if not _any_autocast():
+            return fn(*args)
         devices = set()
         for a in args:
-            for t in a if isinstance(a, (list, tuple)) else (a,):
+            # a list's tensors share one device (the ops that take one refuse
+            # a mix), so its first tells
+            for t in a[:1] if isinstance(a, (list, tuple)) else (a,):
                 if isinstance(t, torch.Tensor):
                     devices.add(t.device.type)
         with contextlib.ExitStack() as stack:

@@ -8,14 +8,18 @@ messages, raised as ``RuntimeError`` (what a failing C check raises).
 
 from __future__ import annotations
 
+from typing import Callable, Union
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check(cond: bool, op: str, msg: str) -> None:
+def check(cond: bool, op: str, msg: Union[str, Callable[[], str]]) -> None:
+    """Raise ``op: msg`` unless cond; a message with values in it is passed
+    as a function, so that a passing check formats nothing."""
     if not cond:
-        raise RuntimeError(f"{op}: {msg}")
+        raise RuntimeError(f"{op}: {msg() if callable(msg) else msg}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -29,7 +33,7 @@ def check_device_dtype(op: str, name: str, t: torch.Tensor) -> None:
     check(
         t.dtype in FLOAT_DTYPES,
         op,
-        f"{name} must be float16, bfloat16, float32 or float64 (got {dtype_name(t.dtype)})",
+        lambda: f"{name} must be float16, bfloat16, float32 or float64 (got {dtype_name(t.dtype)})",
     )
 
 

@@ -85,12 +85,12 @@ _U32 = 0xFFFFFFFF
 
 def _check_float(op: str, t: torch.Tensor, name: str) -> None:
     """ng_view: a strided tensor of one of the four float dtypes."""
-    _check(isinstance(t, torch.Tensor), op, f"{name} must be a tensor")
-    _check(t.layout == torch.strided, op, f"{name} must be a strided (dense) tensor")
+    _check(isinstance(t, torch.Tensor), op, lambda: f"{name} must be a tensor")
+    _check(t.layout == torch.strided, op, lambda: f"{name} must be a strided (dense) tensor")
     _check(
         t.dtype in _FLOAT_DTYPES,
         op,
-        f"{name} must be float16, bfloat16, float32 or float64 (got {_dtype_name(t.dtype)})",
+        lambda: f"{name} must be float16, bfloat16, float32 or float64 (got {_dtype_name(t.dtype)})",
     )
 
 
@@ -98,17 +98,17 @@ def _check_same(op: str, q: torch.Tensor, t: torch.Tensor, name: str) -> None:
     _check(
         t.device == q.device,
         op,
-        f"{name} is on {t.device} but query is on {q.device}; both must be on the same device",
+        lambda: f"{name} is on {t.device} but query is on {q.device}; both must be on the same device",
     )
     _check(
         t.dtype == q.dtype,
         op,
-        f"{name} has dtype {_dtype_name(t.dtype)} but query has dtype {_dtype_name(q.dtype)}; they must match",
+        lambda: f"{name} has dtype {_dtype_name(t.dtype)} but query has dtype {_dtype_name(q.dtype)}; they must match",
     )
 
 
 def _check_qkv(op: str, t: torch.Tensor, name: str, q: Optional[torch.Tensor]) -> None:
-    _check(t.dim() == 4, op, f"{name} must be 4-d [batch, heads, seq, head_dim], got {t.dim()} dims")
+    _check(t.dim() == 4, op, lambda: f"{name} must be 4-d [batch, heads, seq, head_dim], got {t.dim()} dims")
     if q is not None:
         _check_same(op, q, t, name)
 
@@ -119,7 +119,7 @@ def _check_mask(op: str, mask: torch.Tensor) -> None:
     _check(
         mask.dtype == torch.bool or mask.dtype in _FLOAT_DTYPES,
         op,
-        f"attn_mask must be bool or float16, bfloat16, float32 or float64 (got {_dtype_name(mask.dtype)})",
+        lambda: f"attn_mask must be bool or float16, bfloat16, float32 or float64 (got {_dtype_name(mask.dtype)})",
     )
 
 
@@ -130,24 +130,24 @@ def _read_rng(op: str, rng: torch.Tensor) -> Tuple[int, int]:
     _check(
         rng.device.type == "cpu",
         op,
-        f"rng must be a CPU tensor (its values are read on the host), got a {rng.device.type} tensor",
+        lambda: f"rng must be a CPU tensor (its values are read on the host), got a {rng.device.type} tensor",
     )
-    _check(rng.dtype == torch.int64, op, f"rng must be an int64 tensor, got {_dtype_name(rng.dtype)}")
-    _check(rng.numel() == 2, op, f"rng must have exactly 2 elements, got {rng.numel()}")
+    _check(rng.dtype == torch.int64, op, lambda: f"rng must be an int64 tensor, got {_dtype_name(rng.dtype)}")
+    _check(rng.numel() == 2, op, lambda: f"rng must have exactly 2 elements, got {rng.numel()}")
     _check(rng.is_contiguous(), op, "rng must be contiguous")
     seed, offset = rng.reshape(2).tolist()
     return seed, offset
 
 
 def _check_params(op: str, dropout_p: float, scale: float, max_score: float, softcap: float) -> None:
-    _check(0.0 <= dropout_p < 1.0, op, f"dropout_p must be in [0, 1), got {dropout_p:g}")
-    _check(math.isfinite(scale), op, f"scale must be finite, got {scale:g}")
+    _check(0.0 <= dropout_p < 1.0, op, lambda: f"dropout_p must be in [0, 1), got {dropout_p:g}")
+    _check(math.isfinite(scale), op, lambda: f"scale must be finite, got {scale:g}")
     _check(not math.isnan(max_score), op, "max_score must not be NaN (<= 0 turns the clamp off)")
     # softcap * tanh(s / softcap) is inf * 0 = NaN at +inf: refused, like NaN
     _check(
         not (math.isnan(softcap) or softcap == math.inf),
         op,
-        f"softcap must be finite, got {softcap:g} (<= 0 turns the soft-cap off)",
+        lambda: f"softcap must be finite, got {softcap:g} (<= 0 turns the soft-cap off)",
     )
 
 
@@ -157,32 +157,32 @@ def _check_shapes(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     _check(
         k.shape[0] == B and v.shape[0] == B,
         op,
-        f"key and value must have the batch size of query ({B}), got {k.shape[0]} and {v.shape[0]}",
+        lambda: f"key and value must have the batch size of query ({B}), got {k.shape[0]} and {v.shape[0]}",
     )
-    _check(k.shape[3] == E, op, f"key's head dim ({k.shape[3]}) must equal query's ({E})")
+    _check(k.shape[3] == E, op, lambda: f"key's head dim ({k.shape[3]}) must equal query's ({E})")
     _check(
         v.shape[1] == Hkv and v.shape[2] == S,
         op,
-        f"value must have key's heads and sequence length ([{Hkv}, {S}]), got [{v.shape[1]}, {v.shape[2]}]",
+        lambda: f"value must have key's heads and sequence length ([{Hkv}, {S}]), got [{v.shape[1]}, {v.shape[2]}]",
     )
-    _check(Hq >= 1, op, f"query must have at least one head, got {Hq}")
-    _check(Hkv >= 1 and Hq % Hkv == 0, op, f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
-    _check(E >= 1 and Ev >= 1, op, f"head dims must be at least 1, got query/key {E} and value {Ev}")
+    _check(Hq >= 1, op, lambda: f"query must have at least one head, got {Hq}")
+    _check(Hkv >= 1 and Hq % Hkv == 0, op, lambda: f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    _check(E >= 1 and Ev >= 1, op, lambda: f"head dims must be at least 1, got query/key {E} and value {Ev}")
 
 
 def _check_mask_shape(op: str, mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-    _check(mask.dim() == 4, op, f"attn_mask must be 4-d (broadcastable to [B, H, L, S]), got {mask.dim()} dims")
+    _check(mask.dim() == 4, op, lambda: f"attn_mask must be 4-d (broadcastable to [B, H, L, S]), got {mask.dim()} dims")
     _check(
         mask.device == q.device,
         op,
-        f"attn_mask is on {mask.device} but query is on {q.device}; both must be on the same device",
+        lambda: f"attn_mask is on {mask.device} but query is on {q.device}; both must be on the same device",
     )
     want = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     for d, dim in enumerate(("batch", "heads", "query length", "key length")):
         _check(
             mask.shape[d] in (want[d], 1),
             op,
-            f"attn_mask's {dim} dim is {mask.shape[d]}; it must be {want[d]} or 1",
+            lambda: f"attn_mask's {dim} dim is {mask.shape[d]}; it must be {want[d]} or 1",
         )
 
 
@@ -412,13 +412,13 @@ def _backward(op, grad_out, query, key, value, attn_mask, out, lse, dropout_p, i
     _check(
         lse.device == query.device,
         op,
-        f"lse is on {lse.device} but query is on {query.device}; both must be on the same device",
+        lambda: f"lse is on {lse.device} but query is on {query.device}; both must be on the same device",
     )
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     _check(
         lse.dtype == lse_dtype and lse.dim() == 3 and tuple(lse.shape) == osz[:3],
         op,
-        f"lse must be the forward's {_dtype_name(lse_dtype)} logsumexp of shape [B, Hq, L]",
+        lambda: f"lse must be the forward's {_dtype_name(lse_dtype)} logsumexp of shape [B, Hq, L]",
     )
 
     a = _Attn(query, key, value, attn_mask, dropout_p, is_causal, scale, max_score, softcap, seed, offset)

@@ -34,6 +34,21 @@ the sum differ from the C's (about 1e-15 relative); the NaN / Inf counts, the
 first offending tensor and the max-|u| norm are exact.
 ``torch._foreach_norm`` is not used: on CUDA it accumulates fp32 inputs in
 fp32, which overflows for ``|u|`` above ~1e19 where the C norm is finite.
+
+On the CPU, where reading a value on the host waits for no device queue, the
+common case takes a shorter road with the same results (``_reduce_cpu`` /
+``_apply_cpu``): a step whose gradients are all finite needs no NaN / Inf
+count, and a sum of squares (or max ``|u|``) that comes out finite proves it,
+because a NaN or Inf in ``x`` makes ``u`` and so the sum non-finite for every
+``inv_scale``, and fp64 cannot overflow on fp32 squares. So pass 1 is, per
+bucket, the fp32 (fp64) ``u`` into a reused buffer and its fp64 norm,
+squared (as above), and only a non-finite sum runs the counting pass above.
+An inv_scale of 2**k (GradScaler's, or 1) skips ``u`` itself where that is
+provably exact (``_reduce_cpu``). Pass 2 reads the multiplier on the host
+and multiplies every gradient in place with one ``_foreach_mul_`` (its
+Tensor overload: the Python-number one rounds the multiplier to fp16 / bf16
+first), with the exact semantics above; a multiplier of exactly 1 writes
+nothing, and a skipped step and the wide path take the general code.
 """
 
 from __future__ import annotations
@@ -53,18 +68,19 @@ NORM, NAN, INF, FIRST_BAD, NSTATS = 0, 1, 2, 3, 4
 
 _EPS = 1e-6  # NG_GG_EPS
 _FLT_MIN = 2.0**-126  # smallest normal fp32
+_FLT_MAX = float(torch.finfo(torch.float32).max)
 
 
 # ---- argument checks (ops/grad_guard.c) ---------------------------------------------
 
 
 def _check_view(op: str, t: torch.Tensor, name: str, floating: bool) -> None:
-    check(t.layout == torch.strided, op, f"{name} must be a strided (dense) tensor")
+    check(t.layout == torch.strided, op, lambda: f"{name} must be a strided (dense) tensor")
     if floating:
         check(
             t.dtype in FLOAT_DTYPES,
             op,
-            f"{name} must be float16, bfloat16, float32 or float64 (got {dtype_name(t.dtype)})",
+            lambda: f"{name} must be float16, bfloat16, float32 or float64 (got {dtype_name(t.dtype)})",
         )
 
 
@@ -72,7 +88,7 @@ def _check_same_device(op: str, a: torch.Tensor, an: str, b: torch.Tensor, bn: s
     check(
         a.device == b.device,
         op,
-        f"{bn} is on {b.device} but {an} is on {a.device}; both must be on the same device",
+        lambda: f"{bn} is on {b.device} but {an} is on {a.device}; both must be on the same device",
     )
 
 
@@ -81,7 +97,7 @@ def _check_scalar(op: str, t: torch.Tensor, name: str) -> None:
     check(
         t.dtype == torch.float32 and t.numel() == 1,
         op,
-        f"{name} must be a float32 tensor with one element (got {dtype_name(t.dtype)}, "
+        lambda: f"{name} must be a float32 tensor with one element (got {dtype_name(t.dtype)}, "
         f"{t.numel()} elements)",
     )
 
@@ -91,25 +107,29 @@ def _check_list(op: str, grads, inv_scale: torch.Tensor, mut: bool) -> torch.dty
     dtype (float32 for an empty list)."""
     _check_view(op, inv_scale, "inv_scale", False)
     _check_scalar(op, inv_scale, "inv_scale")
-    dtype = torch.float32
+    dtype = grads[0].dtype if len(grads) else torch.float32
+    dev = inv_scale.device
     for k, g in enumerate(grads):
-        _check_view(op, g, "grads", True)
-        _check_same_device(op, inv_scale, "inv_scale", g, "grads")
-        if k == 0:
-            dtype = g.dtype
-        check(
-            g.dtype == dtype,
-            op,
-            f"grads must all have one dtype (tensor 0 is {dtype_name(dtype)}, tensor {k} is "
-            f"{dtype_name(g.dtype)}); group them by dtype",
-        )
-        check(g.is_contiguous(), op, f"grads[{k}] must be contiguous{' (it is updated in place)' if mut else ''}")
+        # one test of everything the checks below ask, so that a list of
+        # good gradients builds no message
+        if not (g.layout == torch.strided and g.dtype == dtype and dtype in FLOAT_DTYPES
+                and g.device == dev and g.is_contiguous()):
+            _check_view(op, g, "grads", True)
+            _check_same_device(op, inv_scale, "inv_scale", g, "grads")
+            check(
+                g.dtype == dtype,
+                op,
+                lambda: f"grads must all have one dtype (tensor 0 is {dtype_name(dtype)}, tensor {k} is "
+                f"{dtype_name(g.dtype)}); group them by dtype",
+            )
+            check(g.is_contiguous(), op,
+                  lambda: f"grads[{k}] must be contiguous{' (it is updated in place)' if mut else ''}")
     return dtype
 
 
 def _norm_arg(op: str, norm_type: float) -> bool:
     """True for norm 2, False for norm inf."""
-    check(norm_type in (2.0, math.inf), op, f"norm_type must be 2.0 or inf, got {norm_type:g}")
+    check(norm_type in (2.0, math.inf), op, lambda: f"norm_type must be 2.0 or inf, got {norm_type:g}")
     return norm_type == 2.0
 
 
@@ -118,7 +138,7 @@ def _check_stats(op: str, inv_scale: torch.Tensor, stats: torch.Tensor) -> None:
     check(
         stats.dtype == torch.float64 and stats.numel() == NSTATS and stats.is_contiguous(),
         op,
-        f"stats must be a contiguous float64 tensor of {NSTATS} elements, as grad_guard_reduce returns",
+        lambda: f"stats must be a contiguous float64 tensor of {NSTATS} elements, as grad_guard_reduce returns",
     )
 
 
@@ -128,7 +148,7 @@ def _check_found_inf(op: str, inv_scale: torch.Tensor, found_inf: torch.Tensor) 
 
 
 def _check_max_norm(op: str, max_norm: float) -> None:
-    check(max_norm >= 0.0, op, f"max_norm must be >= 0 (inf for no clipping), got {max_norm:g}")
+    check(max_norm >= 0.0, op, lambda: f"max_norm must be >= 0 (inf for no clipping), got {max_norm:g}")
 
 
 # ---- the two passes -------------------------------------------------------------------
@@ -150,9 +170,11 @@ def _buckets(grads):
     gradients only, each list of at most _BUCKET elements."""
     out, cur, size = [], [], 0
     for k, g in enumerate(grads):
-        flat = g.reshape(-1)
-        for i in range(0, flat.numel(), _BUCKET):  # no piece of a zero-size one
-            piece = flat[i : i + _BUCKET]
+        total = g.numel()
+        if total == 0:
+            continue
+        flat = g.view(-1)  # contiguous: _check_list
+        for piece in (flat,) if total <= _BUCKET else flat.split(_BUCKET):
             n = piece.numel()
             if cur and size + n > _BUCKET:
                 out.append(cur)
@@ -164,6 +186,74 @@ def _buckets(grads):
     return out
 
 
+def _finite_stats(acc: torch.Tensor) -> torch.Tensor:
+    """The stats of a pass that found nothing: [acc, 0, 0, -1]."""
+    zero = torch.zeros(2, dtype=torch.float64, device=acc.device)
+    return torch.cat((acc.reshape(1).to(torch.float64), zero, torch.full_like(zero[:1], -1.0)))
+
+
+#: device types where reading a value on the host waits for no device queue:
+#: the ones that take _reduce_cpu / _apply_cpu
+_READ_FREE = frozenset({"cpu"})
+
+#: FLT_MAX squared, exact in fp64
+_FLT_MAX2 = _FLT_MAX**2
+
+
+def _reduce_cpu(buckets, s: torch.Tensor, dtype: torch.dtype, norm2: bool):
+    """Pass 1 on the CPU when every gradient is finite: the stats, or None
+    when the general pass is needed (a non-finite sum or max: the counts; a
+    scaled shortcut that might not be exact).
+
+    For 16/32-bit gradients and an inv_scale of 2**k (GradScaler's, or 1),
+    ``u = x * s`` is exact in fp32 unless it overflows or falls below the
+    normal range, so the sum of squares of ``x`` times ``s*s`` (a power of
+    4) is the one of ``u``, and max ``|x|`` times ``s`` is max ``|u|``; the
+    result proves the exception absent: a sum within FLT_MAX squared means
+    no ``|u|`` above FLT_MAX, and for ``s < 1`` a sum above 2**-100 leaves
+    the subnormal ``u`` a share below 2**-130 of it (max ``|u|``: normal).
+    Any other inv_scale forms ``u`` in a buffer first."""
+    sv = s.item()
+    scaled = dtype != torch.float64 and 0.0 < sv < math.inf and math.frexp(sv)[0] == 0.5
+    size = max(sum(t.numel() for _, t in b) for b in buckets)
+    u_buf = None if scaled else torch.empty(size, dtype=s.dtype)
+    sq_buf = torch.empty(size, dtype=torch.float64) if norm2 and s.dtype != torch.float64 else u_buf
+    x_buf = None
+    parts = []
+    for bucket in buckets:
+        n = sum(t.numel() for _, t in bucket)
+        if len(bucket) == 1:
+            x = bucket[0][1]
+        else:
+            if x_buf is None:
+                x_buf = u_buf if u_buf is not None and dtype == s.dtype else torch.empty(size, dtype=dtype)
+            x = torch.cat([t for _, t in bucket], out=x_buf[:n])
+        if scaled:
+            u = x
+        elif dtype == s.dtype:
+            u = torch.mul(x, s, out=u_buf[:n])
+        else:  # fp16 / bf16: widened exactly, then the fp32 product
+            u = u_buf[:n].copy_(x).mul_(s)
+        if norm2:
+            # exact to fp64; ATen's vector_norm, not a dot product: the BLAS
+            # splits a long one over threads, so its sum changes with their count
+            sq = u if u.dtype == torch.float64 else sq_buf[:n].copy_(u)
+            parts.append(torch.linalg.vector_norm(sq).square())
+        else:
+            lo, hi = torch.aminmax(u)  # NaN propagates; none is there when finite
+            parts.append(torch.maximum(-lo, hi).to(torch.float64))
+    acc = torch.stack(parts).sum() if norm2 else torch.stack(parts).amax()
+    if scaled:
+        acc = acc * (sv * sv if norm2 else sv)
+    a = acc.item()
+    if not math.isfinite(a):
+        return None
+    if scaled and not (a <= (_FLT_MAX2 if norm2 else _FLT_MAX)
+                       and (sv >= 1.0 or a == 0.0 or a >= (2.0**-100 if norm2 else _FLT_MIN))):
+        return None
+    return _finite_stats(acc)
+
+
 def _reduce(grads, inv_scale: torch.Tensor, dtype: torch.dtype, norm2: bool) -> torch.Tensor:
     """Pass 1: the float64 [4] stats of grads."""
     dev = inv_scale.device
@@ -173,6 +263,10 @@ def _reduce(grads, inv_scale: torch.Tensor, dtype: torch.dtype, norm2: bool) -> 
         stats = torch.zeros(NSTATS, dtype=torch.float64, device=dev)
         stats[FIRST_BAD] = -1.0
         return stats
+    if dev.type in _READ_FREE:
+        stats = _reduce_cpu(buckets, inv_scale.reshape(()).to(_unscale_dtype(dtype)), dtype, norm2)
+        if stats is not None:
+            return stats
     s = inv_scale.reshape(()).to(_unscale_dtype(dtype))
     norms, counts = [], []
     no = torch.zeros((), dtype=torch.bool, device=dev)
@@ -203,6 +297,21 @@ def _reduce(grads, inv_scale: torch.Tensor, dtype: torch.dtype, norm2: bool) -> 
     return torch.cat((acc.reshape(1), total, first.reshape(1).to(torch.float64)))
 
 
+def _apply_cpu(grads, ok: torch.Tensor, m: torch.Tensor, write: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Pass 2's multiply on the CPU, one _foreach_mul_ by the multiplier
+    read on the host; False leaves the case (a skipped step, the wide path)
+    to the general code."""
+    if not ok.item():
+        return False
+    if not write.item():
+        return True  # a multiplier of exactly 1: every bit stays
+    mult = m if dtype == torch.float64 else m.to(torch.float32)
+    if mult.to(torch.float64).item() != m.item():  # below the fp32 normal range
+        return False
+    torch._foreach_mul_(list(grads), mult)
+    return True
+
+
 def _apply(grads, inv_scale: torch.Tensor, stats: torch.Tensor, found_inf: torch.Tensor,
            max_norm: float, dtype: torch.dtype, norm2: bool) -> torch.Tensor:
     """Pass 2: clip / unscale grads in place from stats; returns total_norm."""
@@ -221,6 +330,8 @@ def _apply(grads, inv_scale: torch.Tensor, stats: torch.Tensor, found_inf: torch
         wide = (coef != 0) & (coef.abs() < _FLT_MIN)
         m = torch.where(wide, coef, coef.to(torch.float32).to(torch.float64))
     write = ok & (m != 1.0)
+    if inv_scale.device.type in _READ_FREE and grads and _apply_cpu(grads, ok, m, write, dtype):
+        return total.to(_unscale_dtype(dtype))
     for bucket in _buckets(grads):
         views = [t for _, t in bucket]
         x = views[0] if len(views) == 1 else torch.cat(views)

@@ -36,28 +36,33 @@ from ._checks import check, check_device_dtype, dtype_name, stat_dtype
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
-    return x.to(stat_dtype(x.dtype))
+    sd = stat_dtype(x.dtype)
+    return x if x.dtype == sd else x.to(sd)  # no dispatch for the common fp32 case
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _check_input(op: str, x: torch.Tensor, eps: float) -> None:
     check_device_dtype(op, "input", x)
     check(x.dim() >= 1, op, "input must have at least one dimension")
-    check(eps >= 0.0 and eps != float("inf"), op, f"eps must be a finite number >= 0, got {eps}")
+    check(eps >= 0.0 and eps != float("inf"), op, lambda: f"eps must be a finite number >= 0, got {eps}")
 
 
 def _check_param(op: str, x: torch.Tensor, p: torch.Tensor, name: str) -> None:
-    check(p.device == x.device, op, f"{name} is on {p.device} but input is on {x.device}")
+    check(p.device == x.device, op, lambda: f"{name} is on {p.device} but input is on {x.device}")
     half = x.dtype in (torch.float16, torch.bfloat16)
     check(
         p.dtype == x.dtype or (half and p.dtype == torch.float32),
         op,
-        f"{name} must have the dtype of input ({dtype_name(x.dtype)}){' or float32' if half else ''}, "
+        lambda: f"{name} must have the dtype of input ({dtype_name(x.dtype)}){' or float32' if half else ''}, "
         f"got {dtype_name(p.dtype)}",
     )
     check(
         p.dim() == 1 and p.shape[0] == x.shape[-1],
         op,
-        f"{name} must have shape [{x.shape[-1]}] (the last dimension of input), got "
+        lambda: f"{name} must have shape [{x.shape[-1]}] (the last dimension of input), got "
         f"{list(p.shape)}",
     )
 
@@ -105,10 +110,19 @@ def _fused_rows_ok(mean: torch.Tensor, rstd: torch.Tensor, eps: float) -> bool:
     ``var > eps`` (``rstd^2 * eps <= 1/2``) unless the mean is 0: a row of
     variance near 0 and a nonzero mean is where ``x * rstd - mean * rstd``
     leaves rounding noise instead of the exact 0 of a constant row.
+    Reductions first, read on the host in one go: a NaN anywhere fails every
+    comparison; only a largest ``rstd`` past the eps bound tests the rows.
     """
-    ok = (rstd >= 1e-12) & (rstd <= 1e12) & (mean.abs() * rstd <= _FUSED_MAX_OFFSET)
-    ok &= (rstd * rstd * eps <= 0.5) | (mean == 0)
-    return bool(ok.all())
+    if rstd.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(rstd)
+    off = (mean * rstd).abs().amax()
+    lo, hi, off = torch.stack((lo, hi, off)).tolist()
+    if not (1e-12 <= lo and hi <= 1e12 and off <= _FUSED_MAX_OFFSET):
+        return False
+    if hi * hi * eps <= 0.5:
+        return True
+    return bool(((rstd * rstd * eps <= 0.5) | (mean == 0)).all())
 
 
 def _fused_forward(xa, w, b, eps: float):
@@ -117,7 +131,6 @@ def _fused_forward(xa, w, b, eps: float):
     y, mean, rstd = torch.native_layer_norm(
         xa, [n], _acc(w) if w is not None else None, _acc(b) if b is not None else None, eps
     )
-    mean, rstd = mean.reshape(xa.shape[:-1]), rstd.reshape(xa.shape[:-1])
     return (y, mean, rstd) if _fused_rows_ok(mean, rstd, eps) else None
 
 
@@ -131,7 +144,7 @@ def _forward(op: str, x, w, b, eps: float, rms: bool):
         check(
             w is None or b.dtype == w.dtype,
             op,
-            f"bias must have the dtype of weight ({dtype_name(w.dtype) if w is not None else ''}), "
+            lambda: f"bias must have the dtype of weight ({dtype_name(w.dtype) if w is not None else ''}), "
             f"got {dtype_name(b.dtype)}",
         )
     if x.shape[-1] == 0:  # empty rows: var = mean([]) is NaN in PyTorch; the C kernel writes rstd 1/sqrt(eps)
@@ -151,7 +164,7 @@ def _forward(op: str, x, w, b, eps: float, rms: bool):
             y = y * _acc(w)
         if b is not None:
             y = y + _acc(b)
-    return y.to(x.dtype).reshape(shape), mean.reshape(lead), rstd.reshape(lead)
+    return _as(y, x.dtype).reshape(shape), mean.reshape(lead), rstd.reshape(lead)
 
 
 def layernorm(x, eps, rms):
@@ -174,21 +187,21 @@ def _backward(dy, x, w, mean, rstd, rms: bool, with_bias: bool):
     op = "nanguard::stable_layernorm_backward"
     check_device_dtype(op, "grad_out", dy)  # the C op reads grad_out first
     _check_input(op, x, 0.0)
-    check(dy.device == x.device, op, f"grad_out is on {dy.device} but input is on {x.device}")
+    check(dy.device == x.device, op, lambda: f"grad_out is on {dy.device} but input is on {x.device}")
     check(
         dy.dtype == x.dtype,
         op,
-        f"grad_out has dtype {dtype_name(dy.dtype)} but input has dtype {dtype_name(x.dtype)}; they must match",
+        lambda: f"grad_out has dtype {dtype_name(dy.dtype)} but input has dtype {dtype_name(x.dtype)}; they must match",
     )
     check(dy.shape == x.shape, op, "grad_out must have the shape of input")
     if w is not None:
         _check_param(op, x, w, "weight")
     for name, s in (("mean", mean), ("rstd", rstd)):
-        check(s.device == x.device, op, f"{name} is on {s.device} but input is on {x.device}")
+        check(s.device == x.device, op, lambda: f"{name} is on {s.device} but input is on {x.device}")
         check(
             s.dtype == stat_dtype(x.dtype) and s.numel() == _rows(x),
             op,
-            f"{name} must be the {dtype_name(stat_dtype(x.dtype))} statistics of input ({name}, one per row)",
+            lambda: f"{name} must be the {dtype_name(stat_dtype(x.dtype))} statistics of input ({name}, one per row)",
         )
     cols = x.shape[-1]
     pdt = w.dtype if w is not None else x.dtype
@@ -208,7 +221,7 @@ def _backward(dy, x, w, mean, rstd, rms: bool, with_bias: bool):
         else:
             dx = g
         dw = (dya * xhat).sum(0) if w is not None else None
-    dx = dx.to(x.dtype).reshape(x.shape)
+    dx = _as(dx, x.dtype).reshape(x.shape)
     return (dx, dw.to(pdt), db) if w is not None else (dx, db)
 
 

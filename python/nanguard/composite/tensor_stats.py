@@ -41,39 +41,39 @@ _BITS = {
 
 def _check_args(x, counts, values, slot) -> None:
     for name, t, floating in (("x", x, True), ("counts", counts, False), ("values", values, True)):
-        check(t.layout == torch.strided, _OP, f"{name} must be a strided (dense) tensor")
+        check(t.layout == torch.strided, _OP, lambda: f"{name} must be a strided (dense) tensor")
         check(
             not floating or t.dtype in FLOAT_DTYPES,
             _OP,
-            f"{name} must be float16, bfloat16, float32 or float64 (got {dtype_name(t.dtype)})",
+            lambda: f"{name} must be float16, bfloat16, float32 or float64 (got {dtype_name(t.dtype)})",
         )
     for name, t in (("values", values), ("counts", counts)):
         check(
             t.device == x.device,
             _OP,
-            f"{name} is on {t.device} but x is on {x.device}; both must be on the same device",
+            lambda: f"{name} is on {t.device} but x is on {x.device}; both must be on the same device",
         )
     check(
         values.dtype == torch.float64 and values.dim() == 2 and values.shape[1] == NVALUES
         and values.is_contiguous(),
         _OP,
-        f"values must be a contiguous float64 tensor of shape [slots, {NVALUES}]",
+        lambda: f"values must be a contiguous float64 tensor of shape [slots, {NVALUES}]",
     )
     check(
         counts.dtype == torch.int64 and counts.dim() == 2 and counts.shape[1] == NCOUNTS
         and counts.is_contiguous(),
         _OP,
-        f"counts must be a contiguous int64 tensor of shape [slots, {NCOUNTS}]",
+        lambda: f"counts must be a contiguous int64 tensor of shape [slots, {NCOUNTS}]",
     )
     check(
         counts.shape[0] == values.shape[0],
         _OP,
-        f"counts has {counts.shape[0]} slots but values has {values.shape[0]}; they must match",
+        lambda: f"counts has {counts.shape[0]} slots but values has {values.shape[0]}; they must match",
     )
     check(
         0 <= slot < counts.shape[0],
         _OP,
-        f"slot {slot} is out of range for a buffer of {counts.shape[0]} slots",
+        lambda: f"slot {slot} is out of range for a buffer of {counts.shape[0]} slots",
     )
 
 
