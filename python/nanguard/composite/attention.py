@@ -15,7 +15,13 @@ numerics (kernels/attention_math.h). For query row i and key j:
 The kernel's online softmax becomes a plain one over all keys of a block of
 query rows: the rows are processed in chunks, so that one [B, Hq, rows, S]
 score block never holds more than ``_BLOCK_ELEMS`` elements (one row per
-chunk when a single row is larger). Everything is computed in the
+chunk when a single row is larger). Under is_causal or a mask a chunk is at
+most 64 rows, the kernels' tile, and takes only the keys up to the last one
+any of its rows sees (``_Attn.keys``: its last row under is_causal; on the
+CPU, where reading the mask on the host is free, its last unmasked key): the
+keys past it are masked for all of its rows, as in the tiles the C skips
+(those above the diagonal, a padded tail), so a causal mask passed as a
+tensor gives the bits of is_causal. Everything is computed in the
 accumulation dtype and rounded to the input dtype once, at the end: the
 backward's dS in particular stays fp32 (an fp16 dS can overflow where every
 result is finite).
@@ -73,6 +79,10 @@ _FLOAT_DTYPES = FLOAT_DTYPES
 _BLOCK_ELEMS = 1 << 24
 
 _NEG_INF = float("-inf")
+#: query rows per chunk under is_causal or a mask: the kernels' 64-row tiles
+_TILE_ROWS = 64
+#: device types where a value is read on the host without waiting for a queue
+_READ_FREE = frozenset({"cpu"})
 
 # Philox4x32-10 (Salmon et al., SC'11): round multipliers and key increments
 _PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
@@ -212,8 +222,35 @@ class _Attn:
         self.softcap = self._round(softcap)
         self.dropout_p = float(dropout_p)
         self.seed, self.offset = seed, offset
-        # rows per chunk: at most _BLOCK_ELEMS scores, one row at the least
+        # rows per chunk: at most _BLOCK_ELEMS scores, one row at the least;
+        # under is_causal at most _CAUSAL_ROWS, so that each chunk's keys
+        # stop at its last row (keys()) and the masked triangle is not computed
         self.rows = max(1, _BLOCK_ELEMS // max(1, self.B * self.Hq * self.S))
+        # a mask is read on the host (which key each chunk sees last) where
+        # that waits for no device queue
+        self.trim_mask = mask is not None and mask.shape[3] > 1 and q.device.type in _READ_FREE
+        if self.is_causal or self.trim_mask:
+            self.rows = min(self.rows, _TILE_ROWS)
+        self._keys: Dict[int, int] = {}
+
+    def keys(self, i0: int, i1: int) -> int:
+        """How many keys rows [i0, i1) are given: all, or up to the last one
+        any of them sees: [0, i1) under is_causal (top-left: key j > row i is
+        masked), and on the CPU up to the mask's last unmasked key of the
+        chunk (a NaN there counts as seen). The keys past it are masked for
+        every row of the chunk and would add nothing but 0 * NaN."""
+        if i0 in self._keys:
+            return self._keys[i0]
+        j1 = min(self.S, i1) if self.is_causal else self.S
+        if self.trim_mask:
+            m = self.mask if self.mask.shape[2] == 1 else self.mask[:, :, i0:i1]
+            m = m[..., :j1]
+            seen = m if m.dtype == torch.bool else ~(m <= torch.finfo(m.dtype).min)
+            cols = seen.reshape(-1, j1).any(0)
+            # the last key seen, one at the least (a chunk of empty rows)
+            j1 = max(1, j1 - int(cols.flip(0).to(torch.uint8).argmax()) if bool(cols.any()) else 1)
+        self._keys[i0] = j1
+        return j1
 
     def _round(self, x: float) -> float:
         return torch.tensor(float(x), dtype=self.acc).item()
@@ -226,9 +263,11 @@ class _Attn:
         return x.reshape(self.B, self.Hq, -1, x.shape[-1])
 
     def scores(self, i0: int, i1: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(raw, s) of query rows [i0, i1): the scaled dot products, and the
-        clamped / soft-capped, masked scores ([B, Hq, i1 - i0, S])."""
-        raw = self.ungrouped(self.grouped(self.q[:, :, i0:i1]) @ self.kt) * self.scale
+        """(raw, s) of query rows [i0, i1) against keys [0, keys(i0, i1)): the
+        scaled dot products, and the clamped / soft-capped, masked scores
+        ([B, Hq, i1 - i0, keys(i0, i1)])."""
+        j1 = self.keys(i0, i1)
+        raw = self.ungrouped(self.grouped(self.q[:, :, i0:i1]) @ self.kt[..., :j1]) * self.scale
         s = raw
         if self.max_score > 0:
             s = torch.clamp(s, -self.max_score, self.max_score)
@@ -236,6 +275,7 @@ class _Attn:
             s = self.softcap * torch.tanh(s / self.softcap)
         if self.mask is not None:
             m = self.mask if self.mask.shape[2] == 1 else self.mask[:, :, i0:i1]
+            m = m if m.shape[3] == j1 else m[..., :j1]
             if m.dtype == torch.bool:
                 s = torch.where(m, s, _NEG_INF)
             else:
@@ -248,7 +288,7 @@ class _Attn:
                 s = torch.where(dead, _NEG_INF, added)
         if self.is_causal:
             i = torch.arange(i0, i1, device=s.device).unsqueeze(-1)
-            j = torch.arange(self.S, device=s.device)
+            j = torch.arange(j1, device=s.device)
             s = s.masked_fill(j > i, _NEG_INF)
         return raw, s
 
@@ -266,13 +306,13 @@ class _Attn:
         return g
 
     def keep_scale(self, i0: int, i1: int) -> torch.Tensor:
-        """keep / (1 - p) of rows [i0, i1) ([B, Hq, i1 - i0, S]): 1 / (1 - p)
+        """keep / (1 - p) of rows [i0, i1) ([B, Hq, i1 - i0, keys(i0, i1)]): 1 / (1 - p)
         rounded to the accumulation dtype where kept, 0 where dropped."""
         p = self.dropout_p
         # u = (w >> 8) * 2^-24 >= fp32(p), exactly, as an integer test
         threshold = math.ceil(torch.tensor(p, dtype=torch.float32).item() * 2.0**24)
         words = _dropout_words(self.seed, self.offset, self.B * self.Hq, self.L, self.S, i0, i1, self.q.device)
-        keep = (words >= threshold).reshape(self.B, self.Hq, i1 - i0, self.S)
+        keep = (words >= threshold).reshape(self.B, self.Hq, i1 - i0, self.S)[..., : self.keys(i0, i1)]
         return keep.to(self.acc) * self._round(1.0 / (1.0 - p))
 
 
@@ -368,7 +408,7 @@ def _forward(op, query, key, value, attn_mask, dropout_p, is_causal, scale, max_
         l = p.sum(-1, keepdim=True)  # noqa: E741  (the kernels' running sum)
         if a.dropout_p > 0:
             p = p * a.keep_scale(i0, i1)  # after the sum: l normalises the undropped P
-        acc = a.ungrouped(a.grouped(p) @ a.v)
+        acc = a.ungrouped(a.grouped(p) @ a.v[:, :, : p.shape[-1]])
         pos = l > 0
         l_safe = torch.where(pos, l, 1.0)
         inv = torch.where(pos, 1.0 / l_safe, torch.where(l == 0, 0.0, l))  # NaN stays NaN
@@ -434,7 +474,8 @@ def _backward(op, grad_out, query, key, value, attn_mask, out, lse, dropout_p, i
             lse_i = lse[:, :, i0:i1].unsqueeze(-1)
             gone = lse_i == _NEG_INF  # a fully masked row: no probability, no gradient
             p = torch.where(gone | (s == _NEG_INF), 0.0, torch.exp(s - torch.where(gone, 0.0, lse_i)))
-            dp = a.ungrouped(a.grouped(g) @ a.v.transpose(-1, -2))
+            j1 = s.shape[-1]
+            dp = a.ungrouped(a.grouped(g) @ a.v[:, :, :j1].transpose(-1, -2))
             D = (g * out[:, :, i0:i1].to(a.acc)).sum(-1, keepdim=True)  # rowsum(dO * O)
             if a.dropout_p > 0:
                 keep = a.keep_scale(i0, i1)
@@ -449,9 +490,9 @@ def _backward(op, grad_out, query, key, value, attn_mask, out, lse, dropout_p, i
             if guarded:
                 ds = torch.where(ds != 0, ds * a.transform_grad(raw), ds)
             ds_g, pd_g = a.grouped(ds), a.grouped(pd)
-            dq[:, :, i0:i1] = a.ungrouped(ds_g @ a.kt.transpose(-1, -2))
-            dk += ds_g.transpose(-1, -2) @ a.grouped(a.q[:, :, i0:i1])
-            dv += pd_g.transpose(-1, -2) @ a.grouped(g)
+            dq[:, :, i0:i1] = a.ungrouped(ds_g @ a.kt[..., :j1].transpose(-1, -2))
+            dk[:, :, :j1] += ds_g.transpose(-1, -2) @ a.grouped(a.q[:, :, i0:i1])
+            dv[:, :, :j1] += pd_g.transpose(-1, -2) @ a.grouped(g)
     if a.unseen is not None:  # exactly 0, even where Q or dO hold NaN
         dk = torch.where(a.unseen, 0.0, dk)
         dv = torch.where(a.unseen, 0.0, dv)
