@@ -7,7 +7,8 @@
 # compiles them to PTX for sm_80, splits the PTX into its .entry blocks and
 # fails unless every tensor-core kernel's own block (forward, dk / dv, dq,
 # decode, in every instantiation) holds mma.sync and the ldmatrix and cp.async
-# forms its pipeline uses,
+# forms its pipeline uses (the build's sm_80 PTX of a file, kept by nvcc in
+# NG_PTX_KEEP_DIR, is read instead of compiling it again),
 # and every decode kernel's block holds cp.async.cg (its pipelined
 # instantiations also commit_group and wait_group 0).
 nvcc=$1 src=$2 inc=$3
@@ -37,6 +38,14 @@ done
 attn="$*"
 : >"$tmp"
 for f in "$@"; do
+    # the build's own sm_80 PTX of the file (nvcc -keep, NG_PTX_KEEP_DIR), if
+    # it is newer than the source; else compiled here
+    kept=${NG_PTX_KEEP_DIR:-/nonexistent}/$(basename "$f" .cu).compute_80.ptx
+    if [ -f "$kept" ] && [ "$kept" -nt "$f" ]; then
+        echo "check_ptx: $f: the build's sm_80 PTX, $kept"
+        cat "$kept" >>"$tmp"
+        continue
+    fi
     if ! "$nvcc" -std=c++17 -arch=sm_80 -ptx -O3 --expt-relaxed-constexpr -I"$inc" "$f" -o "$tmp.1"; then
         echo "check_ptx: nvcc -arch=sm_80 -ptx $f failed"
         exit 1

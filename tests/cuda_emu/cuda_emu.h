@@ -31,7 +31,8 @@
  *   lanes in order, warps in lockstep (each advances one warp intrinsic per
  *   sweep); then blocks shuffled, lanes reversed, and the next warp drawn at
  *   random (seed NG_EMU_SEED) whenever one stops. The two results must agree
- *   bit for bit.
+ *   bit for bit. NG_EMU_SCHEDULES=1 runs the first only (the sanitizer
+ *   build's sample).
  * - With the kernels compiled for it (NG_EMU_RACECHECK, gcc's
  *   -fsanitize=thread instrumentation calling into cuda_emu.cpp), every
  *   shared-memory access is checked for a hazard with another warp in the
