@@ -14,6 +14,18 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+#: device types where a value is read on the host without waiting for a
+#: device queue: the composite kernels' shortcuts that read one (the guard's
+#: CPU road, the mask's key trimming, LayerNorm's fused-kernel row check) are
+#: taken there only, and every other device takes the road that reads nothing
+READ_FREE = frozenset({"cpu"})
+
+
+def read_free(device: torch.device) -> bool:
+    """Whether reading a value of a tensor on ``device`` costs no wait
+    (READ_FREE, looked up at each call)."""
+    return device.type in READ_FREE
+
 
 def check(cond: bool, op: str, msg: Union[str, Callable[[], str]]) -> None:
     """Raise ``op: msg`` unless cond; a message with values in it is passed

@@ -66,6 +66,7 @@ import torch
 from ._checks import FLOAT_DTYPES
 from ._checks import check as _check
 from ._checks import dtype_name as _dtype_name
+from ._checks import read_free as _read_free
 
 __all__ = ["KERNELS"]
 
@@ -81,8 +82,6 @@ _BLOCK_ELEMS = 1 << 24
 _NEG_INF = float("-inf")
 #: query rows per chunk under is_causal or a mask: the kernels' 64-row tiles
 _TILE_ROWS = 64
-#: device types where a value is read on the host without waiting for a queue
-_READ_FREE = frozenset({"cpu"})
 
 # Philox4x32-10 (Salmon et al., SC'11): round multipliers and key increments
 _PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
@@ -228,7 +227,7 @@ class _Attn:
         self.rows = max(1, _BLOCK_ELEMS // max(1, self.B * self.Hq * self.S))
         # a mask is read on the host (which key each chunk sees last) where
         # that waits for no device queue
-        self.trim_mask = mask is not None and mask.shape[3] > 1 and q.device.type in _READ_FREE
+        self.trim_mask = mask is not None and mask.shape[3] > 1 and _read_free(q.device)
         if self.is_causal or self.trim_mask:
             self.rows = min(self.rows, _TILE_ROWS)
         self._keys: Dict[int, int] = {}

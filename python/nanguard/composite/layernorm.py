@@ -14,7 +14,8 @@ The composite path of kernels/layernorm.c, with its numerics
 - fp32 parameters of a 16-bit input are applied in fp32; the output has the
   input's dtype, the parameter gradients the parameters' dtype.
 
-On the CPU, LayerNorm (not RMSNorm) first runs ATen's fused
+On the CPU (``_checks.READ_FREE``: the row check is read on the host),
+LayerNorm (not RMSNorm) first runs ATen's fused
 ``native_layer_norm`` (and its backward) on the fp32 / fp64 values, and keeps
 the result only when every row passes a check of its statistics
 (``_fused_rows_ok``); otherwise the whole call is recomputed as above. The
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check, check_device_dtype, dtype_name, stat_dtype
+from ._checks import check, check_device_dtype, dtype_name, read_free, stat_dtype
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -154,7 +155,7 @@ def _forward(op: str, x, w, b, eps: float, rms: bool):
     # whatever the caller's layout, and any number of dimensions
     shape, lead = x.shape, x.shape[:-1]
     xa = _acc(x.contiguous()).reshape(-1, shape[-1])
-    fused = _fused_forward(xa, w, b, eps) if not rms and x.device.type == "cpu" and x.numel() else None
+    fused = _fused_forward(xa, w, b, eps) if not rms and read_free(x.device) and x.numel() else None
     if fused is not None:
         y, mean, rstd = fused
     else:
@@ -210,7 +211,7 @@ def _backward(dy, x, w, mean, rstd, rms: bool, with_bias: bool):
     xa, dya = _acc(x.contiguous()).reshape(rows, cols), _acc(dy.contiguous()).reshape(rows, cols)
     m, r = mean.contiguous().reshape(rows, 1), rstd.contiguous().reshape(rows, 1)
     db = dya.sum(0).to(pdt) if with_bias else torch.empty(0, dtype=pdt, device=x.device)
-    if not rms and cols and x.device.type == "cpu" and _fused_rows_ok(m, r, 0.0):
+    if not rms and cols and read_free(x.device) and _fused_rows_ok(m, r, 0.0):
         dx, dw = _fused_backward(dya, xa, w, m, r)
     else:
         xhat = (xa if rms else xa - m) * r
