@@ -570,6 +570,7 @@ typedef struct gg_ctx {
     gg_apply_fn apply;
     float cf;
     double cd;
+    ng_dtype dtype;
 } gg_ctx;
 
 /* Tensor owning block c: the largest t with first_chunk[t] <= c (empty
@@ -586,6 +587,28 @@ static int64_t gg_owner(const int64_t *first_chunk, int64_t n_tensors, int64_t c
     return lo;
 }
 
+/* Finite values of n elements of x whose unscaled value x * s the dtype
+ * cannot hold (grad_guard_math.h): they count as Inf. Run only for |s| > 1,
+ * the one case where there can be any (|x * s| <= |x| otherwise), so the hot
+ * loops above never test for it. */
+static int64_t gg_count_overflow(const void *x, int64_t n, ng_dtype dt, float s) {
+    int64_t k = 0;
+    if (dt == NG_F64) {
+        const double *d = (const double *)x;
+        for (int64_t i = 0; i < n; i++)
+            k += ng_gg_isfinite_d(d[i]) && ng_gg_isinf_d(d[i] * (double)s);
+        return k;
+    }
+    const float lim = dt == NG_F16    ? NG_GG_F16_OVERFLOW
+                      : dt == NG_BF16 ? NG_GG_BF16_OVERFLOW
+                                      : INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+        float v = ng_load_f32(x, dt, i);
+        k += ng_gg_isfinite_d((double)v) && ng_gg_absf(ng_gg_unscale(v, s)) >= lim;
+    }
+    return k;
+}
+
 static void gg_reduce_range(int64_t begin, int64_t end, void *vctx) {
     const gg_ctx *ctx = (const gg_ctx *)vctx;
     int64_t t = gg_owner(ctx->first_chunk, ctx->n_tensors, begin);
@@ -597,7 +620,10 @@ static void gg_reduce_range(int64_t begin, int64_t end, void *vctx) {
         o->norm = 0.0;
         o->nan_count = 0;
         o->inf_count = 0;
-        ctx->reduce((const char *)ctx->grads[t] + (size_t)off * ctx->esize, len, ctx->s, ctx->p, o);
+        const void *x = (const char *)ctx->grads[t] + (size_t)off * ctx->esize;
+        ctx->reduce(x, len, ctx->s, ctx->p, o);
+        if (ng_gg_absf(ctx->s) > 1.0f)
+            o->inf_count += gg_count_overflow(x, len, ctx->dtype, ctx->s);
     }
 }
 
@@ -660,8 +686,8 @@ ng_status ng_grad_guard_reduce(const void *const *grads, const int64_t *numels, 
         free(fc);
         return NG_ERR_ALLOC;
     }
-    gg_ctx ctx = {grads, numels, n_tensors, fc, ng_dtype_size(dtype), *inv_scale, norm, parts,
-                  rf,    af,     1.0f,      1.0};
+    gg_ctx ctx = {grads, numels, n_tensors, fc,   ng_dtype_size(dtype), *inv_scale, norm, parts, rf,
+                  af,    1.0f,   1.0,       dtype};
     ng_parallel_run(total < GG_TASK_ELEMS ? NULL : par, m, gg_grain(m, total), gg_reduce_range,
                     &ctx);
 
@@ -697,7 +723,7 @@ ng_status ng_grad_guard_apply(void *const *grads, const int64_t *numels, int64_t
     gg_apply_fn af;
     NG_TRY(gg_pick(dtype, &rf, &af));
 
-    double tn = ng_gg_total_norm(stats, norm);
+    double tn = ng_gg_step_norm(stats, *inv_scale, norm);
     if (total_norm) {
         if (norm_dtype == NG_F64)
             *(double *)total_norm = tn;
@@ -731,7 +757,8 @@ ng_status ng_grad_guard_apply(void *const *grads, const int64_t *numels, int64_t
                   rf,
                   af,
                   cf,
-                  coef};
+                  coef,
+                  dtype};
     if (wide) {
         switch (dtype) {
         case NG_F32: ctx.apply = gg_apply_wide_f32; break;

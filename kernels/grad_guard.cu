@@ -60,37 +60,48 @@ static_assert(sizeof(gg_desc) == 16, "descriptor layout");
 
 /* ---- element types --------------------------------------------------------- */
 
+/* lim: the smallest |u| the type rounds to +-Inf (grad_guard_math.h). */
 struct gg_f32 {
     typedef float S;
+    static __device__ __forceinline__ float lim() { return INFINITY; }
     static __device__ __forceinline__ float ld(S v) { return v; }
     static __device__ __forceinline__ S st(float v) { return v; }
 };
 struct gg_f16 {
     typedef __half S;
+    static __device__ __forceinline__ float lim() { return NG_GG_F16_OVERFLOW; }
     static __device__ __forceinline__ float ld(S v) { return __half2float(v); }
     static __device__ __forceinline__ S st(float v) { return __float2half_rn(v); }
 };
 struct gg_bf16 {
     typedef __nv_bfloat16 S;
+    static __device__ __forceinline__ float lim() { return NG_GG_BF16_OVERFLOW; }
     static __device__ __forceinline__ float ld(S v) { return __bfloat162float(v); }
     static __device__ __forceinline__ S st(float v) { return __float2bfloat16_rn(v); }
 };
 struct gg_f64 {
     typedef double S;
+    static __device__ __forceinline__ float lim() { return INFINITY; }
 };
 
+/* One element: an unscaled value at or past lim counts as Inf (an infinite
+ * x too: its u is +-Inf, or NaN for s = 0; counted once either way). */
 template <int P>
-static __device__ __forceinline__ void gg_fold(float x, float s, double &acc, int &nan, int &inf) {
-    acc = ng_gg_acc_f(acc, ng_gg_unscale(x, s), (ng_gg_norm)P);
+static __device__ __forceinline__ void gg_fold(float x, float s, float lim, double &acc, int &nan,
+                                               int &inf) {
+    const float u = ng_gg_unscale(x, s);
+    acc = ng_gg_acc_f(acc, u, (ng_gg_norm)P);
     nan += ng_gg_isnan_f(x);
-    inf += ng_gg_isinf_f(x);
+    inf += ng_gg_isinf_f(x) | (ng_gg_absf(u) >= lim);
 }
 
 template <int P>
-static __device__ __forceinline__ void gg_fold(double x, float s, double &acc, int &nan, int &inf) {
-    acc = ng_gg_acc_d(acc, x * (double)s, (ng_gg_norm)P);
+static __device__ __forceinline__ void gg_fold(double x, float s, float, double &acc, int &nan,
+                                               int &inf) {
+    const double u = x * (double)s;
+    acc = ng_gg_acc_d(acc, u, (ng_gg_norm)P);
     nan += ng_gg_isnan_d(x);
-    inf += ng_gg_isinf_d(x);
+    inf += ng_gg_isinf_d(x) | ng_gg_isinf_d(u);
 }
 
 template <typename T>
@@ -170,6 +181,7 @@ static __global__ void __launch_bounds__(GG_THREADS)
     const gg_desc d = b.d[blockIdx.x];
     const S *x = (const S *)d.ptr;
     const float s = *inv_scale;
+    const float lim = T::lim();
     double acc = 0.0;
     int nan = 0, inf = 0;
     const int V = 16 / (int)sizeof(S);
@@ -180,12 +192,12 @@ static __global__ void __launch_bounds__(GG_THREADS)
         for (int i = threadIdx.x; i < nv; i += blockDim.x) {
             gg_pack<S> pk = xv[i];
 #pragma unroll
-            for (int k = 0; k < V; k++) gg_fold<P>(gg_load<T>::f(pk.v[k]), s, acc, nan, inf);
+            for (int k = 0; k < V; k++) gg_fold<P>(gg_load<T>::f(pk.v[k]), s, lim, acc, nan, inf);
         }
         i0 = nv * V;
     }
     for (int i = i0 + threadIdx.x; i < d.n; i += blockDim.x)
-        gg_fold<P>(gg_load<T>::f(x[i]), s, acc, nan, inf);
+        gg_fold<P>(gg_load<T>::f(x[i]), s, lim, acc, nan, inf);
 
     long long ln = nan, li = inf;
     int bad = INT_MAX;
@@ -233,7 +245,7 @@ static __global__ void gg_finish_kernel(const float *__restrict__ inv_scale,
                                         int norm_f64) {
     double coef;
     int ok = ng_gg_coef(stats, *inv_scale, max_norm, (ng_gg_norm)p, &coef);
-    double tn = ng_gg_total_norm(stats, (ng_gg_norm)p);
+    double tn = ng_gg_step_norm(stats, *inv_scale, (ng_gg_norm)p);
     if (total_norm) {
         if (norm_f64)
             *(double *)total_norm = tn;

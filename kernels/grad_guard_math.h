@@ -6,14 +6,23 @@
  *
  *     u   = fp32(x) * s                (the unscaled gradient, in registers)
  *     NaN : x != x                     (counted)
- *     Inf : |x| == inf                 (counted separately)
+ *     Inf : |x| == inf, or |u| >= the overflow limit of x's dtype
+ *                                      (counted separately)
  *     p=2 : ssq += (double)u * (double)u
  *     p=inf: amax = max(amax, |u|)
  *
  * Non-finite values are classified on the stored gradient x, as
- * torch._amp_foreach_non_finite_check_and_unscale_ does. A finite x whose
- * unscaled value overflows (only possible with inv_scale > 1) makes the norm
- * infinite, which the apply pass treats like any other non-finite total.
+ * torch._amp_foreach_non_finite_check_and_unscale_ does, and one case more:
+ * a finite x whose unscaled value the gradient's dtype cannot hold (|u| at
+ * or above NG_GG_F16_OVERFLOW for fp16, NG_GG_BF16_OVERFLOW for bf16, |u| =
+ * inf for fp32 / fp64: the values that round to +-Inf) counts as an Inf,
+ * because the unscaled gradient written back would be one. That takes
+ * |inv_scale| > 1 (a loss scale below 1, after many skipped steps):
+ * |x * s| <= |x| otherwise. torch's unscale_ writes that Inf and reports the
+ * step finite; the optimizer then steps on it.
+ *
+ * A non-finite inv_scale makes every unscaled value NaN or +-Inf: the step
+ * is skipped and its total norm is NaN, whatever the counts (ng_gg_step_norm).
  *
  * Sum of squares. For fp32/fp16/bf16 gradients u is an fp32 number, so u*u is
  * exact in fp64 (24+24 significant bits < 53) and lies in [2^-298, 2^256]:
@@ -63,6 +72,11 @@ enum {
 #define NG_GG_CHUNK ((int64_t)65536)
 
 #define NG_GG_EPS 1e-6
+
+/* The smallest |u| that rounding to nearest even turns into +-Inf in fp16
+ * (65504 + half its last step) and in bf16 ((2 - 2^-8) * 2^127). */
+#define NG_GG_F16_OVERFLOW 65520.0f
+#define NG_GG_BF16_OVERFLOW 0x1.ffp+127f
 
 /* Norm selector. */
 typedef enum ng_gg_norm {
@@ -118,6 +132,13 @@ NG_HD double ng_gg_total_norm(const double *stats, ng_gg_norm p) {
     return p == NG_GG_NORM_2 ? sqrt(acc) : acc;
 }
 
+/* The total norm a step reports and is decided on: ng_gg_total_norm, or NaN
+ * for a non-finite inv_scale. */
+NG_HD double ng_gg_step_norm(const double *stats, float inv_scale, ng_gg_norm p) {
+    if (!ng_gg_isfinite_d((double)inv_scale)) return (double)NAN;
+    return ng_gg_total_norm(stats, p);
+}
+
 /* min(1, max_norm / (total + 1e-6)); 1 ("do not touch") for a non-finite total. */
 NG_HD double ng_gg_clip_coef(double total_norm, double max_norm) {
     if (!ng_gg_isfinite_d(total_norm)) return 1.0;
@@ -129,7 +150,7 @@ NG_HD double ng_gg_clip_coef(double total_norm, double max_norm) {
  * was finite; 0 when the step must be skipped. */
 NG_HD int ng_gg_coef(const double *stats, float inv_scale, double max_norm, ng_gg_norm p,
                      double *coef) {
-    double total = ng_gg_total_norm(stats, p);
+    double total = ng_gg_step_norm(stats, inv_scale, p);
     if (!ng_gg_isfinite_d(total)) {
         *coef = 1.0;
         return 0;

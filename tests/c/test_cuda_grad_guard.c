@@ -26,8 +26,12 @@
 enum { GL_ONE, GL_MIXED, GL_MANY, GL_MISALIGNED, GL_EMPTY, GL_COUNT };
 static const char *const GL_NAMES[GL_COUNT] = {"1_tensor", "mixed_sizes", "1100_tensors",
                                                "misaligned", "empty_list"};
-enum { GS_NOCLIP, GS_CLIP, GS_ONE, GS_NONFINITE, GS_WIDE, GS_COUNT };
-static const char *const GS_NAMES[GS_COUNT] = {"no_clip", "clip", "coef_1", "nan_inf", "tiny_coef"};
+/* overflow: an inv_scale above 1 that takes one finite value past what its
+ * dtype holds (counted as Inf, step skipped); nan_scale: a NaN inv_scale
+ * (step skipped, total norm NaN). */
+enum { GS_NOCLIP, GS_CLIP, GS_ONE, GS_NONFINITE, GS_WIDE, GS_OVERFLOW, GS_NAN_SCALE, GS_COUNT };
+static const char *const GS_NAMES[GS_COUNT] = {"no_clip",   "clip",     "coef_1",   "nan_inf",
+                                               "tiny_coef", "overflow", "nan_scale"};
 
 /* Tensor sizes of a list; returns the count. mixed: empty tensors, one that
  * spans two blocks with a tail, one of exactly two blocks. many: more blocks
@@ -73,6 +77,7 @@ typedef struct gg_io {
     ng_dtype t;
     ng_gg_norm norm;
     int list, scen;
+    int planted; /* GS_OVERFLOW: the value that overflows is in the list */
     int64_t n, numels[1100];
     void *host[1100], *orig[1100], *dbase[1100], *dptr[1100];
     float inv_scale, found;
@@ -112,6 +117,21 @@ static void gg_inputs(gg_io *g) {
             ng_store_f64(g->host[last], g->t, g->numels[last] - 1, -INFINITY);
         }
     }
+    if (g->scen == GS_OVERFLOW) {
+        /* times GS_OVERFLOW_SCALE, past the dtype's largest value: fp16 and
+         * bf16 below fp32's (the bf16 one between its overflow limit and
+         * FLT_MAX), fp32 and fp64 to Inf */
+        const double big = g->t == NG_F16    ? 16.0
+                           : g->t == NG_BF16 ? 8.29e34
+                           : g->t == NG_F32  ? 1e35
+                                             : 1e308;
+        for (int64_t i = g->n - 1; i >= 0; i--)
+            if (g->numels[i] > 0) {
+                ng_store_f64(g->host[i], g->t, g->numels[i] / 3, -big);
+                g->planted = 1;
+                break;
+            }
+    }
     for (int64_t i = 0; i < g->n; i++) {
         size_t bytes = (size_t)g->numels[i] * es;
         g->orig[i] = malloc(bytes + 1);
@@ -122,10 +142,16 @@ static void gg_inputs(gg_io *g) {
     }
 }
 
+#define GS_OVERFLOW_SCALE 4108.0f
+
 /* The CPU reduce and apply (in place on host[]); the scenario's max_norm. */
 static ng_status gg_cpu(gg_io *g) {
     const int scen = g->scen;
-    g->inv_scale = scen == GS_NOCLIP ? 1.0f / 1024.0f : scen == GS_ONE ? 1.0f : 0.37f;
+    g->inv_scale = scen == GS_NOCLIP      ? 1.0f / 1024.0f
+                   : scen == GS_ONE       ? 1.0f
+                   : scen == GS_OVERFLOW  ? GS_OVERFLOW_SCALE
+                   : scen == GS_NAN_SCALE ? NAN
+                                          : 0.37f;
     g->ndt = (g->list + scen) % 2 ? NG_F64 : NG_F32;
     ng_status st = ng_grad_guard_reduce((const void *const *)g->host, g->numels, g->n, g->t,
                                         &g->inv_scale, g->norm, g->stats, NULL);
@@ -139,6 +165,14 @@ static ng_status gg_cpu(gg_io *g) {
         st = ng_grad_guard_apply(g->host, g->numels, g->n, g->t, &g->inv_scale, g->stats,
                                  g->max_norm, g->norm, &g->found, &g->tn, g->ndt, NULL);
         CHECK(st == NG_OK, "CPU apply: %s", ng_status_str(st));
+    }
+    if (g->planted)
+        CHECK(g->stats[NG_GG_INF] == 1.0 && g->found == 1.0f,
+              "overflow: CPU inf count %g, found_inf %g", g->stats[NG_GG_INF], (double)g->found);
+    if (scen == GS_NAN_SCALE) {
+        double tn = g->ndt == NG_F64 ? g->tn.d : (double)g->tn.f;
+        CHECK(g->found == 1.0f && isnan(tn), "NaN inv_scale: CPU found_inf %g, total norm %g",
+              (double)g->found, tn);
     }
     return st;
 }
@@ -251,5 +285,9 @@ void test_cuda_grad_guard(void) {
                     gg_case(types[di], NG_GG_NORM_2, list, scen);
             if (!many) gg_case(types[di], NG_GG_NORM_INF, list, GS_CLIP);
             if (!many || di % 3 != 0) gg_case(types[di], NG_GG_NORM_INF, list, GS_NONFINITE);
+            if (!many) {
+                gg_case(types[di], NG_GG_NORM_INF, list, GS_OVERFLOW);
+                gg_case(types[di], NG_GG_NORM_INF, list, GS_NAN_SCALE);
+            }
         }
 }

@@ -105,6 +105,15 @@ static void ref_stats(const gset *g, double s, ng_gg_norm p, double *st) {
             }
             /* u as the kernel sees it: fp32 for the 16/32-bit types */
             double u = g->dt == NG_F64 ? v * s : (double)((float)v * (float)s);
+            /* a finite value whose unscaled value, stored in the dtype,
+             * would be +-Inf counts as an Inf */
+            unsigned char back[8];
+            ng_store_f64(back, g->dt, 0, u);
+            if (isinf(ng_load_f64(back, g->dt, 0))) {
+                inf++;
+                if (first < 0) first = t;
+                continue;
+            }
             if (p == NG_GG_NORM_2)
                 acc += u * u;
             else if (fabs(u) > acc)
@@ -134,7 +143,8 @@ static void run_case(const char *name, gset *g, float inv_scale, double max_norm
     int pow2 = inv_scale == ldexpf(1.0f, ilogbf(inv_scale));
     snprintf(what, sizeof what, "%s %s p=%s norm acc", name, ng_dtype_name(g->dt),
              p == NG_GG_NORM_2 ? "2" : "inf");
-    int finite = ref[NG_GG_NAN] == 0 && ref[NG_GG_INF] == 0;
+    /* a NaN / Inf inv_scale skips the step whatever the counts */
+    int finite = ref[NG_GG_NAN] == 0 && ref[NG_GG_INF] == 0 && isfinite(inv_scale);
     if (finite)
         ng_expect_close(what, &st[NG_GG_NORM], &ref[NG_GG_NORM], 1, 0.0, pow2 ? 1e-12 : 1e-6);
     NG_EXPECT(st[NG_GG_NAN] == ref[NG_GG_NAN]);
@@ -160,8 +170,9 @@ static void run_case(const char *name, gset *g, float inv_scale, double max_norm
                                   &tn32, NG_F32, NULL) == NG_OK);
     NG_EXPECT(tn32 == (float)tn || (isnan(tn32) && isnan(tn)));
 
-    double ref_total = !finite ? (ref[NG_GG_NAN] > 0 ? NAN : INFINITY)
-                               : (p == NG_GG_NORM_2 ? sqrt(ref[NG_GG_NORM]) : ref[NG_GG_NORM]);
+    double ref_total = !isfinite(inv_scale) ? NAN
+                       : !finite ? (ref[NG_GG_NAN] > 0 ? NAN : INFINITY)
+                                 : (p == NG_GG_NORM_2 ? sqrt(ref[NG_GG_NORM]) : ref[NG_GG_NORM]);
     snprintf(what, sizeof what, "%s %s total norm", name, ng_dtype_name(g->dt));
     ng_expect_close(what, &tn, &ref_total, 1, 0.0, pow2 ? 1e-12 : 1e-6);
 
@@ -323,6 +334,49 @@ static void test_extremes(void) {
     free_set(&d);
 }
 
+/* Unscaling past what the dtype holds (an inv_scale above 1): the value
+ * that would be written back as +-Inf counts as an Inf and skips the step,
+ * and one just inside the range does not. A NaN or Inf inv_scale skips the
+ * step with a NaN total norm. */
+static void test_overflow(void) {
+    ng_rng rng = {55};
+    /* per dtype: a planted value, an inv_scale that keeps its unscaled value
+     * finite in the dtype and one that does not (bf16: below FLT_MAX, fp32
+     * and fp64: to Inf) */
+    static const struct {
+        ng_dtype dt;
+        double x_in, x_out; /* fp64: one whose square the sum holds, for norm 2 */
+        float s_in, s_out;
+    } c[] = {{NG_F16, 16376.0, 16376.0, 4.0004f, 4.001f},
+             {NG_BF16, 8.29e34, 8.29e34, 4100.0f, 4108.0f},
+             {NG_F32, 1e35, 1e35, 3.4f, 4108.0f},
+             {NG_F64, 1e100, 1e308, 1.7f, 4108.0f}};
+    for (int k = 0; k < 4; k++)
+        for (int p = 0; p < 2; p++)
+            for (int out = 0; out < 2; out++) {
+                int64_t numels[3] = {100, 0, NG_GG_CHUNK + 9};
+                gset g = make_set(c[k].dt, 3, numels, 1.0, &rng);
+                set_val(&g, 2, NG_GG_CHUNK + 3, out ? c[k].x_out : c[k].x_in);
+                float s = out ? c[k].s_out : c[k].s_in;
+                double st[NG_GG_NSTATS];
+                NG_EXPECT(ng_grad_guard_reduce((const void *const *)g.bufs, g.numels, 3, g.dt, &s,
+                                               (ng_gg_norm)p, st, NULL) == NG_OK);
+                /* not only the oracle's word: the planted value is counted exactly when out */
+                NG_EXPECT(st[NG_GG_INF] == (out ? 1.0 : 0.0) && st[NG_GG_NAN] == 0.0);
+                NG_EXPECT(st[NG_GG_FIRST_BAD] == (out ? 2.0 : -1.0));
+                run_case(out ? "overflow" : "no overflow", &g, s, 1e30, (ng_gg_norm)p, one_by_one);
+                free_set(&g);
+            }
+    const float bad_scales[3] = {NAN, INFINITY, -INFINITY};
+    for (int k = 0; k < 4; k++)
+        for (int b = 0; b < 3; b++) {
+            int64_t n = 300;
+            gset g = make_set(k_types[k], 1, &n, 1.0, &rng);
+            run_case("non-finite inv_scale", &g, bad_scales[b], 1.0, (ng_gg_norm)(b % 2), NULL);
+            free_set(&g);
+        }
+}
+
 /* Thread-count independence: any split of the work gives identical bits. */
 static void test_determinism(void) {
     ng_rng rng = {99};
@@ -468,6 +522,7 @@ int main(void) {
         test_finite(1000 + (uint64_t)isa);
         test_nonfinite(2000 + (uint64_t)isa);
         test_extremes();
+        test_overflow();
         test_determinism();
         test_combined_groups();
         test_edges();

@@ -28,6 +28,7 @@ from test_tensor_stats import poison, views
 from test_tensor_stats import reference as ts_reference
 
 import nanguard  # noqa: F401  (loads the C library)
+from nanguard.composite import _checks as composite_checks
 from nanguard.composite import grad_guard as cgg
 from nanguard.composite import tensor_stats as cts
 
@@ -115,7 +116,7 @@ def guard_path(request, monkeypatch):
     shortcut (host reads allowed) and the general one every other device
     takes (no host read), forced on the CPU here."""
     if request.param == "general":
-        monkeypatch.setattr(cgg, "_READ_FREE", frozenset())
+        monkeypatch.setattr(composite_checks, "READ_FREE", frozenset())
     return request.param
 
 
@@ -278,15 +279,17 @@ def test_huge_gradients_and_a_multiplier_below_fp32_normals(dtype, norm_type, gu
 
 @requires_kernels
 def test_inv_scale_above_one(guard_path):
-    # fp16 60000 * 4 is finite in fp32: the norm is finite, the fp16 result is inf (as in C)
+    # fp16 60000 * 4 is finite in fp32 but not in fp16: counted as an Inf of
+    # tensor 0 (the C's rule), the step skipped, nothing written
     g16 = [torch.tensor([60000.0, -1.0, 2.0], dtype=torch.float16)]
     a, b, st_c, st, fa, fb = _apply_both(g16, 4.0, math.inf, 2.0)
-    assert fb.item() == 0.0 and b[0][0].item() == math.inf
-    # fp32 3e38 * 4 overflows in fp32: an infinite norm with no Inf counted, the step is skipped
+    assert st[1:].tolist() == [0.0, 1.0, 0.0] and fb.item() == 1.0
+    assert_same_bits(b[0], g16[0])
+    # fp32 3e38 * 4 overflows in fp32: an Inf of tensor 0, an infinite norm, the step skipped
     g32 = [torch.tensor([3e38, 1.0]), torch.tensor([2.0])]
     for norm_type in NORMS:
         a, b, st_c, st, fa, fb = _apply_both(g32, 4.0, 1.0, norm_type)
-        assert st[0].item() == math.inf and st[1:].tolist() == [0.0, 0.0, -1.0]
+        assert st[0].item() == math.inf and st[1:].tolist() == [0.0, 1.0, 0.0]
         assert fb.item() == 1.0
         for x, g in zip(b, g32):
             assert_same_bits(x, g)
@@ -311,7 +314,7 @@ def _both_roads(grads, inv_scale, max_norm, norm_type, monkeypatch):
     stats, found_inf, grads) of each."""
     out = []
     for free in (frozenset({"cpu"}), frozenset()):
-        monkeypatch.setattr(cgg, "_READ_FREE", free)
+        monkeypatch.setattr(composite_checks, "READ_FREE", free)
         g, f = clones(grads), torch.zeros(())
         tn, st = cgg.fused_unscale_clip_(g, torch.tensor([inv_scale]), f, max_norm, norm_type)
         out.append((tn, st, f, g))
@@ -343,6 +346,9 @@ _EDGES = [
     ([torch.tensor([60000.0, -1e-7, 2.0], dtype=torch.float16)], 2.0**-16, True),
     # fp32 u overflows for a non-power-of-two scale: inf, handed over
     ([torch.tensor([3.0e38, 1.0])], 3.0, False),
+    # fp16 with inv_scale above 1: 16376 * 4.001 fits fp32, not fp16; the
+    # shortcut never counts, so it hands every such case over
+    ([torch.tensor([16376.0, 1.0], dtype=torch.float16)], 4.001, False),
 ]
 
 
@@ -548,7 +554,7 @@ def _run_every_kernel(inputs):
 
 def test_no_host_reads(monkeypatch):
     """The road every device but the CPU takes reads nothing on the host."""
-    monkeypatch.setattr(cgg, "_READ_FREE", frozenset())
+    monkeypatch.setattr(composite_checks, "READ_FREE", frozenset())
     inputs = _inputs("cpu")
     _no_reads(monkeypatch)
     _run_every_kernel(inputs)

@@ -52,9 +52,18 @@ def reference(grads, inv_scale, max_norm, norm_type):
     """GradScaler.unscale_ + clip_grad_norm_, in fp64. Returns (found_inf,
     total_norm, expected grads or None when the step is skipped)."""
     g64 = [g.double().cpu() for g in grads]
-    found = any(not torch.isfinite(g).all() for g in g64)
-    u = [g * float(inv_scale) for g in g64]
-    if u:
+    s = float(inv_scale)
+    found = not math.isfinite(s) or any(not torch.isfinite(g).all() for g in g64)
+    # a finite gradient whose unscaled value (the fp32 product for the 16/32-bit
+    # dtypes) its dtype cannot hold would be written back as Inf: found too
+    for g in grads:
+        g = g.cpu()
+        native = g * s if g.dtype == torch.float64 else g.float() * torch.tensor(s, dtype=torch.float32)
+        found = found or not bool((torch.isfinite(native.to(g.dtype)) | ~torch.isfinite(g)).all())
+    u = [g * s for g in g64]
+    if not math.isfinite(s):
+        total = math.nan
+    elif u:
         total = torch.linalg.vector_norm(torch.cat([x.flatten() for x in u]), norm_type).item()
     else:
         total = 0.0
@@ -196,6 +205,49 @@ def test_fp16_norm_beyond_fp16_range_and_fp32_squares_overflow():
     g = [torch.full((1000,), 1e-30)]
     tn, _, _ = gg.guard_(g, 1.0, 1.0)
     assert tn.item() == pytest.approx(1e-30 * math.sqrt(1000), rel=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize(
+    "dtype, x, s_in, s_out",
+    [
+        # fp16: 16376 * 4.0004 rounds to 65504 in fp16, 16376 * 4.001 to Inf
+        (torch.float16, 16376.0, 4.0004, 4.001),
+        # bf16: the fp32 product lies between bf16's overflow limit and FLT_MAX for 4108
+        (torch.bfloat16, 8.29e34, 4100.0, 4108.0),
+        (torch.float32, 1e35, 3.4, 4108.0),
+    ],
+)
+def test_unscaling_past_the_dtype_range_is_found(device, norm_type, dtype, x, s_in, s_out):
+    """A loss scale below 1 (inv_scale > 1) can unscale a finite gradient
+    past what its dtype holds. That value would be written back as Inf (as
+    torch's unscale_ writes it, reporting the step finite): it counts as an Inf
+    and the step is skipped. Just inside the range, the step goes on."""
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 is CPU-only")
+    for s, out in ((s_in, False), (s_out, True)):
+        g = make_grads(3, dtype, seed=5, device=device, mag=1.0)
+        g[1].view(-1)[7] = x
+        # the premise, from torch's own rounding: the product fits the dtype or not
+        prod = torch.tensor(x, dtype=dtype).float() * torch.tensor(s, dtype=torch.float32)
+        assert bool(torch.isinf(prod.to(dtype))) == out
+        stats = check_against_reference(g, s, 1e30, norm_type)
+        assert stats.inf_count == (1 if out else 0) and stats.nan_count == 0
+        assert stats.first_bad == (1 if out else -1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("inv_scale", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_nonfinite_inv_scale_skips_the_step_with_a_nan_norm(device, dtype, inv_scale, norm_type):
+    g = make_grads(2, dtype, seed=9, device=device)
+    before = [t.clone() for t in g]
+    tn, _, fi = gg.guard_(g, inv_scale, 1.0, norm_type)
+    assert math.isnan(tn.item()) and any(v.item() for v in fi.values())
+    for t, b in zip(g, before):
+        assert torch.equal(t, b)
 
 
 def test_non_contiguous_gradients_are_written_back():

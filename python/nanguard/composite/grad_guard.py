@@ -57,7 +57,7 @@ import math
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check, dtype_name
+from ._checks import FLOAT_DTYPES, check, dtype_name, read_free
 
 _REDUCE = "nanguard::grad_guard_reduce"
 _APPLY = "nanguard::grad_guard_apply_"
@@ -69,6 +69,10 @@ NORM, NAN, INF, FIRST_BAD, NSTATS = 0, 1, 2, 3, 4
 _EPS = 1e-6  # NG_GG_EPS
 _FLT_MIN = 2.0**-126  # smallest normal fp32
 _FLT_MAX = float(torch.finfo(torch.float32).max)
+#: the smallest |u| each dtype rounds to +-Inf (NG_GG_F16_OVERFLOW,
+#: NG_GG_BF16_OVERFLOW): a finite gradient unscaled past it counts as an Inf
+_OVERFLOW = {torch.float16: 65520.0, torch.bfloat16: float.fromhex("0x1.ffp+127"),
+             torch.float32: math.inf, torch.float64: math.inf}
 
 
 # ---- argument checks (ops/grad_guard.c) ---------------------------------------------
@@ -192,10 +196,6 @@ def _finite_stats(acc: torch.Tensor) -> torch.Tensor:
     return torch.cat((acc.reshape(1).to(torch.float64), zero, torch.full_like(zero[:1], -1.0)))
 
 
-#: device types where reading a value on the host waits for no device queue:
-#: the ones that take _reduce_cpu / _apply_cpu
-_READ_FREE = frozenset({"cpu"})
-
 #: FLT_MAX squared, exact in fp64
 _FLT_MAX2 = _FLT_MAX**2
 
@@ -214,6 +214,8 @@ def _reduce_cpu(buckets, s: torch.Tensor, dtype: torch.dtype, norm2: bool):
     the subnormal ``u`` a share below 2**-130 of it (max ``|u|``: normal).
     Any other inv_scale forms ``u`` in a buffer first."""
     sv = s.item()
+    if dtype in (torch.float16, torch.bfloat16) and not abs(sv) <= 1.0:
+        return None  # an unscaled value may pass what the dtype holds: the general pass counts it
     scaled = dtype != torch.float64 and 0.0 < sv < math.inf and math.frexp(sv)[0] == 0.5
     size = max(sum(t.numel() for _, t in b) for b in buckets)
     u_buf = None if scaled else torch.empty(size, dtype=s.dtype)
@@ -263,7 +265,7 @@ def _reduce(grads, inv_scale: torch.Tensor, dtype: torch.dtype, norm2: bool) -> 
         stats = torch.zeros(NSTATS, dtype=torch.float64, device=dev)
         stats[FIRST_BAD] = -1.0
         return stats
-    if dev.type in _READ_FREE:
+    if read_free(dev):
         stats = _reduce_cpu(buckets, inv_scale.reshape(()).to(_unscale_dtype(dtype)), dtype, norm2)
         if stats is not None:
             return stats
@@ -280,8 +282,9 @@ def _reduce(grads, inv_scale: torch.Tensor, dtype: torch.dtype, norm2: bool) -> 
             a = u.abs()
             # NaN never wins the C's `a > m ? a : m` (it is reported by the counts)
             norms.append(torch.where(torch.isnan(a), 0.0, a).amax().to(torch.float64))
-        # NaN / Inf are classified on the stored x, not on u
-        nan, inf = torch.isnan(x), torch.isinf(x)
+        # NaN / Inf are classified on the stored x, not on u, but for a
+        # finite x unscaled past what its dtype holds (|s| > 1 only), an Inf
+        nan, inf = torch.isnan(x), torch.isinf(x) | (u.abs() >= _OVERFLOW[dtype])
         counts.append(torch.stack((torch.count_nonzero(nan), torch.count_nonzero(inf))))
         # which tensors hold one: views of the bucket's mask, no copy
         bad = nan | inf
@@ -318,19 +321,21 @@ def _apply(grads, inv_scale: torch.Tensor, stats: torch.Tensor, found_inf: torch
     st = stats.reshape(-1)
     acc = st[NORM]
     base = acc.sqrt() if norm2 else acc
+    s64 = inv_scale.reshape(()).to(torch.float64)
     total = torch.where(st[NAN] > 0, math.nan, torch.where(st[INF] > 0, math.inf, base))
+    total = torch.where(torch.isfinite(s64), total, math.nan)  # ng_gg_step_norm
     ok = torch.isfinite(total)
     # not `max_norm / t`: a Python number over a tensor is `reciprocal(t) * max_norm`
     c = torch.full_like(total, max_norm) / (total + _EPS)
     clip = torch.where(c < 1.0, c, 1.0)  # a NaN quotient gives 1, as the C's `c < 1 ? c : 1`
-    coef = inv_scale.reshape(()).to(torch.float64) * clip
+    coef = s64 * clip
     if dtype == torch.float64:
         m = coef
     else:
         wide = (coef != 0) & (coef.abs() < _FLT_MIN)
         m = torch.where(wide, coef, coef.to(torch.float32).to(torch.float64))
     write = ok & (m != 1.0)
-    if inv_scale.device.type in _READ_FREE and grads and _apply_cpu(grads, ok, m, write, dtype):
+    if read_free(inv_scale.device) and grads and _apply_cpu(grads, ok, m, write, dtype):
         return total.to(_unscale_dtype(dtype))
     for bucket in _buckets(grads):
         views = [t for _, t in bucket]
