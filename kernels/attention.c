@@ -579,6 +579,12 @@ ng_status ng_attention_check(const ng_attention_args *a, int backward) {
     if (!(a->dropout_p >= 0.0 && a->dropout_p < 1.0) || !isfinite(a->scale) ||
         a->max_score != a->max_score || a->softcap != a->softcap)
         return NG_ERR_INVALID_ARG;
+    /* scored in fp32 (all but fp64): no scale or soft-cap past FLT_MAX (inf
+     * there), no clamp or soft-cap that fp32 rounds to 0 (off) */
+    if (a->dtype != NG_F64 && (fabs(a->scale) > (double)FLT_MAX || a->softcap > (double)FLT_MAX ||
+                               (a->max_score > 0.0 && (float)a->max_score == 0.0f) ||
+                               (a->softcap > 0.0 && (float)a->softcap == 0.0f)))
+        return NG_ERR_INVALID_ARG;
     if (a->mask_kind != NG_MASK_NONE && a->mask_kind != NG_MASK_BOOL && a->mask_kind != NG_MASK_ADD)
         return NG_ERR_INVALID_ARG;
     if (a->B == 0) return NG_OK; /* nothing to read or write */

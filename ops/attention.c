@@ -33,6 +33,7 @@
  * strides (e.g. a [B, L, H, E] tensor transposed to [B, H, L, E]) are passed
  * to the kernel as they are.
  */
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -61,6 +62,34 @@ static sdpa_params read_params(ng_frame *f) {
     p.seed = rng[0];
     p.offset = rng[1];
     return p;
+}
+
+/* For inputs scored in fp32 (all but fp64), the scalars as fp32 sees them:
+ * a scale or soft-cap past FLT_MAX is inf there (inf * 0 = NaN in the
+ * scores), a clamp or soft-cap below its smallest positive value is 0,
+ * which turns it off. Refused, naming the argument (ng_attention_check's
+ * rule). */
+static void check_fp32_params(ng_frame *f, const sdpa_params *p, ng_dtype dt) {
+    if (dt == NG_F64) return;
+    const char *dn = ng_dtype_name(dt);
+    if (fabs(p->scale) > (double)FLT_MAX)
+        ng_fail(
+            f,
+            "scale must be at most %g in magnitude for %s inputs (their scores are float32), got %g",
+            (double)FLT_MAX, dn, p->scale);
+    if (p->softcap > (double)FLT_MAX)
+        ng_fail(f, "softcap must be at most %g for %s inputs (their scores are float32), got %g",
+                (double)FLT_MAX, dn, p->softcap);
+    if (p->max_score > 0.0 && (float)p->max_score == 0.0f)
+        ng_fail(
+            f,
+            "max_score %g is 0 in float32 (the scores of %s inputs), which turns the clamp off; use 0 for off",
+            p->max_score, dn);
+    if (p->softcap > 0.0 && (float)p->softcap == 0.0f)
+        ng_fail(
+            f,
+            "softcap %g is 0 in float32 (the scores of %s inputs), which turns the soft-cap off; use 0 for off",
+            p->softcap, dn);
 }
 
 static void check_params(ng_frame *f, const sdpa_params *p) {
@@ -187,6 +216,7 @@ static void sdpa_forward(StableIValue *stack, uint64_t na, uint64_t no, const ch
     check_qkv(&f, &q, "query", NULL);
     check_qkv(&f, &k, "key", &q);
     check_qkv(&f, &v, "value", &q);
+    check_fp32_params(&f, &p, q.dtype);
     ng_device_guard(&f, &q);
 
     ng_attention_args a;
@@ -240,6 +270,7 @@ static void sdpa_backward(StableIValue *stack, uint64_t na, uint64_t no, const c
     check_qkv(&f, &k, "key", &q);
     check_qkv(&f, &v, "value", &q);
     check_qkv(&f, &g, "grad_out", &q);
+    check_fp32_params(&f, &p, q.dtype);
     check_qkv(&f, &o, "out", &q);
     ng_device_guard(&f, &q);
 

@@ -235,6 +235,26 @@ def _check_guard(name: str, value) -> float:
     return value
 
 
+_FLT_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _check_fp32_scalars(dtype: torch.dtype, scale: float, max_score: float, softcap: float) -> None:
+    """fp16 / bf16 / fp32 inputs are scored in fp32: a scale or soft-cap past
+    its largest value would be inf there (NaN scores), and a guard it rounds
+    to 0 would be off."""
+    name = str(dtype).removeprefix("torch.")
+    if abs(float(scale)) > _FLT_MAX:
+        raise ValueError(f"scale must be at most {_FLT_MAX:g} in magnitude for {name} inputs "
+                         f"(their scores are float32), got {scale}")
+    for arg, value in (("max_score", max_score), ("softcap", softcap)):
+        if value > _FLT_MAX and arg == "softcap":
+            raise ValueError(f"softcap must be at most {_FLT_MAX:g} for {name} inputs "
+                             f"(their scores are float32), got {value}")
+        if 0.0 < value <= 2.0**-150:  # float32 rounds it to 0, which is off
+            raise ValueError(f"{arg} {value} is 0 in float32 (the scores of {name} inputs), "
+                             f"which would turn it off; pass None for off")
+
+
 _NO_DROPOUT_RNG = torch.zeros(2, dtype=torch.int64, device="cpu")
 
 
@@ -326,6 +346,8 @@ def safe_sdpa(
         return out * 0.0
     max_score = _check_guard("max_score", max_score)
     softcap = _check_guard("softcap", softcap)
+    if query.dtype != torch.float64:
+        _check_fp32_scalars(query.dtype, scale, max_score, softcap)
 
     rng = _draw_rng(dropout_p)
     # (a plain tensor, the common case, is no DTensor: one type test)

@@ -811,6 +811,31 @@ static void test_bad_args(void) {
     a.dropout_p = 1.0;
     CHECK(ng_attention_check(&a, 0) == NG_ERR_INVALID_ARG, "dropout_p = 1 rejected");
     CHECK(ng_attention_check(NULL, 0) == NG_ERR_INVALID_ARG, "NULL args rejected");
+    /* scalars fp32 scores cannot take: a scale or soft-cap past FLT_MAX (inf
+     * there), a clamp or soft-cap that rounds to 0 (off); fp64 scores take
+     * them. B = 0: nothing else is checked. */
+    a.dropout_p = 0.0;
+    a.B = 0;
+    CHECK(ng_attention_check(&a, 0) == NG_OK, "B = 0 with good scalars accepted");
+    const struct {
+        double scale, max_score, softcap;
+        const char *what;
+    } bad[] = {{-1e39, 0.0, 0.0, "scale past FLT_MAX"},
+               {1.0, 0.0, 1e39, "softcap past FLT_MAX"},
+               {1.0, 0x1p-150, 0.0, "max_score that fp32 rounds to 0"},
+               {1.0, 0.0, 0x1p-150, "softcap that fp32 rounds to 0"}};
+    for (int i = 0; i < 4; i++) {
+        a.scale = bad[i].scale, a.max_score = bad[i].max_score, a.softcap = bad[i].softcap;
+        const ng_dtype dts[4] = {NG_F32, NG_F16, NG_BF16, NG_F64};
+        for (int d = 0; d < 4; d++) {
+            a.dtype = dts[d];
+            CHECK(ng_attention_check(&a, d % 2) == (dts[d] == NG_F64 ? NG_OK : NG_ERR_INVALID_ARG),
+                  "%s, %s", bad[i].what, ng_dtype_name(dts[d]));
+        }
+    }
+    a.dtype = NG_F32, a.scale = 1.0, a.softcap = 0.0,
+    a.max_score = 0x1p-149; /* the smallest: kept */
+    CHECK(ng_attention_check(&a, 0) == NG_OK, "max_score 2^-149 accepted");
 }
 
 /* ---- tensor-core fragments (kernels/attention_mma.h) ----------------------

@@ -756,6 +756,32 @@ def test_one_head_key_beside_many_head_value_is_broadcast():
         q, v, k.expand(2, 3, 6, 8)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_scalars_fp32_scores_cannot_take_are_refused(dtype):
+    """fp16 / bf16 / fp32 inputs are scored in fp32: a scale or soft-cap past
+    FLT_MAX is inf there (NaN scores), a clamp or soft-cap that rounds to 0 is
+    off. Each is refused by name, through the Python API and by the op;
+    fp64 inputs take them."""
+    q = torch.randn(1, 2, 3, 8, dtype=dtype)
+    tiny = 2.0**-150
+    cases = [("scale", dict(scale=1e39), (1e39, 0.0, 0.0)),
+             ("softcap", dict(softcap=1e39), (0.3, 0.0, 1e39)),
+             ("max_score", dict(max_score=tiny), (0.3, tiny, 0.0)),
+             ("softcap", dict(softcap=tiny), (0.3, 0.0, tiny))]
+    for name, kw, (scale, max_score, softcap) in cases:
+        if dtype == torch.float64:
+            safe_sdpa(q, q, q, **kw)
+            ops.safe_sdpa(q, q, q, 0.0, False, scale, max_score, softcap, rng())
+            continue
+        with pytest.raises(ValueError, match=rf"^{name} .*float32"):
+            safe_sdpa(q, q, q, **kw)
+        with pytest.raises(RuntimeError, match=rf"{name} .*float32"):
+            ops.safe_sdpa(q, q, q, 0.0, False, scale, max_score, softcap, rng())
+    # the smallest positive float32 is a clamp, if a useless one: kept
+    out = safe_sdpa(q, q, q, max_score=2.0**-149)
+    assert torch.isfinite(out).all()
+
+
 def test_direct_op_calls_raise_not_crash():
     q = torch.randn(2, 3, 5, 8)
     k = torch.randn(2, 3, 6, 8)

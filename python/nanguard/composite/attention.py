@@ -160,6 +160,31 @@ def _check_params(op: str, dropout_p: float, scale: float, max_score: float, sof
     )
 
 
+_FLT_MAX = float(torch.finfo(torch.float32).max)
+
+
+#: the largest positive number float32 rounds to 0 (half its smallest subnormal: a tie, to even)
+_FP32_ZERO = 2.0**-150
+
+
+def _check_fp32_params(op: str, dtype: torch.dtype, scale: float, max_score: float, softcap: float) -> None:
+    """check_fp32_params of ops/attention.c: for inputs scored in fp32, no
+    scale or soft-cap past FLT_MAX, no clamp or soft-cap that rounds to 0."""
+    if dtype == torch.float64:
+        return
+    dn = _dtype_name(dtype)
+    _check(abs(scale) <= _FLT_MAX, op, lambda: f"scale must be at most {_FLT_MAX:g} in magnitude for {dn} inputs "
+           f"(their scores are float32), got {scale:g}")
+    _check(softcap <= _FLT_MAX, op, lambda: f"softcap must be at most {_FLT_MAX:g} for {dn} inputs "
+           f"(their scores are float32), got {softcap:g}")
+    _check(not 0.0 < max_score <= _FP32_ZERO, op,
+           lambda: f"max_score {max_score:g} is 0 in float32 (the scores of {dn} inputs), which turns the clamp off; "
+           "use 0 for off")
+    _check(not 0.0 < softcap <= _FP32_ZERO, op,
+           lambda: f"softcap {softcap:g} is 0 in float32 (the scores of {dn} inputs), which turns the soft-cap off; "
+           "use 0 for off")
+
+
 def _check_shapes(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     B, Hq, _, E = q.shape
     Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[3]
@@ -387,6 +412,7 @@ def _forward(op, query, key, value, attn_mask, dropout_p, is_causal, scale, max_
     _check_qkv(op, query, "query", None)
     _check_qkv(op, key, "key", query)
     _check_qkv(op, value, "value", query)
+    _check_fp32_params(op, query.dtype, scale, max_score, softcap)
     _check_shapes(op, query, key, value)
     if attn_mask is not None:
         _check_mask_shape(op, attn_mask, query, key)
@@ -441,6 +467,7 @@ def _backward(op, grad_out, query, key, value, attn_mask, out, lse, dropout_p, i
     _check_qkv(op, key, "key", query)
     _check_qkv(op, value, "value", query)
     _check_qkv(op, grad_out, "grad_out", query)
+    _check_fp32_params(op, query.dtype, scale, max_score, softcap)
     _check_qkv(op, out, "out", query)
     _check_shapes(op, query, key, value)
     if attn_mask is not None:
