@@ -30,6 +30,7 @@ from torch import nn
 from . import _checks, _lib
 from . import _delegate
 from . import distributed as _dist
+from .composite._checks import FLT_MAX, FP32_ZERO, dtype_name
 
 __all__ = ["safe_sdpa", "SafeAttention"]
 
@@ -235,22 +236,19 @@ def _check_guard(name: str, value) -> float:
     return value
 
 
-_FLT_MAX = float(torch.finfo(torch.float32).max)
-
-
 def _check_fp32_scalars(dtype: torch.dtype, scale: float, max_score: float, softcap: float) -> None:
     """fp16 / bf16 / fp32 inputs are scored in fp32: a scale or soft-cap past
     its largest value would be inf there (NaN scores), and a guard it rounds
     to 0 would be off."""
-    name = str(dtype).removeprefix("torch.")
-    if abs(float(scale)) > _FLT_MAX:
-        raise ValueError(f"scale must be at most {_FLT_MAX:g} in magnitude for {name} inputs "
+    name = dtype_name(dtype)
+    if abs(float(scale)) > FLT_MAX:
+        raise ValueError(f"scale must be at most {FLT_MAX:g} in magnitude for {name} inputs "
                          f"(their scores are float32), got {scale}")
+    if softcap > FLT_MAX:
+        raise ValueError(f"softcap must be at most {FLT_MAX:g} for {name} inputs "
+                         f"(their scores are float32), got {softcap}")
     for arg, value in (("max_score", max_score), ("softcap", softcap)):
-        if value > _FLT_MAX and arg == "softcap":
-            raise ValueError(f"softcap must be at most {_FLT_MAX:g} for {name} inputs "
-                             f"(their scores are float32), got {value}")
-        if 0.0 < value <= 2.0**-150:  # float32 rounds it to 0, which is off
+        if 0.0 < value <= FP32_ZERO:
             raise ValueError(f"{arg} {value} is 0 in float32 (the scores of {name} inputs), "
                              f"which would turn it off; pass None for off")
 

@@ -859,8 +859,7 @@ schedule the_schedule(int which) {
     return schedule{true, 1, second_policy(), 0x00};
 }
 long long g_launches;
-/* "NG_EMU_SEED=1, launch 7: blocks shuffled, lanes reversed, warps random,
- * shared memory 0x00" */
+
 /* How many of the two schedules each launch runs: 2, or 1 (the first only)
  * with NG_EMU_SCHEDULES=1. The sanitizer build's sample runs one: races and
  * reads of unwritten memory are the normal build's to find (both schedules
@@ -873,6 +872,8 @@ int schedules() {
     return n;
 }
 
+/* "NG_EMU_SEED=1, launch 7: blocks shuffled, lanes reversed, warps random,
+ * shared memory 0x00" */
 std::string schedule_text(int which) {
     const schedule sc = the_schedule(which);
     char buf[256];

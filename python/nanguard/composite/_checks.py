@@ -14,6 +14,11 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+#: float32's largest value, and the largest positive number it rounds to 0
+#: (half its smallest subnormal: a tie, to even)
+FLT_MAX = float(torch.finfo(torch.float32).max)
+FP32_ZERO = 2.0**-150
+
 #: device types where a value is read on the host without waiting for a
 #: device queue: the composite kernels' shortcuts that read one (the guard's
 #: CPU road, the mask's key trimming, LayerNorm's fused-kernel row check) are

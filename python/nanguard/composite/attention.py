@@ -63,7 +63,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ._checks import FLOAT_DTYPES
+from ._checks import FLOAT_DTYPES, FP32_ZERO
+from ._checks import FLT_MAX as _FLT_MAX
 from ._checks import check as _check
 from ._checks import dtype_name as _dtype_name
 from ._checks import read_free as _read_free
@@ -160,13 +161,6 @@ def _check_params(op: str, dropout_p: float, scale: float, max_score: float, sof
     )
 
 
-_FLT_MAX = float(torch.finfo(torch.float32).max)
-
-
-#: the largest positive number float32 rounds to 0 (half its smallest subnormal: a tie, to even)
-_FP32_ZERO = 2.0**-150
-
-
 def _check_fp32_params(op: str, dtype: torch.dtype, scale: float, max_score: float, softcap: float) -> None:
     """check_fp32_params of ops/attention.c: for inputs scored in fp32, no
     scale or soft-cap past FLT_MAX, no clamp or soft-cap that rounds to 0."""
@@ -177,10 +171,10 @@ def _check_fp32_params(op: str, dtype: torch.dtype, scale: float, max_score: flo
            f"(their scores are float32), got {scale:g}")
     _check(softcap <= _FLT_MAX, op, lambda: f"softcap must be at most {_FLT_MAX:g} for {dn} inputs "
            f"(their scores are float32), got {softcap:g}")
-    _check(not 0.0 < max_score <= _FP32_ZERO, op,
+    _check(not 0.0 < max_score <= FP32_ZERO, op,
            lambda: f"max_score {max_score:g} is 0 in float32 (the scores of {dn} inputs), which turns the clamp off; "
            "use 0 for off")
-    _check(not 0.0 < softcap <= _FP32_ZERO, op,
+    _check(not 0.0 < softcap <= FP32_ZERO, op,
            lambda: f"softcap {softcap:g} is 0 in float32 (the scores of {dn} inputs), which turns the soft-cap off; "
            "use 0 for off")
 
