@@ -152,13 +152,25 @@ constexpr unsigned kFull = 0xffffffffu;
  * 256 threads) where it spilled at 40. */
 constexpr int kSimtMinBlocks = 2;
 
-/* cp.async exists from sm_80; the sm_75 device code of the tensor-core and
- * decode kernels (never asked for it there: mma_eligible, launch_decode)
- * keeps ordinary loads. */
+/* cp.async exists from sm_80; the sm_75 device code of the SIMT decode
+ * kernel (never asked for it there: launch_decode) keeps ordinary loads. */
 #if defined(NG_CUDA_EMU) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800)
 constexpr bool kAsyncCopy = true;
 #else
 constexpr bool kAsyncCopy = false;
+#endif
+
+/* The tensor-core kernels run from sm_80 on only (mma_eligible, dec_mma).
+ * Their bodies sit inside #if NG_MMA_DEVICE: for an older architecture each
+ * compiles to a trap (NG_MMA_UNREACHABLE), so neither the build nor the
+ * fatbin carries sm_75 tensor-core code that can never run (56 s of nvcc
+ * time for attention_mma_bwd.cu alone). The host pass and the emulator see
+ * the real bodies. */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define NG_MMA_DEVICE 0
+#define NG_MMA_UNREACHABLE() __trap()
+#else
+#define NG_MMA_DEVICE 1
 #endif
 
 /* This block's place in a one-dimensional grid of nblk blocks per (batch,

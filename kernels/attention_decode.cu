@@ -434,14 +434,17 @@ static __global__ void __launch_bounds__(kDecThreads)
 /* Whether every row of a decode block reads one mask row: a padding mask
  * ([B, 1, 1, S], or [B, Hq, 1, S] when the rows are all of one head) is
  * then one vote per key (key_vote), and a tile it hides is skipped. */
+#if NG_MMA_DEVICE
 __device__ __forceinline__ bool dec_shared_mask(const ng_attention_args &a, int64_t G) {
     return a.mask_kind != NG_MASK_NONE && a.mask_stride[2] == 0 &&
            (a.mask_stride[1] == 0 || G == 1);
 }
+#endif
 
 template <ng_dtype T, int D>
 static __global__ void __launch_bounds__(kMmaThreads)
     attention_decode_mma_kernel(ng_attention_args a, dec_plan p, float *ws, int vec) {
+#if NG_MMA_DEVICE
     constexpr int kLd = D + 8, kTile = kMmaRows * kLd;
     static_assert(kDecRows == 16 && kMmaWarps * 16 == kMmaRows, "one m16 tile, 16 keys a warp");
     NG_DYNAMIC_SMEM(uint4, mma_smem);
@@ -623,6 +626,9 @@ static __global__ void __launch_bounds__(kMmaThreads)
             }
         }
     }
+#else
+    NG_MMA_UNREACHABLE();
+#endif
 }
 
 /* ---- launchers ------------------------------------------------------------ */

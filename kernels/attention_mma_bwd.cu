@@ -208,6 +208,7 @@ template <ng_dtype T, int D, int NStage, bool WsD>
 static __global__ void __launch_bounds__(kMmaThreads)
     attention_bwd_dkdv_mma_kernel(ng_attention_args a, const float *dsum, const int *live,
                                   int vec) {
+#if NG_MMA_DEVICE
     constexpr int kTile = kMmaRows * (D + 8);
     NG_DYNAMIC_SMEM(uint4, mma_smem);
     /* K, V, then stage st's (Q, dO) tiles at (2 + 2 st) kTile; after the
@@ -294,12 +295,16 @@ static __global__ void __launch_bounds__(kMmaThreads)
                          j0 + warp * 16, a.S, dk, kmul, lane);
     mma_store_rows<T, D>(a.dv, b * a.dv_stride[0] + hk * a.dv_stride[1], a.dv_stride[2],
                          j0 + warp * 16, a.S, dv, vmul, lane);
+#else
+    NG_MMA_UNREACHABLE();
+#endif
 }
 
 /* WsD: D from the pre-kernel's dsum; otherwise computed here (dsum unused). */
 template <ng_dtype T, int D, int NStage, bool WsD>
 static __global__ void __launch_bounds__(kMmaThreads)
     attention_bwd_dq_mma_kernel(ng_attention_args a, const float *dsum, int vec) {
+#if NG_MMA_DEVICE
     constexpr int kTile = kMmaRows * (D + 8);
     NG_DYNAMIC_SMEM(uint4, mma_smem);
     /* Q, dO, then stage st's (K, V) tiles at (2 + 2 st) kTile; after the
@@ -365,6 +370,9 @@ static __global__ void __launch_bounds__(kMmaThreads)
     const float qmul[2] = {ldexpf(1.0f, ex[0]), ldexpf(1.0f, ex[1])};
     mma_store_rows<T, D>(a.dq, b * a.dq_stride[0] + h * a.dq_stride[1], a.dq_stride[2],
                          q0 + warp * 16, a.L, dq, qmul, lane);
+#else
+    NG_MMA_UNREACHABLE();
+#endif
 }
 
 /* The backward's dynamic shared memory: two fixed tiles (dkdv: K, V; dq: Q,

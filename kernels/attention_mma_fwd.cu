@@ -57,6 +57,7 @@ fwd_scores(float s[kMmaNT][4], float bm[2], const ng_attention_args &a, int64_t 
 template <ng_dtype T, int D>
 static __global__ void __launch_bounds__(kMmaThreads)
     attention_fwd_mma_kernel(ng_attention_args a, int vec) {
+#if NG_MMA_DEVICE
     constexpr int kTile = kMmaRows * (D + 8);
     NG_DYNAMIC_SMEM(uint4, mma_smem);
     /* two stages of (K, V) tiles, stage st at smem + 2 st kTile; Q is staged
@@ -135,6 +136,9 @@ static __global__ void __launch_bounds__(kMmaThreads)
     }
     mma_store_rows<T, D>(a.out, b * a.out_stride[0] + h * a.out_stride[1], a.out_stride[2],
                          q0 + warp * 16, a.L, o, inv, lane);
+#else
+    NG_MMA_UNREACHABLE();
+#endif
 }
 
 template <ng_dtype T, int D>
