@@ -6,6 +6,9 @@
 # fresh venv and smoke-tested, the kernel suite again under
 # AddressSanitizer + UndefinedBehaviorSanitizer, pytest against the
 # installed package, and the op suites once more on the composite path.
+# The sanitizer build and its ctest run in the background beside pytest,
+# which keeps one core busy and leaves the other mostly idle; their log is
+# build/sanitize/test.log, printed when they are done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,19 +27,31 @@ ctest --test-dir build/pip --output-on-failure -j2
 NANGUARD_WHEEL_DEV=1 bash scripts/wheel.sh >/dev/null
 NANGUARD_WHEEL_DEV=1 bash scripts/wheel_smoke.sh
 
-cmake -S . -B build/sanitize -G Ninja -DNG_SANITIZE=ON -DNG_TORCH=OFF -DNG_CUDA=OFF \
-      -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build build/sanitize -j2 >/dev/null
-# the sm_75 / sm_86 sets run in the normal build above only (with its race
-# detector): under the sanitizers they took a quarter of this run, for kernel
-# code the sample below also runs (a plain `ctest` here runs them too)
-ctest --test-dir build/sanitize --output-on-failure -j2 -E '^cuda_emu_sm(75|86)$'
+# in the background, in its own process group (setsid), so that the exit
+# trap stops all of it if pytest fails first
+mkdir -p build/sanitize
+san_log=build/sanitize/test.log
+setsid bash scripts/sanitize.sh >"$san_log" 2>&1 &
+san=$!
+trap 'kill -- "-$san" 2>/dev/null || true' EXIT
 
 # run from outside the source tree so the installed package is what is tested
-cd tests/python && "$PY" -m pytest -q -p no:cacheprovider "$@" .
+(
+  cd tests/python
+  "$PY" -m pytest -q -p no:cacheprovider "$@" .
+  # the op suites and replay again on the composite path (every op in PyTorch
+  # operations, what a device without nanguard kernels runs); the tests of
+  # what only the C library has are marked requires_kernels and skip
+  NANGUARD_COMPOSITE=1 "$PY" -m pytest -q -p no:cacheprovider "$@" test_layernorm.py test_attention.py \
+    test_grad_guard.py test_tensor_stats.py test_misuse.py test_replay.py
+)
 
-# the op suites and replay again on the composite path (every op in PyTorch
-# operations, what a device without nanguard kernels runs); the tests of
-# what only the C library has are marked requires_kernels and skip
-NANGUARD_COMPOSITE=1 "$PY" -m pytest -q -p no:cacheprovider "$@" test_layernorm.py test_attention.py \
-  test_grad_guard.py test_tensor_stats.py test_misuse.py test_replay.py
+san_rc=0
+wait "$san" || san_rc=$?
+trap - EXIT
+echo "---- AddressSanitizer + UndefinedBehaviorSanitizer build ($san_log)"
+cat "$san_log"
+if [[ $san_rc -ne 0 ]]; then
+  echo "the sanitizer build or its ctest failed (exit $san_rc)" >&2
+  exit "$san_rc"
+fi
