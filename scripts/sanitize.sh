@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The kernel suite under AddressSanitizer + UndefinedBehaviorSanitizer: the C
 # kernels, and the CUDA kernels on the emulator, built in build/sanitize
-# (no PyTorch, no nvcc) and run by ctest. scripts/test.sh runs it beside
-# pytest; extra arguments go to ctest.
+# (no PyTorch, no nvcc) and run by ctest. scripts/test.sh runs it after
+# the normal build's ctest; extra arguments go to ctest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake -S . -B build/sanitize -G Ninja -DNG_SANITIZE=ON -DNG_TORCH=OFF -DNG_CUDA=OFF \
