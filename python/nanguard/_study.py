@@ -548,7 +548,11 @@ def _plots(cfg: StudyConfig, s: dict, out: str) -> List[str]:
     ax.set_xlabel("first k steps")
     ax.set_ylabel("ROC AUC for divergence")
     ax.set_ylim(0, 1)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    else:  # no signal could be ranked (too few runs of one class)
+        ax.text(0.5, 0.6, "too few diverging or finite runs to rank a signal", ha="center",
+                transform=ax.transAxes, fontsize=9)
     save(fig, "predictors.png")
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
     for fix, v in s["lr_sensitivity"].items():
@@ -599,12 +603,56 @@ def report(cfg: StudyConfig, runs: Dict[str, dict], out: str) -> dict:
     return s
 
 
+def _callable_arg(p, flag: str, spec: str):
+    """``module:function`` of the command line, imported; argparse's error
+    (exit 2, naming ``flag``) where it is not one."""
+    import importlib
+
+    mod, sep, fn = spec.partition(":")
+    if not sep or not mod or not fn:
+        p.error(f"{flag}: expected module:function, got {spec!r}")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = importlib.import_module(mod)
+    except ImportError as e:
+        p.error(f"{flag}: cannot import {mod!r} ({e})")
+    for part in fn.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            p.error(f"{flag}: {mod!r} has no {fn!r}")
+    if not callable(obj):
+        p.error(f"{flag}: {spec!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def _model_arg(p, spec: str):
+    if spec in ("gpt2", "llama"):
+        return spec
+    if os.path.isdir(spec) or os.path.isfile(spec):
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(spec)
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--model: {spec!r} is not a transformers config ({e})")
+    if ":" in spec:
+        return _callable_arg(p, "--model", spec)
+    p.error(f"--model: expected gpt2, llama, a transformers config (a config.json or a folder holding one) "
+            f"or module:function; got {spec!r} (no such file or folder)")
+
+
 def main(argv=None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m nanguard study", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--quick", action="store_true", help="a 3 x 3 grid and 3 learning rates (minutes on 2 cores)")
-    p.add_argument("--model", default="gpt2", choices=("gpt2", "llama"))
+    p.add_argument("--model", default="gpt2",
+                   help="gpt2 (the demo's), llama (a Llama of its size), a transformers config (a config.json "
+                        "or a folder holding one), or module:function, a model factory model(init_seed) -> "
+                        "causal LM (the current folder is importable)")
+    p.add_argument("--data", help="module:function, data(data_seed) -> iterator of input_ids batches "
+                                  "(default: the demo's byte-level batches)")
     p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"))
     p.add_argument("--init-seeds", type=int)
     p.add_argument("--data-seeds", type=int)
@@ -620,7 +668,9 @@ def main(argv=None) -> int:
     except ImportError:
         print("the study needs transformers: pip install 'nanguard[transformers]'", file=sys.stderr)
         return 2
-    kw = {k: v for k, v in dict(model=args.model, dtype=args.dtype, init_seeds=args.init_seeds,
+    model = _model_arg(p, args.model)
+    data = _callable_arg(p, "--data", args.data) if args.data else None
+    kw = {k: v for k, v in dict(model=model, data=data, dtype=args.dtype, init_seeds=args.init_seeds,
                                 data_seeds=args.data_seeds, steps=args.steps, lr=args.lr).items() if v is not None}
     if args.fixes:
         kw["fixes"] = tuple(f.strip() for f in args.fixes.split(","))

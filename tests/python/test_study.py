@@ -164,3 +164,34 @@ def test_ranks_deal_the_runs_out(tmp_path):
     lines = [(tmp_path / f"runs.rank{r}.jsonl").read_text().splitlines() for r in (0, 1)]
     assert sorted(len(x) for x in lines) == [1, 2]  # 3 runs: 2 grid + 1 sweep, dealt out
     assert json.loads((tmp_path / "study.json").read_text())["runs"] == 2
+
+
+def test_cli_takes_a_config_and_functions_of_the_users(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    import transformers
+
+    conf = tmp_path / "conf"
+    transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2).save_pretrained(conf)
+    tiny = ["--init-seeds", "1", "--data-seeds", "1", "--steps", "4", "--lrs", "0.01", "--fixes", "baseline",
+            "--workers", "1"]
+    # a folder holding config.json, the file itself, and a model factory, each with the user's data
+    models = (("folder", str(conf)), ("file", str(conf / "config.json")), ("factory", "test_study:tiny_gpt2"))
+    for name, model in models:
+        assert _study.main(["--model", model, "--data", "test_study:tiny_data", "--out", str(tmp_path / name),
+                            *tiny]) == 0
+        c = json.loads((tmp_path / name / "study.json").read_text())["config"]
+        assert c["data"] == "test_study.tiny_data"
+        assert c["model"] == ("test_study.tiny_gpt2" if name == "factory" else "GPT2Config (gpt2)")
+    capsys.readouterr()
+    for args, flag, says in ((["--model", str(tmp_path / "nowhere")], "--model", "no such file or folder"),
+                             (["--model", str(tmp_path)], "--model", "is not a transformers config"),
+                             (["--model", "no_such_module_here:f"], "--model", "cannot import"),
+                             (["--data", "test_study:nothing_here"], "--data", "has no 'nothing_here'"),
+                             (["--data", "test_study"], "--data", "expected module:function"),
+                             (["--data", "test_study:json"], "--data", "is a module, not a function")):
+        with pytest.raises(SystemExit) as e:
+            _study.main([*args, "--out", str(tmp_path / "bad")])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"{flag}: " in err and says in err, err
+    assert not (tmp_path / "bad").exists()
