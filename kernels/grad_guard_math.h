@@ -21,8 +21,11 @@
  * |x * s| <= |x| otherwise. torch's unscale_ writes that Inf and reports the
  * step finite; the optimizer then steps on it.
  *
- * A non-finite inv_scale makes every unscaled value NaN or +-Inf: the step
- * is skipped and its total norm is NaN, whatever the counts (ng_gg_step_norm).
+ * An inv_scale that is not a finite number above 0 skips the step, its
+ * total norm NaN, whatever the counts (ng_gg_step_norm): a NaN or +-Inf one
+ * makes every unscaled value NaN or +-Inf; a negative one would flip every
+ * gradient's sign and a zero one zero them, with a finite norm (a loss
+ * scale is positive: GradScaler's inverse never is either).
  *
  * Sum of squares. For fp32/fp16/bf16 gradients u is an fp32 number, so u*u is
  * exact in fp64 (24+24 significant bits < 53) and lies in [2^-298, 2^256]:
@@ -132,10 +135,15 @@ NG_HD double ng_gg_total_norm(const double *stats, ng_gg_norm p) {
     return p == NG_GG_NORM_2 ? sqrt(acc) : acc;
 }
 
+/* Whether inv_scale can unscale a step: finite and above 0 (NaN fails). */
+NG_HD int ng_gg_scale_ok(float inv_scale) {
+    return inv_scale > 0.0f && ng_gg_isfinite_d((double)inv_scale);
+}
+
 /* The total norm a step reports and is decided on: ng_gg_total_norm, or NaN
- * for a non-finite inv_scale. */
+ * for an inv_scale that cannot unscale it (ng_gg_scale_ok). */
 NG_HD double ng_gg_step_norm(const double *stats, float inv_scale, ng_gg_norm p) {
-    if (!ng_gg_isfinite_d((double)inv_scale)) return (double)NAN;
+    if (!ng_gg_scale_ok(inv_scale)) return (double)NAN;
     return ng_gg_total_norm(stats, p);
 }
 

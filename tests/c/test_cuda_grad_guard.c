@@ -27,11 +27,12 @@ enum { GL_ONE, GL_MIXED, GL_MANY, GL_MISALIGNED, GL_EMPTY, GL_COUNT };
 static const char *const GL_NAMES[GL_COUNT] = {"1_tensor", "mixed_sizes", "1100_tensors",
                                                "misaligned", "empty_list"};
 /* overflow: an inv_scale above 1 that takes one finite value past what its
- * dtype holds (counted as Inf, step skipped); nan_scale: a NaN inv_scale
- * (step skipped, total norm NaN). */
-enum { GS_NOCLIP, GS_CLIP, GS_ONE, GS_NONFINITE, GS_WIDE, GS_OVERFLOW, GS_NAN_SCALE, GS_COUNT };
+ * dtype holds (counted as Inf, step skipped); bad_scale: an inv_scale that
+ * cannot unscale, NaN or (odd lists) negative (step skipped, total norm
+ * NaN). */
+enum { GS_NOCLIP, GS_CLIP, GS_ONE, GS_NONFINITE, GS_WIDE, GS_OVERFLOW, GS_BAD_SCALE, GS_COUNT };
 static const char *const GS_NAMES[GS_COUNT] = {"no_clip",   "clip",     "coef_1",   "nan_inf",
-                                               "tiny_coef", "overflow", "nan_scale"};
+                                               "tiny_coef", "overflow", "bad_scale"};
 
 /* Tensor sizes of a list; returns the count. mixed: empty tensors, one that
  * spans two blocks with a tail, one of exactly two blocks. many: more blocks
@@ -150,7 +151,7 @@ static ng_status gg_cpu(gg_io *g) {
     g->inv_scale = scen == GS_NOCLIP      ? 1.0f / 1024.0f
                    : scen == GS_ONE       ? 1.0f
                    : scen == GS_OVERFLOW  ? GS_OVERFLOW_SCALE
-                   : scen == GS_NAN_SCALE ? NAN
+                   : scen == GS_BAD_SCALE ? (g->list % 2 ? -0.5f : NAN)
                                           : 0.37f;
     g->ndt = (g->list + scen) % 2 ? NG_F64 : NG_F32;
     ng_status st = ng_grad_guard_reduce((const void *const *)g->host, g->numels, g->n, g->t,
@@ -169,10 +170,10 @@ static ng_status gg_cpu(gg_io *g) {
     if (g->planted)
         CHECK(g->stats[NG_GG_INF] == 1.0 && g->found == 1.0f,
               "overflow: CPU inf count %g, found_inf %g", g->stats[NG_GG_INF], (double)g->found);
-    if (scen == GS_NAN_SCALE) {
+    if (scen == GS_BAD_SCALE) {
         double tn = g->ndt == NG_F64 ? g->tn.d : (double)g->tn.f;
-        CHECK(g->found == 1.0f && isnan(tn), "NaN inv_scale: CPU found_inf %g, total norm %g",
-              (double)g->found, tn);
+        CHECK(g->found == 1.0f && isnan(tn), "inv_scale %g: CPU found_inf %g, total norm %g",
+              (double)g->inv_scale, (double)g->found, tn);
     }
     return st;
 }
@@ -287,7 +288,7 @@ void test_cuda_grad_guard(void) {
             if (!many || di % 3 != 0) gg_case(types[di], NG_GG_NORM_INF, list, GS_NONFINITE);
             if (!many) {
                 gg_case(types[di], NG_GG_NORM_INF, list, GS_OVERFLOW);
-                gg_case(types[di], NG_GG_NORM_INF, list, GS_NAN_SCALE);
+                gg_case(types[di], NG_GG_NORM_INF, list, GS_BAD_SCALE);
             }
         }
 }

@@ -143,8 +143,9 @@ static void run_case(const char *name, gset *g, float inv_scale, double max_norm
     int pow2 = inv_scale == ldexpf(1.0f, ilogbf(inv_scale));
     snprintf(what, sizeof what, "%s %s p=%s norm acc", name, ng_dtype_name(g->dt),
              p == NG_GG_NORM_2 ? "2" : "inf");
-    /* a NaN / Inf inv_scale skips the step whatever the counts */
-    int finite = ref[NG_GG_NAN] == 0 && ref[NG_GG_INF] == 0 && isfinite(inv_scale);
+    /* an inv_scale not finite and above 0 skips the step whatever the counts */
+    const int scale_ok = isfinite(inv_scale) && inv_scale > 0.0f;
+    int finite = ref[NG_GG_NAN] == 0 && ref[NG_GG_INF] == 0 && scale_ok;
     if (finite)
         ng_expect_close(what, &st[NG_GG_NORM], &ref[NG_GG_NORM], 1, 0.0, pow2 ? 1e-12 : 1e-6);
     NG_EXPECT(st[NG_GG_NAN] == ref[NG_GG_NAN]);
@@ -170,7 +171,7 @@ static void run_case(const char *name, gset *g, float inv_scale, double max_norm
                                   &tn32, NG_F32, NULL) == NG_OK);
     NG_EXPECT(tn32 == (float)tn || (isnan(tn32) && isnan(tn)));
 
-    double ref_total = !isfinite(inv_scale) ? NAN
+    double ref_total = !scale_ok ? NAN
                        : !finite ? (ref[NG_GG_NAN] > 0 ? NAN : INFINITY)
                                  : (p == NG_GG_NORM_2 ? sqrt(ref[NG_GG_NORM]) : ref[NG_GG_NORM]);
     snprintf(what, sizeof what, "%s %s total norm", name, ng_dtype_name(g->dt));
@@ -336,8 +337,9 @@ static void test_extremes(void) {
 
 /* Unscaling past what the dtype holds (an inv_scale above 1): the value
  * that would be written back as +-Inf counts as an Inf and skips the step,
- * and one just inside the range does not. A NaN or Inf inv_scale skips the
- * step with a NaN total norm. */
+ * and one just inside the range does not. An inv_scale that is not a finite
+ * number above 0 (NaN, +-Inf, negative, +-0) skips the step with a NaN total
+ * norm. */
 static void test_overflow(void) {
     ng_rng rng = {55};
     /* per dtype: a planted value, an inv_scale that keeps its unscaled value
@@ -367,12 +369,13 @@ static void test_overflow(void) {
                 run_case(out ? "overflow" : "no overflow", &g, s, 1e30, (ng_gg_norm)p, one_by_one);
                 free_set(&g);
             }
-    const float bad_scales[3] = {NAN, INFINITY, -INFINITY};
+    const float bad_scales[6] = {NAN, INFINITY, -INFINITY, -0.5f, 0.0f, -0.0f};
     for (int k = 0; k < 4; k++)
-        for (int b = 0; b < 3; b++) {
+        for (int b = 0; b < 6; b++) {
             int64_t n = 300;
             gset g = make_set(k_types[k], 1, &n, 1.0, &rng);
-            run_case("non-finite inv_scale", &g, bad_scales[b], 1.0, (ng_gg_norm)(b % 2), NULL);
+            run_case("inv_scale not finite and > 0", &g, bad_scales[b], 1.0, (ng_gg_norm)(b % 2),
+                     NULL);
             free_set(&g);
         }
 }

@@ -239,9 +239,11 @@ def test_unscaling_past_the_dtype_range_is_found(device, norm_type, dtype, x, s_
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("inv_scale", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("inv_scale", [math.nan, math.inf, -math.inf, -0.5, 0.0])
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
-def test_nonfinite_inv_scale_skips_the_step_with_a_nan_norm(device, dtype, inv_scale, norm_type):
+def test_an_inv_scale_not_finite_and_positive_skips_the_step_with_a_nan_norm(device, dtype, inv_scale, norm_type):
+    """NaN / Inf would write NaN / Inf into every gradient, a negative
+    inv_scale would flip every sign and 0 zero them, both with a finite norm."""
     g = make_grads(2, dtype, seed=9, device=device)
     before = [t.clone() for t in g]
     tn, _, fi = gg.guard_(g, inv_scale, 1.0, norm_type)

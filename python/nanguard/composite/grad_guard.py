@@ -323,7 +323,7 @@ def _apply(grads, inv_scale: torch.Tensor, stats: torch.Tensor, found_inf: torch
     base = acc.sqrt() if norm2 else acc
     s64 = inv_scale.reshape(()).to(torch.float64)
     total = torch.where(st[NAN] > 0, math.nan, torch.where(st[INF] > 0, math.inf, base))
-    total = torch.where(torch.isfinite(s64), total, math.nan)  # ng_gg_step_norm
+    total = torch.where(torch.isfinite(s64) & (s64 > 0), total, math.nan)  # ng_gg_step_norm
     ok = torch.isfinite(total)
     # not `max_norm / t`: a Python number over a tensor is `reciprocal(t) * max_norm`
     c = torch.full_like(total, max_norm) / (total + _EPS)
