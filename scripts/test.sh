@@ -37,4 +37,3 @@ cd tests/python && "$PY" -m pytest -q -p no:cacheprovider "$@" .
 # what only the C library has are marked requires_kernels and skip
 NANGUARD_COMPOSITE=1 "$PY" -m pytest -q -p no:cacheprovider "$@" test_layernorm.py test_attention.py \
   test_grad_guard.py test_tensor_stats.py test_misuse.py test_replay.py
-
